@@ -1,0 +1,50 @@
+"""``mistc``: the command line, a thin layer over the Python API.
+
+Each sub-command lives next to the code it drives, in a module with ``add_arguments(parser)``
+and ``run(args) -> int``; this file only names them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "ir": ("mist_compiler.frontend.ir_command", "capture a model and print its Mist IR"),
+    "analyze": ("mist_compiler.cost.analyze_command", "predict time and memory of a plan"),
+    "profile": ("mist_compiler.cost.profile_command", "measure this machine into a hardware profile"),
+    "tune": ("mist_compiler.tuner.tune_command", "search the fastest plan for a model and cluster"),
+    "explain": ("mist_compiler.tuner.explain_command", "describe a plan: words, breakdown, timeline"),
+    "run": ("mist_compiler.backends.run_command", "train a model with a plan through torchrun"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mistc", description="mist-compiler: automatic distributed training for LLMs")
+    parser.add_argument("--debug", action="store_true", help="show full Python tracebacks on errors")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = commands.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        module.add_arguments(sub)
+        sub.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("mistc: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        # Errors of ours carry a message that names the field or constraint; show it plainly.
+        if getattr(args, "debug", False):
+            raise
+        print(f"mistc {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

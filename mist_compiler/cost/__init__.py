@@ -1,0 +1,1 @@
+"""Cost model: hardware profiles, op-time model, collectives and copies, overlap, memory, stage costs."""

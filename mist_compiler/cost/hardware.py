@@ -1,0 +1,164 @@
+"""Hardware profiles: the validated schema the cost model reads (YAML on disk).
+
+A profile says how fast one kind of device computes, moves memory, talks to its peers and to
+the host, and how those channels slow each other when they run together. Shipped profiles live
+in ``cost/profiles/NAME.yaml``; ``mistc profile`` measures a new one. Every field is checked on
+load and an error names the field.
+
+Units: bytes and seconds throughout, except the human-facing YAML keys that say otherwise
+(``_gb`` = 1e9 bytes, ``_gbps`` = 1e9 bytes/s, ``_tflops`` = 1e12 FLOP/s).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+CHANNELS = ("compute", "collective", "h2d", "d2h")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "broadcast", "all_to_all")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ProfileError(ValueError):
+    """A hardware profile that is malformed; the message names the field."""
+
+
+def _require(condition: bool, where: str, message: str) -> None:
+    if not condition:
+        raise ProfileError(f"hardware profile field {where}: {message}")
+
+
+def _positive(value: Any, where: str) -> float:
+    _require(isinstance(value, (int, float)) and not isinstance(value, bool), where, f"expected a number, got {value!r}")
+    _require(value > 0, where, f"must be positive, got {value}")
+    return float(value)
+
+
+def _keys(data: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> None:
+    _require(isinstance(data, dict), where, f"expected a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - required - set(optional))
+    _require(not unknown, where, f"unknown key(s) {unknown}; allowed: {sorted(required | set(optional))}")
+    missing = sorted(required - set(data))
+    _require(not missing, where, f"missing key(s) {missing}")
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """Alpha-beta fit of one group shape: time = bytes / bandwidth * (n-1)/n * factor + latency."""
+
+    bandwidth: float  # bytes/s
+    latency: float  # s
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    device_memory: float  # bytes usable by the framework on one device
+    gpus_per_node: int  # devices per node this profile describes (upper bound for group shapes)
+    peak_flops: dict[str, float]  # FLOP/s per dtype (dense)
+    efficiency: dict[str, float]  # achieved fraction of peak per op class ("matmul", "attention", ...)
+    memory_bandwidth: float  # bytes/s, achieved device memory copy rate
+    links: dict[tuple[int, int], LinkFit]  # (nodes, gpus_per_node) -> fit
+    collective_factor: dict[str, float]  # multiplier per collective relative to all-gather
+    h2d_bandwidth: float  # bytes/s, pinned host-to-device
+    d2h_bandwidth: float  # bytes/s, pinned device-to-host
+    # slowdown[(a, b)] = factor by which channel a runs slower while channel b is active
+    slowdown: dict[tuple[str, str], float] = field(default_factory=dict)
+    description: str = ""
+
+    def efficiency_of(self, op_class: str) -> float:
+        return self.efficiency.get(op_class, self.efficiency.get("default", 1.0))
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<profile>") -> "HardwareProfile":
+        top = {"name", "device_memory_gb", "gpus_per_node", "peak_tflops", "efficiency",
+               "memory_bandwidth_gbps", "collectives", "h2d_gbps", "d2h_gbps"}
+        _keys(data, source, top, {"description", "collective_factor", "slowdown"})
+        peak = data["peak_tflops"]
+        _keys(peak, "peak_tflops", set(), set(DTYPES))
+        _require(bool(peak), "peak_tflops", f"give at least one of {list(DTYPES)}")
+        efficiency = data["efficiency"]
+        _require(isinstance(efficiency, dict) and efficiency, "efficiency", "expected a non-empty mapping op class -> fraction")
+        for op_class, value in efficiency.items():
+            _require(isinstance(value, (int, float)) and 0 < value <= 1, f"efficiency.{op_class}", f"must be in (0, 1], got {value!r}")
+        links = {}
+        _require(isinstance(data["collectives"], dict) and data["collectives"], "collectives", "expected a non-empty mapping 'NxM' -> {bandwidth_gbps, latency_s}")
+        for shape, fit in data["collectives"].items():
+            where = f"collectives.{shape}"
+            parts = str(shape).lower().split("x")
+            _require(len(parts) == 2 and all(p.isdigit() and int(p) > 0 for p in parts), where, "group shape must be 'NODESxGPUS', e.g. '1x8'")
+            _keys(fit, where, {"bandwidth_gbps", "latency_s"})
+            latency = fit["latency_s"]
+            _require(isinstance(latency, (int, float)) and latency >= 0, f"{where}.latency_s", f"must be >= 0, got {latency!r}")
+            links[(int(parts[0]), int(parts[1]))] = LinkFit(_positive(fit["bandwidth_gbps"], f"{where}.bandwidth_gbps") * 1e9, float(latency))
+        factors = {"all_gather": 1.0, "reduce_scatter": 1.1, "all_reduce": 2.1, "p2p": 1.0, "broadcast": 1.0, "all_to_all": 1.0}
+        for name, value in (data.get("collective_factor") or {}).items():
+            _require(name in COLLECTIVES, f"collective_factor.{name}", f"unknown collective; known: {list(COLLECTIVES)}")
+            factors[name] = _positive(value, f"collective_factor.{name}")
+        slowdown = {}
+        for pair, value in (data.get("slowdown") or {}).items():
+            where = f"slowdown.{pair}"
+            names = str(pair).split("|")
+            _require(len(names) == 2 and all(n in CHANNELS for n in names), where, f"key must be 'A|B' with channels from {list(CHANNELS)}")
+            _require(isinstance(value, (int, float)) and value >= 1.0, where, f"a slowdown factor is >= 1, got {value!r}")
+            slowdown[(names[0], names[1])] = float(value)
+        gpus_per_node = data["gpus_per_node"]
+        _require(isinstance(gpus_per_node, int) and gpus_per_node > 0, "gpus_per_node", f"expected a positive integer, got {gpus_per_node!r}")
+        return cls(
+            name=str(data["name"]),
+            device_memory=_positive(data["device_memory_gb"], "device_memory_gb") * 1e9,
+            gpus_per_node=gpus_per_node,
+            peak_flops={dtype: _positive(v, f"peak_tflops.{dtype}") * 1e12 for dtype, v in peak.items()},
+            efficiency={k: float(v) for k, v in efficiency.items()},
+            memory_bandwidth=_positive(data["memory_bandwidth_gbps"], "memory_bandwidth_gbps") * 1e9,
+            links=links,
+            collective_factor=factors,
+            h2d_bandwidth=_positive(data["h2d_gbps"], "h2d_gbps") * 1e9,
+            d2h_bandwidth=_positive(data["d2h_gbps"], "d2h_gbps") * 1e9,
+            slowdown=slowdown,
+            description=str(data.get("description", "")),
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "device_memory_gb": self.device_memory / 1e9,
+            "gpus_per_node": self.gpus_per_node,
+            "peak_tflops": {k: v / 1e12 for k, v in self.peak_flops.items()},
+            "efficiency": dict(self.efficiency),
+            "memory_bandwidth_gbps": self.memory_bandwidth / 1e9,
+            "collectives": {f"{n}x{g}": {"bandwidth_gbps": fit.bandwidth / 1e9, "latency_s": fit.latency}
+                            for (n, g), fit in sorted(self.links.items())},
+            "collective_factor": dict(self.collective_factor),
+            "h2d_gbps": self.h2d_bandwidth / 1e9,
+            "d2h_gbps": self.d2h_bandwidth / 1e9,
+            "slowdown": {f"{a}|{b}": v for (a, b), v in self.slowdown.items()},
+        }
+
+
+def shipped_profiles() -> list[str]:
+    if not os.path.isdir(PROFILE_DIR):
+        return []
+    return sorted(name[:-5] for name in os.listdir(PROFILE_DIR) if name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """Load a shipped profile by name (``l4``, ``h100-80gb``...) or a YAML file by path."""
+    import yaml
+
+    path = name_or_path
+    if not os.path.isfile(path):
+        path = os.path.join(PROFILE_DIR, f"{name_or_path}.yaml")
+    if not os.path.isfile(path):
+        raise ProfileError(
+            f"unknown hardware {name_or_path!r}: not a file, and not a shipped profile "
+            f"({', '.join(shipped_profiles()) or 'none shipped'})"
+        )
+    with open(path) as handle:
+        try:
+            data = yaml.safe_load(handle)
+        except yaml.YAMLError as error:
+            raise ProfileError(f"hardware profile {path!r} is not valid YAML: {error}") from None
+    return HardwareProfile.from_dict(data, source=os.path.basename(path))

@@ -1,0 +1,1 @@
+"""Capture: dynamo backend entry, joint forward+backward ATen graphs under FakeTensorMode, block discovery."""

@@ -1,0 +1,235 @@
+"""The Plan: how to train one model on one cluster (DESIGN.md section 3).
+
+A stable JSON/YAML schema. Loading validates every field and names the one that is wrong;
+unknown keys are rejected. ``layers`` is a half-open range of layer-block indices; the
+embedding (pre) block belongs to the first stage and the head/loss (post) block to the last.
+``micro_batch`` is per data-parallel rank, and for every stage
+``global_batch == micro_batch * dp * grad_accum``. A stage runs on ``nodes * gpus_per_node``
+devices, which must equal ``dp * tp``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
+
+DTYPES = ("float32", "float16", "bfloat16")
+OFFLOAD_KINDS = ("weights", "grads", "opt", "acts")
+
+
+class PlanError(ValueError):
+    """A plan that is malformed or inconsistent; the message names the field."""
+
+
+def _require(condition: bool, where: str, message: str) -> None:
+    if not condition:
+        raise PlanError(f"plan field {where}: {message}")
+
+
+def _check_keys(data: Any, cls: type, where: str) -> None:
+    _require(isinstance(data, dict), where, f"expected an object, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    _require(not unknown, where, f"unknown key(s) {unknown}; allowed: {sorted(known)}")
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+    missing = sorted(required - set(data))
+    _require(not missing, where, f"missing key(s) {missing}")
+
+
+def _int(value: Any, where: str, minimum: int = 0) -> int:
+    _require(isinstance(value, int) and not isinstance(value, bool), where, f"expected an integer, got {value!r}")
+    _require(value >= minimum, where, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _ratio(value: Any, where: str) -> float:
+    _require(isinstance(value, (int, float)) and not isinstance(value, bool), where, f"expected a number, got {value!r}")
+    _require(0.0 <= float(value) <= 1.0, where, f"must be in [0, 1], got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Fractions (0..1) of each kind of state kept in host memory instead of on the device."""
+
+    weights: float = 0.0
+    grads: float = 0.0
+    opt: float = 0.0
+    acts: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "Offload":
+        _check_keys(data, cls, where)
+        return cls(**{key: _ratio(value, f"{where}.{key}") for key, value in data.items()})
+
+    @property
+    def any(self) -> bool:
+        return any(getattr(self, kind) > 0 for kind in OFFLOAD_KINDS)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: its layer range, devices and memory/parallelism choices."""
+
+    layers: tuple[int, int]
+    nodes: int
+    gpus_per_node: int
+    micro_batch: int
+    dp: int
+    tp: int
+    zero: int = 0
+    ckpt_layers: int = 0
+    offload: Offload = field(default_factory=Offload)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "StagePlan":
+        _check_keys(data, cls, where)
+        layers = data["layers"]
+        _require(
+            isinstance(layers, (list, tuple)) and len(layers) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in layers),
+            f"{where}.layers", f"expected [start, end] integers, got {layers!r}",
+        )
+        start, end = layers
+        _require(0 <= start < end, f"{where}.layers", f"need 0 <= start < end, got [{start}, {end}]")
+        stage = cls(
+            layers=(start, end),
+            nodes=_int(data["nodes"], f"{where}.nodes", 1),
+            gpus_per_node=_int(data["gpus_per_node"], f"{where}.gpus_per_node", 1),
+            micro_batch=_int(data["micro_batch"], f"{where}.micro_batch", 1),
+            dp=_int(data["dp"], f"{where}.dp", 1),
+            tp=_int(data["tp"], f"{where}.tp", 1),
+            zero=_int(data.get("zero", 0), f"{where}.zero", 0),
+            ckpt_layers=_int(data.get("ckpt_layers", 0), f"{where}.ckpt_layers", 0),
+            offload=Offload.from_dict(data.get("offload", {}), f"{where}.offload"),
+        )
+        _require(stage.zero <= 3, f"{where}.zero", f"ZeRO level must be 0..3, got {stage.zero}")
+        _require(
+            stage.dp * stage.tp == stage.devices, f"{where}.dp",
+            f"dp * tp = {stage.dp} * {stage.tp} = {stage.dp * stage.tp} must equal the stage's devices "
+            f"nodes * gpus_per_node = {stage.nodes} * {stage.gpus_per_node} = {stage.devices}",
+        )
+        _require(
+            stage.ckpt_layers <= stage.num_layers, f"{where}.ckpt_layers",
+            f"{stage.ckpt_layers} checkpointed layers but the stage has {stage.num_layers}",
+        )
+        return stage
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["layers"] = list(self.layers)
+        return data
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A whole training plan; see the module docstring for the invariants."""
+
+    model: str
+    seq_len: int
+    global_batch: int
+    dtype: str
+    grad_accum: int
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].layers[1]
+
+    @property
+    def world_size(self) -> int:
+        return sum(stage.devices for stage in self.stages)
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Plan":
+        _check_keys(data, cls, "<plan>")
+        _require(isinstance(data["model"], str) and data["model"], "model", "expected a non-empty string")
+        _require(data["dtype"] in DTYPES, "dtype", f"must be one of {list(DTYPES)}, got {data['dtype']!r}")
+        stages_data = data["stages"]
+        _require(isinstance(stages_data, list) and stages_data, "stages", "expected a non-empty list")
+        plan = cls(
+            model=data["model"],
+            seq_len=_int(data["seq_len"], "seq_len", 1),
+            global_batch=_int(data["global_batch"], "global_batch", 1),
+            dtype=data["dtype"],
+            grad_accum=_int(data["grad_accum"], "grad_accum", 1),
+            stages=tuple(StagePlan.from_dict(s, f"stages[{i}]") for i, s in enumerate(stages_data)),
+        )
+        plan._check_consistency()
+        return plan
+
+    def _check_consistency(self) -> None:
+        expected_start = 0
+        for index, stage in enumerate(self.stages):
+            where = f"stages[{index}]"
+            _require(
+                stage.layers[0] == expected_start, f"{where}.layers",
+                f"stages must cover the layers contiguously: expected start {expected_start}, got {stage.layers[0]}",
+            )
+            expected_start = stage.layers[1]
+            samples = stage.micro_batch * stage.dp * self.grad_accum
+            _require(
+                samples == self.global_batch, f"{where}.micro_batch",
+                f"micro_batch * dp * grad_accum = {stage.micro_batch} * {stage.dp} * {self.grad_accum} = {samples} "
+                f"must equal global_batch = {self.global_batch}",
+            )
+
+    def check_against_model(self, num_layers: int, max_seq: int | None = None) -> None:
+        """Reject a plan whose layer ranges do not match the model's layer count."""
+        _require(
+            self.num_layers == num_layers, "stages",
+            f"the plan covers {self.num_layers} layers but model {self.model!r} has {num_layers}",
+        )
+        if max_seq is not None:
+            _require(self.seq_len <= max_seq, "seq_len", f"{self.seq_len} exceeds the model's maximum {max_seq}")
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "seq_len": self.seq_len, "global_batch": self.global_batch,
+            "dtype": self.dtype, "grad_accum": self.grad_accum,
+            "stages": [stage.to_dict() for stage in self.stages],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def load_plan(path: str) -> Plan:
+    """Read a plan from a JSON or YAML file (by extension), validating it."""
+    if not os.path.isfile(path):
+        raise PlanError(f"plan file {path!r} does not exist")
+    with open(path) as handle:
+        text = handle.read()
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as error:  # both parsers raise their own error types
+        raise PlanError(f"plan file {path!r} cannot be parsed: {error}") from None
+    return Plan.from_dict(data)
+
+
+def save_plan(plan: Plan, path: str) -> None:
+    with open(path, "w") as handle:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            yaml.safe_dump(plan.to_dict(), handle, sort_keys=False)
+        else:
+            handle.write(plan.to_json() + "\n")

@@ -1,0 +1,1 @@
+"""Tuner: search space, intra-stage Pareto frontiers, inter-stage MILP, baselines."""

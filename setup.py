@@ -1,0 +1,32 @@
+"""Install script for mist-compiler (package ``mist_compiler``, console script ``mistc``)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="mist-compiler",
+    version="0.1.0",
+    description="Automatic distributed-training compiler for large language models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mist_compiler", "mist_compiler.*"]),
+    package_data={"mist_compiler.cost": ["profiles/*.yaml"]},
+    install_requires=[
+        # torch is not pinned here: 2.11 to 2.13 are supported (CI pins 2.13.0).
+        "torch>=2.11",
+        "sympy>=1.13",
+        "networkx>=3.0",
+        "numpy>=1.26",
+        "mip>=2.0",
+        # HiGHS solves the inter-stage MILP several times faster than CBC; mip falls back to CBC.
+        "highspy>=1.7",
+        "pyyaml>=6.0",
+        "triton>=3.1",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "transformers>=4.40", "matplotlib>=3.7"],
+        "gpu": ["flash-attn>=2.5", "matplotlib>=3.7"],
+        "plot": ["matplotlib>=3.7"],
+    },
+    entry_points={
+        "console_scripts": ["mistc = mist_compiler.cli:main"],
+        "torch_dynamo_backends": ["mist = mist_compiler.frontend.dynamo_backend:mist_backend"],
+    },
+)
