@@ -154,6 +154,8 @@ def build_fake_model(state: CaptureState) -> CaptureState:
         config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
     else:
         raise IRError(f"capture: model must be an nn.Module or a model name, got {type(state.source).__name__}")
+    if config is None and hasattr(getattr(model, "config", None), "to_dict"):
+        config = model.config.to_dict()  # Hugging Face models
     if state.dtype is not None:
         with fake_mode:
             cast_floating(model, DTYPES[state.dtype])

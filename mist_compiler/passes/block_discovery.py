@@ -178,6 +178,8 @@ def _op_label(node: torch.fx.Node) -> str:
         shape = getattr(value, "shape", None)
         static = shape is not None and all(isinstance(d, int) for d in shape)
         return f"param{tuple(shape)}:{dtype}" if static else f"input:{dtype}"
+    if node.op == "get_attr":  # constants: named by position (_tensor_constant3), labelled by shape
+        return f"constant{tuple(getattr(value, 'shape', ()))}:{dtype}"
     target = node.target
     name = getattr(target, "__qualname__", None) if callable(target) and not hasattr(target, "_schema") else str(target)
     return f"{node.op}:{name or target}:{dtype}"
