@@ -9,7 +9,7 @@ import yaml
 from mist_compiler.cost.hardware import (CHANNELS, PROFILE_DIR, HardwareProfile, ProfileError, load_profile,
                                          save_profile, shipped_profiles)
 
-SHIPPED = ["a100-40gb", "a100-80gb", "h100-80gb", "h200", "l4", "v100-32gb"]
+SHIPPED = ["a100-40gb", "a100-80gb", "cpu", "h100-80gb", "h200", "l4", "v100-32gb"]
 OP_CLASSES = ("matmul", "attention", "elementwise", "reduction", "default")
 
 

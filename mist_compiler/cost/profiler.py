@@ -231,6 +231,13 @@ class _Channel:
         return time.perf_counter() - start
 
 
+def _backend_device() -> str:
+    """NCCL reduces CUDA tensors only; gloo takes CPU ones."""
+    import torch.distributed as dist
+
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def _agree_max(value: float, distributed: bool) -> float:
     """The maximum of ``value`` over ranks (all ranks must make identical collective calls)."""
     if not distributed:
@@ -238,7 +245,7 @@ def _agree_max(value: float, distributed: bool) -> float:
     import torch
     import torch.distributed as dist
 
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=_backend_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor.item())
 
@@ -249,7 +256,7 @@ def _agree_mean(value: float, distributed: bool) -> float:
     import torch
     import torch.distributed as dist
 
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=_backend_device())
     dist.all_reduce(tensor)
     return float(tensor.item()) / dist.get_world_size()
 
@@ -512,7 +519,7 @@ def _efficiencies(measured: ComputeMeasurements, peaks: dict[str, float]) -> dic
         "elementwise": clamp(measured.elementwise_bytes_per_s / measured.copy_bytes_per_s),
         "reduction": clamp(measured.reduction_bytes_per_s / measured.copy_bytes_per_s),
     }
-    efficiency["default"] = min(efficiency["elementwise"], efficiency["reduction"])
+    efficiency["default"] = min(efficiency.values())  # unknown ops: the worst class measured
     return efficiency
 
 
@@ -533,6 +540,7 @@ def profile_machine(options: ProfilerOptions) -> HardwareProfile:
     import torch
 
     started = time.perf_counter()
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     device = options.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -556,13 +564,16 @@ def profile_machine(options: ProfilerOptions) -> HardwareProfile:
         local_slowdown = measure_slowdowns(device, options, distributed=False) if not sizes else {}
     finally:
         torch.set_num_threads(threads)
+        if device == "cuda":
+            torch.cuda.empty_cache()  # leave GPU 0's memory to the rank processes
 
     results = []
     for index, world in enumerate(sizes):
         options.log(f"collectives over {world} local ranks ({'NCCL' if device == 'cuda' else 'gloo'}), spawning them")
         results.append(run_collective_group(world, device, options, measure_concurrency=index == 0,
                                             timeout_s=options.timeout_s))
-    notes = []
+    notes = [f"{_device_count(device)} {device} devices here, 1-minute load average {load_before:.1f} when it started "
+             "(other work on the machine slows every measurement)"]
     if results:
         links, factors = fit_collectives(results)
         slowdown = results[0]["slowdown"]
