@@ -119,3 +119,9 @@ def test_copy_time_uses_pinned_rates(l4):
 def test_bad_arguments_are_named(l4, call, field):
     with pytest.raises(CommError, match=field):
         call(l4)
+
+
+def test_grids_keep_their_shape(l4):
+    times = collective_time(l4, "all_gather", np.array([[1e6], [1e8]]), np.array([[1, 2, 4]]), 8)
+    assert times.shape == (2, 3)
+    assert times[1, 1] == pytest.approx(1e8 / 3.322e9 * 15 / 16 + 1.3e-3)
