@@ -123,7 +123,7 @@ def measure_compute(device: str, options: ProfilerOptions) -> ComputeMeasurement
 
     log, sync, target = options.log, _sync_for(device), options.bench_s
     on_gpu = device == "cuda"
-    main_dtype = "bfloat16" if on_gpu else "float32"
+    main_dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if on_gpu else "float32"
 
     matmul: dict[str, float] = {}
     for dtype_name in _dtypes(device):
@@ -511,7 +511,7 @@ def _peaks(device: str, measured: ComputeMeasurements) -> tuple[dict[str, float]
 
 
 def _efficiencies(measured: ComputeMeasurements, peaks: dict[str, float]) -> dict[str, float]:
-    peak = peaks[measured.main_dtype]
+    peak = peaks.get(measured.main_dtype, measured.matmul_flops[measured.main_dtype])
     clamp = lambda value: round(float(min(1.0, max(1e-4, value))), 4)  # noqa: E731
     efficiency = {
         "matmul": clamp(measured.matmul_model_flops / peak),
