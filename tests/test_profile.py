@@ -54,7 +54,8 @@ def test_quick_profile_writes_a_loadable_profile(tmp_path, capfd):
     profile = load_profile(str(output))
     assert profile.name == "this-machine"
     assert (1, 2) in profile.links and profile.links[(1, 2)].bandwidth > 0
-    assert all(op in profile.efficiency for op in ("matmul", "attention", "elementwise", "reduction", "default"))
+    assert all(op in profile.efficiency for op in ("matmul", "attention", "elementwise", "reduction", "norm", "softmax",
+                                                   "default"))
     assert profile.peak_flops["float32"] > 1e8  # any CPU core does 0.1 GFLOP/s
     assert {a for a, _ in profile.slowdown} == set(CHANNELS) and len(profile.slowdown) == 12
     assert float(collective_time(profile, "all_reduce", 1e6, 1, 2)) > 0
@@ -71,6 +72,8 @@ def test_single_device_profile_borrows_links(monkeypatch):
     assert profile.slowdown[("compute", "collective")] == l4.slowdown[("compute", "collective")]
     assert ("h2d", "d2h") in profile.slowdown  # measured locally
     assert "copied from profile 'l4'" in profile.description
+    assert profile.efficiency == {"matmul": 0.8, "attention": 0.4, "elementwise": 0.8, "reduction": 0.9,
+                                  "norm": 0.6, "softmax": 0.7, "default": 0.4}
 
 
 def test_no_collective_group_without_links_from_is_an_error():
@@ -103,4 +106,25 @@ def test_world_sizes_option_parsing():
 def _fake_compute(device, options):
     from mist_compiler.cost.profiler import ComputeMeasurements
 
-    return ComputeMeasurements({"float32": 5e10}, 4e10, 2e10, 2e10, 1.6e10, 1.8e10, 1e10, 1e10, "float32")
+    return ComputeMeasurements({"float32": 5e10}, 4e10, 2e10, 2e10, 1.6e10, 1.8e10, 1e10, 1e10, "float32", 1.2e10, 1.4e10)
+
+
+@pytest.mark.distributed
+def test_overrunning_ranks_are_killed_with_a_clear_error(monkeypatch):
+    import subprocess
+
+    from mist_compiler.cost import profiler
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        process = real_popen(*args, **kwargs)
+        started.append(process)
+        return process
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    with pytest.raises(RuntimeError, match="did not finish within"):
+        profiler.run_collective_group(2, "cpu", ProfilerOptions(quick=True, log=lambda m: None),
+                                      measure_concurrency=False, timeout_s=0.3)
+    assert len(started) == 2 and all(process.poll() is not None for process in started)

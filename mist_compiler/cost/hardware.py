@@ -11,10 +11,10 @@ Units: bytes and seconds throughout, except the human-facing YAML keys that say 
 Meaning of the fields the cost model reads:
 
 * ``efficiency[op_class]`` (``matmul``, ``attention``, ``elementwise``, ``reduction``, ``default``
-  for the rest): the fraction of the roofline an op of that class achieves, i.e.
-  ``time = max(flops / (peak_flops[dtype] * eff), bytes / (memory_bandwidth * eff))``.
-  For matmul and attention the FLOP term dominates (fraction of peak FLOP/s); for elementwise and
-  reduction the byte term does (fraction of the achieved copy bandwidth).
+  for the rest; measured profiles add ``norm`` and ``softmax``): the fraction of the roofline an
+  op of that class achieves. For the compute-bound classes (matmul, attention) it scales
+  ``peak_flops[dtype]``; for the memory-bound ones it scales ``memory_bandwidth`` (the achieved
+  device copy rate). ``cost/op_time.py`` applies it.
 * ``collectives['NxG']``: alpha-beta fits per group shape; ``cost.comm`` derives unlisted shapes.
 * ``slowdown['A|B']``: factor by which channel A runs slower while channel B is active
   (channels ``compute``, ``collective``, ``h2d``, ``d2h``); missing pairs are 1. ``cost.overlap``

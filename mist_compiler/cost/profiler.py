@@ -111,6 +111,8 @@ class ComputeMeasurements:
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     main_dtype: str
+    norm_bytes_per_s: float
+    softmax_bytes_per_s: float
 
 
 def _dtypes(device: str) -> list[str]:
@@ -165,10 +167,14 @@ def measure_compute(device: str, options: ProfilerOptions) -> ComputeMeasurement
     sums = torch.empty(rows.shape[0], device=device)
     reduce_rate = nbytes / seconds_per_call(lambda: torch.sum(rows, dim=1, out=sums), sync, target)
     log(f"row reduction: {reduce_rate / 1e9:.2f} GB/s")
+    norm_rate = 2 * nbytes / seconds_per_call(lambda: F.layer_norm(rows, (1024,)), sync, target)
+    log(f"layer norm (rows of 1024): {norm_rate / 1e9:.2f} GB/s (read+write)")
+    softmax_rate = 2 * nbytes / seconds_per_call(lambda: torch.softmax(rows, dim=1), sync, target)
+    log(f"softmax (rows of 1024): {softmax_rate / 1e9:.2f} GB/s (read+write)")
 
     h2d_rate, d2h_rate = _measure_host_copies(device, numel, sync, target, log)
     return ComputeMeasurements(matmul, model_rate, attention_rate, copy_rate, add_rate, reduce_rate,
-                               h2d_rate, d2h_rate, main_dtype)
+                               h2d_rate, d2h_rate, main_dtype, norm_rate, softmax_rate)
 
 
 def _measure_host_copies(device: str, numel: int, sync, target: float, log) -> tuple[float, float]:
@@ -384,9 +390,10 @@ def _collective_worker(rank: int, world: int, port: int, device: str, quick: boo
             options.log(f"{kind} {nbytes / 1e6:.3f} MB: {seconds * 1e3:.3f} ms")
     slowdown = measure_slowdowns(device, options, distributed=True) if measure_concurrency else {}
     dist.barrier()
-    if rank == 0:
-        with open(result_path, "w") as handle:
+    if rank == 0:  # written whole, then renamed: the parent never reads half a file
+        with open(result_path + ".part", "w") as handle:
             json.dump({"world": world, "times": times, "slowdown": slowdown}, handle)
+        os.replace(result_path + ".part", result_path)
     dist.destroy_process_group()
 
 
@@ -422,13 +429,17 @@ def run_collective_group(world: int, device: str, options: ProfilerOptions, meas
                                               env=env, stdin=subprocess.DEVNULL))
             deadline = time.monotonic() + timeout_s
             while any(p.poll() is None for p in ranks):
-                if time.monotonic() > deadline:
+                if os.path.exists(result_path):  # every rank is past its last collective: let them exit briefly
+                    deadline = min(deadline, time.monotonic() + 2.0)
+                    if time.monotonic() > deadline:
+                        break
+                elif time.monotonic() > deadline:
                     raise RuntimeError(f"profile: {world}-rank collective measurement did not finish within {timeout_s:.0f} s")
                 if any(p.poll() not in (None, 0) for p in ranks):
                     break
                 time.sleep(0.1)
             codes = [p.poll() for p in ranks]
-            if any(code != 0 for code in codes if code is not None) or not os.path.exists(result_path):
+            if not os.path.exists(result_path):
                 raise RuntimeError(f"profile: a {world}-rank collective worker failed (exit codes {codes}; "
                                    "its error is printed above)")
             with open(result_path) as handle:
@@ -518,6 +529,8 @@ def _efficiencies(measured: ComputeMeasurements, peaks: dict[str, float]) -> dic
         "attention": clamp(measured.attention_flops / peak),
         "elementwise": clamp(measured.elementwise_bytes_per_s / measured.copy_bytes_per_s),
         "reduction": clamp(measured.reduction_bytes_per_s / measured.copy_bytes_per_s),
+        "norm": clamp(measured.norm_bytes_per_s / measured.copy_bytes_per_s),
+        "softmax": clamp(measured.softmax_bytes_per_s / measured.copy_bytes_per_s),
     }
     efficiency["default"] = min(efficiency.values())  # unknown ops: the worst class measured
     return efficiency
