@@ -267,6 +267,25 @@ def _agree_mean(value: float, distributed: bool) -> float:
     return float(tensor.item()) / dist.get_world_size()
 
 
+def _run_together(fore: _Channel, steps: int, back: _Channel, back_steps: int) -> float:
+    """Seconds ``fore`` takes for ``steps`` while ``back`` runs ``back_steps`` on another thread."""
+    failure: list[BaseException] = []
+
+    def background() -> None:
+        try:
+            back.run(back_steps)
+        except BaseException as error:  # re-raised on the calling thread
+            failure.append(error)
+
+    worker = threading.Thread(target=background, daemon=True)
+    worker.start()
+    seconds = fore.run(steps)
+    worker.join()
+    if failure:
+        raise RuntimeError(f"profile: channel {back.name} failed while measuring {fore.name}") from failure[0]
+    return seconds
+
+
 def measure_slowdowns(device: str, options: ProfilerOptions, distributed: bool) -> dict[str, float]:
     """``{'A|B': factor}``: foreground A timed while B runs on another thread, against A alone.
 
@@ -290,16 +309,15 @@ def measure_slowdowns(device: str, options: ProfilerOptions, distributed: bool) 
             if back == fore:
                 continue
             back_steps = max(2, math.ceil(1.6 * steps * per_step[fore] / per_step[back]))
-            if distributed:
-                dist.barrier()
-            alone = channels[fore].run(steps)
-            if distributed:
-                dist.barrier()
-            worker = threading.Thread(target=channels[back].run, args=(back_steps,), daemon=True)
-            worker.start()
-            together = channels[fore].run(steps)
-            worker.join()
-            factor = _agree_mean(together / alone, distributed)
+            ratios = []
+            for _ in range(1 if options.quick else 3):  # alone and together back to back: slow drift cancels
+                if distributed:
+                    dist.barrier()
+                alone = channels[fore].run(steps)
+                if distributed:
+                    dist.barrier()
+                ratios.append(_run_together(channels[fore], steps, channels[back], back_steps) / alone)
+            factor = _agree_mean(float(np.median(ratios)), distributed)
             factors[f"{fore}|{back}"] = round(max(1.0, factor), 4)
             options.log(f"slowdown {fore} while {back} runs: x{factor:.3f}")
     return factors
