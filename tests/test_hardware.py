@@ -124,6 +124,8 @@ MALFORMED = [
     ("slowdown.compute|network", 1.1, "slowdown.compute|network"),
     ("slowdown.compute", 1.1, "slowdown.compute"),
     ("slowdown.compute|compute", 1.1, "slowdown.compute|compute"),
+    ("op_overhead_s", -1e-6, "op_overhead_s"),
+    ("op_overhead_s", "5us", "op_overhead_s"),
     ("unknown_field", 1, "unknown_field"),
 ]
 

@@ -57,6 +57,7 @@ def test_quick_profile_writes_a_loadable_profile(tmp_path, capfd):
     assert all(op in profile.efficiency for op in ("matmul", "attention", "elementwise", "reduction", "norm", "softmax",
                                                    "default"))
     assert profile.peak_flops["float32"] > 1e8  # any CPU core does 0.1 GFLOP/s
+    assert 0 < profile.op_overhead < 1e-3
     assert {a for a, _ in profile.slowdown} == set(CHANNELS) and len(profile.slowdown) == 12
     assert float(collective_time(profile, "all_reduce", 1e6, 1, 2)) > 0
     captured = capfd.readouterr()
@@ -106,7 +107,7 @@ def test_world_sizes_option_parsing():
 def _fake_compute(device, options):
     from mist_compiler.cost.profiler import ComputeMeasurements
 
-    return ComputeMeasurements({"float32": 5e10}, 4e10, 2e10, 2e10, 1.6e10, 1.8e10, 1e10, 1e10, "float32", 1.2e10, 1.4e10)
+    return ComputeMeasurements({"float32": 5e10}, 4e10, 2e10, 2e10, 1.6e10, 1.8e10, 1e10, 1e10, "float32", 1.2e10, 1.4e10, 4e-6)
 
 
 @pytest.mark.distributed

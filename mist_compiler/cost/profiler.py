@@ -113,6 +113,7 @@ class ComputeMeasurements:
     main_dtype: str
     norm_bytes_per_s: float
     softmax_bytes_per_s: float
+    op_overhead_s: float
 
 
 def _dtypes(device: str) -> list[str]:
@@ -173,8 +174,12 @@ def measure_compute(device: str, options: ProfilerOptions) -> ComputeMeasurement
     log(f"softmax (rows of 1024): {softmax_rate / 1e9:.2f} GB/s (read+write)")
 
     h2d_rate, d2h_rate = _measure_host_copies(device, numel, sync, target, log)
+    tiny = torch.ones(1, device=device)
+    tiny_out = torch.empty(1, device=device)
+    overhead = seconds_per_call(lambda: torch.add(tiny, tiny, out=tiny_out), sync, target)
+    log(f"per-op overhead (one-element add): {overhead * 1e6:.2f} us")
     return ComputeMeasurements(matmul, model_rate, attention_rate, copy_rate, add_rate, reduce_rate,
-                               h2d_rate, d2h_rate, main_dtype, norm_rate, softmax_rate)
+                               h2d_rate, d2h_rate, main_dtype, norm_rate, softmax_rate, overhead)
 
 
 def _measure_host_copies(device: str, numel: int, sync, target: float, log) -> tuple[float, float]:
@@ -639,6 +644,7 @@ def profile_machine(options: ProfilerOptions) -> HardwareProfile:
         "h2d_gbps": round(measured.h2d_bytes_per_s / 1e9, 3),
         "d2h_gbps": round(measured.d2h_bytes_per_s / 1e9, 3),
         "slowdown": slowdown,
+        "op_overhead_s": float(f"{measured.op_overhead_s:.3g}"),
     }
     profile = HardwareProfile.from_dict(data, source="measured profile")
     options.log(f"done in {time.perf_counter() - started:.1f} s")
