@@ -74,7 +74,7 @@ def test_single_device_profile_borrows_links(monkeypatch):
     assert ("h2d", "d2h") in profile.slowdown  # measured locally
     assert "copied from profile 'l4'" in profile.description
     assert profile.efficiency == {"matmul": 0.8, "attention": 0.4, "elementwise": 0.8, "reduction": 0.9,
-                                  "norm": 0.6, "softmax": 0.7, "default": 0.4}
+                                  "norm": 0.6, "softmax": 0.7, "default": 0.75}
 
 
 def test_no_collective_group_without_links_from_is_an_error():
