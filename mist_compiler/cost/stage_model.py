@@ -42,7 +42,7 @@ from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .memory import BlockActivationTerms, activation_peak, model_state_memory, state_bytes_per_param
 from .op_time import class_efficiency, op_class_time
-from .overlap import overlap
+from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
 
 OPTIMIZER_BYTES_PER_PARAM = 28.0  # Adam step traffic: read master/grad/m/v, write master/m/v (+ low-precision copy)
@@ -56,6 +56,9 @@ class StageModelError(ValueError):
 
 def _lambdify(expr: sympy.Expr) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     expr = sympy.sympify(expr)
+    unknown = expr.free_symbols - {B, S, T}
+    if unknown:
+        raise StageModelError(f"cost expression {expr} has symbols {sorted(map(str, unknown))} besides b, s, t")
     function = sympy.lambdify((B, S, T), expr, modules="numpy")
 
     def evaluate(b: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -127,6 +130,24 @@ def _group_shapes(tp: np.ndarray, dp: np.ndarray, nodes: np.ndarray, gpus_per_no
     return (tp_nodes, tp_gpus), (dp_nodes, dp_gpus)
 
 
+def _overlap(profile: HardwareProfile, compute, collective, h2d, d2h) -> OverlapResult:
+    """The overlap model, run only where a channel besides compute has work (the rest is compute)."""
+    compute, collective, h2d, d2h = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, collective, h2d, d2h)))
+    busy = (collective > 0) | (h2d > 0) | (d2h > 0)
+    zeros = np.zeros(compute.shape)
+    total = compute.copy()
+    finish = {"compute": compute.copy(), "collective": zeros.copy(), "h2d": zeros.copy(), "d2h": zeros.copy()}
+    exposed = {"collective": zeros.copy(), "h2d": zeros.copy(), "d2h": zeros.copy()}
+    if busy.any():
+        part = overlap(profile, compute[busy], collective[busy], h2d[busy], d2h[busy])
+        total[busy] = part.total_s
+        for name in finish:
+            finish[name][busy] = part.finish_s[name]
+        for name in exposed:
+            exposed[name][busy] = part.exposed_s[name]
+    return OverlapResult(total, finish, exposed, finish["compute"] - compute)
+
+
 @dataclass
 class StageCostModel:
     """Vectorised stage evaluator (implements ``stage_api.StageCostModel``)."""
@@ -194,11 +215,13 @@ class StageCostModel:
         nodes = np.asarray(c.nodes, dtype=np.int64)
         gpus = np.asarray(c.gpus_per_node, dtype=np.int64)
         (tp_nodes, tp_gpus), (dp_nodes, dp_gpus) = _group_shapes(tp, dp, nodes, gpus)
-        keys = np.stack([b, tp, tp_nodes, tp_gpus], axis=1)
-        unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+        if count and (b.max() >= 1 << 20 or tp.max() >= 1 << 14 or tp_nodes.max() >= 1 << 14 or tp_gpus.max() >= 1 << 14):
+            raise StageModelError("micro_batch must be < 2^20 and tp, nodes, gpus_per_node < 2^14")
+        keys = ((b << 42) | (tp << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
+        unique_keys, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
-        ub, ut = unique[:, 0].astype(float), unique[:, 1].astype(float)
-        shape = (unique[:, 2], unique[:, 3])
+        ub, ut = b[first].astype(float), tp[first].astype(float)
+        shape = (tp_nodes[first], tp_gpus[first])
         per_kind = {kind: {name: value[inverse] for name, value in self._block_terms(kind, ub, ut, shape).items()}
                     for kind in BLOCK_KINDS}
         layer, pre, post = per_kind["layer"], per_kind["pre"], per_kind["post"]
@@ -246,8 +269,8 @@ class StageCostModel:
         inter_node = nodes > 1
         p2p_bytes = (1.0 - has_post) * layer["output"] + (1.0 - has_pre) * layer["input"]
         p2p = p2p_time(self.hardware, p2p_bytes, inter_node)
-        forward = overlap(self.hardware, forward_compute, forward_collective, weights_in, acts_out)
-        backward = overlap(self.hardware, backward_compute, backward_collective, weights_in + acts_in, grads_out)
+        forward = _overlap(self.hardware, forward_compute, forward_collective, weights_in, acts_out)
+        backward = _overlap(self.hardware, backward_compute, backward_collective, weights_in + acts_in, grads_out)
         stable = forward.total_s + backward.total_s + tp_exposed + p2p
 
         # ---- delta: once per iteration ---------------------------------------------------------
@@ -260,7 +283,7 @@ class StageCostModel:
         host_step = offload_o * shard_params / HOST_ADAM_PARAMS_PER_S
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
-        step = overlap(self.hardware, device_step, 0.0, step_in, step_out).total_s + host_step
+        step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
                                                            dp_nodes, dp_gpus), 0.0)
         delta = sync + step + after_step_gather + first_gather
