@@ -319,7 +319,7 @@ def recognise_sharding(graph: fx.Graph, params: set[str]) -> Sharding:
             row.add(mm)
             column |= {src for src in sources if src in weight_mms}
     for mm in weight_mms:
-        if mm not in column and mm not in row and _reaches(mm, {"_log_softmax", "logsumexp", "_softmax"}) and not attentions:
+        if mm not in column and mm not in row and _reaches(mm, {"_log_softmax", "logsumexp"}):
             sharding.vocab_head.append(mm.name)
     placeholders = {n for n in nodes if n.op == "placeholder"}
     for node in nodes:
@@ -398,6 +398,11 @@ class GraphCosts:
     def total_flops(self) -> sympy.Expr:
         return sympy.Add(*(cost.flops for cost in self.nodes))
 
+    def restrict(self, names: set[str]) -> "GraphCosts":
+        """The nodes named in ``names`` and the collectives after them."""
+        return GraphCosts([c for c in self.nodes if c.name in names],
+                          [c for c in self.collectives if c.after in names], self.states)
+
     def collective_bytes(self, kind: str = "all_reduce") -> sympy.Expr:
         return sympy.Add(*(c.bytes for c in self.collectives if c.kind == kind))
 
@@ -472,20 +477,40 @@ def propagate_costs(graph: fx.Graph, initial: dict[str, str], symbols: dict[str,
     return GraphCosts(costs, collectives, states)
 
 
+NEEDS_FULL_FEATURES = {"native_layer_norm", "mean", "_fused_rms_norm", "var_mean", "softmax", "_softmax"}
+
+
 @dataclass
-class BlockCosts:
-    """Costs of one block class: forward and backward graphs, and the sharding found."""
+class ProgramCosts:
+    """Costs of a captured forward/backward graph pair, and the sharding found."""
 
     forward: GraphCosts
     backward: GraphCosts
     sharding: Sharding
     param_states: dict[str, str]
 
+    def restrict(self, names: set[str]) -> "ProgramCosts":
+        """The costs of the nodes named in ``names`` (one block)."""
+        return ProgramCosts(self.forward.restrict(names), self.backward.restrict(names), self.sharding, self.param_states)
 
-def annotate_block(forward: fx.GraphModule, backward: fx.GraphModule, params: set[str],
-                   symbols: dict[str, sympy.Symbol] | None = None,
-                   backward_inputs: dict[str, str] | None = None) -> BlockCosts:
-    """Annotate one block class.
+
+BlockCosts = ProgramCosts  # a block's costs are a restricted ProgramCosts
+
+
+def _check_sharded_consumers(graph: fx.Graph, states: dict[str, str]) -> str:
+    """A message if a sharded value reaches an op that needs all features (unrecognised structure)."""
+    for node in graph.nodes:
+        if node.op == "call_function" and op_name(node) in NEEDS_FULL_FEATURES:
+            for arg in node.all_input_nodes:
+                if states.get(arg.name) == "S":
+                    return f"{node.name} ({op_name(node)}) would read the sharded value {arg.name}"
+    return ""
+
+
+def annotate_graphs(forward: fx.GraphModule, backward: fx.GraphModule, params: set[str],
+                    symbols: dict[str, sympy.Symbol] | None = None,
+                    backward_inputs: dict[str, str] | None = None) -> ProgramCosts:
+    """Annotate a captured forward/backward graph pair (a whole model or one block).
 
     ``params``: names of the forward graph's parameter placeholders. ``backward_inputs`` maps
     backward placeholder names to the forward node they receive (default: same name, which is
@@ -495,11 +520,10 @@ def annotate_block(forward: fx.GraphModule, backward: fx.GraphModule, params: se
     seeds = {name: "S" for name in sharding.sharded_params} if sharding.supported else {}
     forward_costs = propagate_costs(forward.graph, seeds, symbols, "forward")
     if sharding.supported:
-        outputs = next(n for n in forward.graph.nodes if n.op == "output").all_input_nodes
-        first_output = outputs[0] if outputs else None
-        if first_output is not None and forward_costs.states.get(first_output.name) == "S":
+        problem = _check_sharded_consumers(forward.graph, forward_costs.states)
+        if problem:
             sharding.supported = False
-            sharding.message = f"the block output {first_output.name} would stay sharded"
+            sharding.message = f"unrecognised tensor-parallel structure: {problem}"
     if not sharding.supported:
         forward_costs = propagate_costs(forward.graph, {}, symbols, "forward")
     mapping = backward_inputs or {}
@@ -510,4 +534,5 @@ def annotate_block(forward: fx.GraphModule, backward: fx.GraphModule, params: se
             initial[node.name] = "R" if node.name.startswith("tangents") else forward_costs.states.get(source, "R")
     backward_costs = propagate_costs(backward.graph, initial, symbols, "backward")
     param_states = {name: ("S" if name in sharding.sharded_params and sharding.supported else "R") for name in params}
-    return BlockCosts(forward_costs, backward_costs, sharding, param_states)
+    return ProgramCosts(forward_costs, backward_costs, sharding, param_states)
+
