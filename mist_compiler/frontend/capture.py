@@ -156,10 +156,24 @@ def build_fake_model(state: CaptureState) -> CaptureState:
         raise IRError(f"capture: model must be an nn.Module or a model name, got {type(state.source).__name__}")
     if state.dtype is not None:
         with fake_mode:
-            model = model.to(DTYPES[state.dtype])
+            cast_floating(model, DTYPES[state.dtype])
     dtype = state.dtype or _param_dtype(model)
     seq_len = state.seq_len or _max_seq(config) or 2048
     return replace(state, model=model, fake_mode=fake_mode, config=config, dtype=dtype, seq_len=seq_len)
+
+
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters and buffers of our own fake copy, ties preserved."""
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, value in table.items():
+                if value is None or not value.is_floating_point() or value.dtype == dtype:
+                    continue
+                if id(value) not in memo:
+                    cast = value.detach().to(dtype)
+                    memo[id(value)] = nn.Parameter(cast, value.requires_grad) if isinstance(value, nn.Parameter) else cast
+                table[key] = memo[id(value)]
 
 
 def _param_dtype(model: nn.Module) -> str:

@@ -140,7 +140,10 @@ def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
     # input_ids and labels agree on b and s; parameter shapes stay static.
     compiled = torch.compile(run, backend=joint_backend(captured.append), fullgraph=True, dynamic=True)
     try:
-        compiled(model, input_ids, labels)
+        # module float attributes (eps) stay constants: otherwise dynamo lifts them to inputs,
+        # fails in aot_autograd and traces everything a second time
+        with torch._dynamo.config.patch(specialize_float=True):
+            compiled(model, input_ids, labels)
     finally:
         torch._dynamo.reset_code(run.__code__)
     if not captured:
