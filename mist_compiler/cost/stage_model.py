@@ -130,6 +130,12 @@ def _group_shapes(tp: np.ndarray, dp: np.ndarray, nodes: np.ndarray, gpus_per_no
     return (tp_nodes, tp_gpus), (dp_nodes, dp_gpus)
 
 
+def _warm_up_candidate() -> StageCandidates:
+    return StageCandidates(num_layers=1, has_pre=True, has_post=True, nodes=1, gpus_per_node=2, micro_batch=1, dp=1,
+                           tp=2, zero=3, ckpt_layers=1, offload_weights=0.5, offload_grads=0.5, offload_opt=0.5,
+                           offload_acts=0.5, inflight=1)
+
+
 def _overlap(profile: HardwareProfile, compute, collective, h2d, d2h) -> OverlapResult:
     """The overlap model, run only where a channel besides compute has work (the rest is compute)."""
     compute, collective, h2d, d2h = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, collective, h2d, d2h)))
@@ -169,6 +175,7 @@ class StageCostModel:
         if missing:
             raise StageModelError(f"model analysis lacks block kind(s) {missing}")
         self._functions = {kind: _block_functions(block, self.attention) for kind, block in self.blocks.items()}
+        self.evaluate(_warm_up_candidate())  # first-call costs of numpy/lambdify paid here, not by the tuner
 
     @property
     def device_memory_bytes(self) -> float:
