@@ -119,3 +119,22 @@ def test_copy_time_uses_pinned_rates(l4):
 def test_bad_arguments_are_named(l4, call, field):
     with pytest.raises(CommError, match=field):
         call(l4)
+
+
+def test_grids_keep_their_shape(l4):
+    times = collective_time(l4, "all_gather", np.array([[1e6], [1e8]]), np.array([[1, 2, 4]]), 8)
+    assert times.shape == (2, 3)
+    assert times[1, 1] == pytest.approx(1e8 / 3.322e9 * 15 / 16 + 1.3e-3)
+
+
+@pytest.mark.parametrize("name", ["l4", "a100-40gb", "a100-80gb", "h100-80gb", "h200", "v100-32gb", "cpu"])
+def test_every_shipped_profile_gives_finite_monotone_times(name):
+    from mist_compiler.cost.hardware import load_profile
+
+    profile = load_profile(name)
+    nodes, gpus = np.meshgrid([1, 2, 3, 4, 8, 16, 64], [1, 2, 4, 8])
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all"):
+        small = collective_time(profile, kind, 1e6, nodes, gpus)
+        large = collective_time(profile, kind, 1e9, nodes, gpus)
+        assert np.all(np.isfinite(large)) and np.all(large >= small) and np.all(large[nodes * gpus > 1] > 0)
+    assert np.all(np.diff(p2p_time(profile, [0.0, 1e6, 1e9], True)) > 0)

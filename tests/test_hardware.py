@@ -9,7 +9,7 @@ import yaml
 from mist_compiler.cost.hardware import (CHANNELS, PROFILE_DIR, HardwareProfile, ProfileError, load_profile,
                                          save_profile, shipped_profiles)
 
-SHIPPED = ["a100-40gb", "a100-80gb", "h100-80gb", "h200", "l4", "v100-32gb"]
+SHIPPED = ["a100-40gb", "a100-80gb", "cpu", "h100-80gb", "h200", "l4", "v100-32gb"]
 OP_CLASSES = ("matmul", "attention", "elementwise", "reduction", "default")
 
 
@@ -124,6 +124,8 @@ MALFORMED = [
     ("slowdown.compute|network", 1.1, "slowdown.compute|network"),
     ("slowdown.compute", 1.1, "slowdown.compute"),
     ("slowdown.compute|compute", 1.1, "slowdown.compute|compute"),
+    ("op_overhead_s", -1e-6, "op_overhead_s"),
+    ("op_overhead_s", "5us", "op_overhead_s"),
     ("unknown_field", 1, "unknown_field"),
 ]
 

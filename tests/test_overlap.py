@@ -117,3 +117,11 @@ def test_negative_or_nan_work_names_the_channel(l4, field):
     for bad in (-1.0, np.nan):
         with pytest.raises(OverlapError, match=field):
             overlapped_time(l4, **{"compute_s": 1.0, field: bad})
+
+
+def test_two_dimensional_grids_broadcast(l4):
+    compute = np.array([[1.0], [2.0]])
+    collective = np.array([[0.0, 1.0, 3.0]])
+    total = overlapped_time(l4, compute, collective)
+    assert total.shape == (2, 3)
+    assert total[0, 0] == pytest.approx(1.0) and total[0, 1] == pytest.approx(2.0 - 1.0 / 1.17)

@@ -114,6 +114,15 @@ def group_link(profile: HardwareProfile, nodes, gpus_per_node) -> tuple[np.ndarr
     A group of one device gets infinite bandwidth and zero latency.
     """
     nodes_a, gpus_a = np.broadcast_arrays(_as_sizes(nodes, "nodes"), _as_sizes(gpus_per_node, "gpus_per_node"))
+    # Candidates share few distinct shapes: solve each shape once, then scatter back.
+    width = float(gpus_a.max(initial=1.0)) + 1.0
+    keys, inverse = np.unique(nodes_a * width + gpus_a, return_inverse=True)
+    bandwidth, latency = _link_of_shapes(profile, np.floor(keys / width), np.mod(keys, width))
+    inverse = inverse.reshape(nodes_a.shape)
+    return bandwidth[inverse], latency[inverse]
+
+
+def _link_of_shapes(profile: HardwareProfile, nodes_a: np.ndarray, gpus_a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     intra, inter = _intra_curve(profile), _inter_curves(profile)
     total = nodes_a * gpus_a
     bandwidth = np.full(nodes_a.shape, np.inf)

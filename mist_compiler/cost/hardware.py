@@ -11,11 +11,13 @@ Units: bytes and seconds throughout, except the human-facing YAML keys that say 
 Meaning of the fields the cost model reads:
 
 * ``efficiency[op_class]`` (``matmul``, ``attention``, ``elementwise``, ``reduction``, ``default``
-  for the rest): the fraction of the roofline an op of that class achieves, i.e.
-  ``time = max(flops / (peak_flops[dtype] * eff), bytes / (memory_bandwidth * eff))``.
-  For matmul and attention the FLOP term dominates (fraction of peak FLOP/s); for elementwise and
-  reduction the byte term does (fraction of the achieved copy bandwidth).
+  for the rest; measured profiles add ``norm`` and ``softmax``): the fraction of the roofline an
+  op of that class achieves. For the compute-bound classes (matmul, attention) it scales
+  ``peak_flops[dtype]``; for the memory-bound ones it scales ``memory_bandwidth`` (the achieved
+  device copy rate). ``cost/op_time.py`` applies it.
 * ``collectives['NxG']``: alpha-beta fits per group shape; ``cost.comm`` derives unlisted shapes.
+* ``op_overhead_s`` (optional, default 0): fixed seconds per op on top of its roofline time
+  (eager dispatch on CPU, kernel launch on GPU); matters for small models.
 * ``slowdown['A|B']``: factor by which channel A runs slower while channel B is active
   (channels ``compute``, ``collective``, ``h2d``, ``d2h``); missing pairs are 1. ``cost.overlap``
   simulates a phase with them.
@@ -69,6 +71,8 @@ class LinkFit:
 
 @dataclass(frozen=True)
 class HardwareProfile:
+    """One device kind and its node: rates, links, copies, interference (see the module docstring)."""
+
     name: str
     device_memory: float  # bytes usable by the framework on one device
     gpus_per_node: int  # devices per node this profile describes (upper bound for group shapes)
@@ -82,15 +86,17 @@ class HardwareProfile:
     # slowdown[(a, b)] = factor by which channel a runs slower while channel b is active
     slowdown: dict[tuple[str, str], float] = field(default_factory=dict)
     description: str = ""
+    op_overhead: float = 0.0  # s, fixed cost of launching one op (framework dispatch / kernel launch)
 
     def efficiency_of(self, op_class: str) -> float:
+        """Efficiency of an op class; a class the profile does not list gets ``default`` (else 1)."""
         return self.efficiency.get(op_class, self.efficiency.get("default", 1.0))
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<profile>") -> "HardwareProfile":
         top = {"name", "device_memory_gb", "gpus_per_node", "peak_tflops", "efficiency",
                "memory_bandwidth_gbps", "collectives", "h2d_gbps", "d2h_gbps"}
-        _keys(data, source, top, {"description", "collective_factor", "slowdown"})
+        _keys(data, source, top, {"description", "collective_factor", "slowdown", "op_overhead_s"})
         _require(isinstance(data["name"], str) and data["name"].strip() != "", "name", f"expected a non-empty string, got {data['name']!r}")
         _require(isinstance(data.get("description", ""), str), "description", "expected a string")
         gpus_per_node = data["gpus_per_node"]
@@ -134,7 +140,11 @@ class HardwareProfile:
                      f"key must be 'A|B' with two different channels from {list(CHANNELS)}")
             _require(_number(value) and 1.0 <= value < float("inf"), where, f"a slowdown factor is >= 1, got {value!r}")
             slowdown[(names[0], names[1])] = float(value)
+        op_overhead = data.get("op_overhead_s", 0.0)
+        _require(_number(op_overhead) and 0 <= op_overhead < 1.0, "op_overhead_s",
+                 f"seconds per op, >= 0 and < 1, got {op_overhead!r}")
         return cls(
+            op_overhead=float(op_overhead),
             name=data["name"],
             device_memory=_positive(data["device_memory_gb"], "device_memory_gb") * 1e9,
             gpus_per_node=gpus_per_node,
@@ -164,6 +174,7 @@ class HardwareProfile:
             "h2d_gbps": self.h2d_bandwidth / 1e9,
             "d2h_gbps": self.d2h_bandwidth / 1e9,
             "slowdown": {f"{a}|{b}": v for (a, b), v in self.slowdown.items()},
+            "op_overhead_s": self.op_overhead,
         }
 
 

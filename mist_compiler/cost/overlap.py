@@ -50,6 +50,14 @@ def slowdown_matrix(profile: HardwareProfile) -> np.ndarray:
     return matrix
 
 
+def _slowdown_table(profile: HardwareProfile) -> np.ndarray:
+    """``T[i, mask]``: how much slower channel i runs when the channels in bitmask ``mask`` are active."""
+    log_slowdown = slowdown_matrix(profile)
+    masks = np.arange(1 << len(CHANNELS))
+    active = (masks[None, :] >> np.arange(len(CHANNELS))[:, None]) & 1  # (channel, mask)
+    return np.exp(log_slowdown @ active)
+
+
 def _work(value, name: str) -> np.ndarray:
     array = np.asarray(value, dtype=float)
     if np.any(~np.isfinite(array)) or np.any(array < 0):
@@ -61,22 +69,23 @@ def overlap(profile: HardwareProfile, compute_s, collective_s=0.0, h2d_s=0.0, d2
     """Simulate channels running together; each argument is that channel's time alone (broadcast)."""
     named = {"compute": compute_s, "collective": collective_s, "h2d": h2d_s, "d2h": d2h_s}
     work = np.stack(np.broadcast_arrays(*(_work(named[c], f"{c}_s") for c in CHANNELS)))  # (4, ...)
-    log_slowdown = slowdown_matrix(profile)
-    remaining = work.copy()
+    table = _slowdown_table(profile)
+    bits = (1 << np.arange(len(CHANNELS))).reshape((-1,) + (1,) * (work.ndim - 1))
+    remaining = np.where(work > 0, work, np.inf)  # inf marks a channel that is done (or never ran)
     finish = np.zeros_like(work)
     now = np.zeros(work.shape[1:])
     for _ in range(len(CHANNELS)):  # every step finishes at least one channel
-        active = remaining > 0
+        active = remaining < np.inf
         if not active.any():
             break
-        slow = np.exp(np.tensordot(log_slowdown, active.astype(float), axes=1))  # (4, ...)
-        to_finish = np.where(active, remaining * slow, np.inf)
+        slow = table[:, (active * bits).sum(axis=0)]  # (4, ...): product of the active others' factors
+        to_finish = remaining * slow
         step = to_finish.min(axis=0)
-        step = np.where(np.isfinite(step), step, 0.0)
-        done = active & (to_finish <= step * (1 + 1e-12))
-        remaining = np.where(done, 0.0, np.where(active, remaining - step / slow, 0.0))
-        now = now + step
-        finish = np.where(done, now, finish)
+        step = np.where(step < np.inf, step, 0.0)
+        done = to_finish <= step * (1 + 1e-12)
+        now += step
+        finish[done] = np.broadcast_to(now, done.shape)[done]
+        remaining = np.where(done, np.inf, remaining - step / slow)
     total = finish.max(axis=0)
     compute_finish = finish[0]
     exposed = {c: np.maximum(0.0, finish[i] - compute_finish) for i, c in enumerate(CHANNELS) if c != "compute"}
