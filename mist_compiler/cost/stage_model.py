@@ -8,7 +8,8 @@ passes on each block class (pre, layer, post), lambdifies their sympy expression
 
 Per candidate (one pipeline stage, one device's view):
 - compute: per op class roofline (``op_time``) of the stage's blocks, forward and backward, plus
-  the forward of the checkpointed layers again (recompute) during the backward;
+  the profile's fixed ``op_overhead`` per executed op (dispatch / kernel launch), plus the
+  forward of the checkpointed layers again (recompute) during the backward;
 - tensor-parallel all-reduces (from the annotation pass) on the critical path, exposed;
 - ZeRO traffic over the ``dp`` group: levels 2-3 reduce-scatter gradients every micro-batch and
   level 3 all-gathers weights in forward and backward, overlapped with compute; levels 0-1
@@ -101,6 +102,7 @@ class _BlockFunctions:
     backward_peaks: list[Callable]
     params_per_device: Callable
     tp_supported: bool
+    op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
 
 
 def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
@@ -116,6 +118,7 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         backward_peaks=[_lambdify(e) for e in block.memory.backward_peaks[attention]],
         params_per_device=_lambdify(block.params_per_device),
         tp_supported=block.tp_supported,
+        op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
     )
 
 
@@ -200,7 +203,7 @@ class StageCostModel:
             for op_class, flops in functions.flops[phase].items():
                 time = time + op_class_time(self.hardware, self.dtype, op_class, flops(b, s, t),
                                             functions.nbytes[phase][op_class](b, s, t))
-            terms[f"{phase}_compute"] = time
+            terms[f"{phase}_compute"] = time + functions.op_count[phase] * getattr(self.hardware, "op_overhead", 0.0)
             comm = np.zeros(b.shape)
             for payload in functions.collectives[phase]:
                 comm = comm + collective_time(self.hardware, "all_reduce", np.maximum(payload(b, s, t), 0.0), *tp_shape)
