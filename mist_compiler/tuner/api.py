@@ -18,8 +18,8 @@ import numpy as np
 
 from ..cost.stage_api import StageCandidates, StageCostModel, StageEstimates, pipeline_iteration_time
 from ..ir.plan import Offload, Plan, StagePlan
-from .inter_stage import lower_bound, role_pools, solve_stages, solver_name
-from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable, build_frontiers
+from .inter_stage import lower_bound, role_pools, solve_stages, solver_name, sum_time_bounds, uniform_solution
+from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable, build_frontiers, probe_work_bound
 from .space import Cluster, SearchSpace, TuneError, Workload, divisors
 
 Progress = Callable[[str], None]
@@ -200,40 +200,58 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
     g_options = [g for g in space.grad_accum_options(work.global_batch)]
     stats: dict = {"solver": solver_name(), "space": space.describe(), "grad_accum_tried": 0, "milps": 0,
                    "milps_skipped": 0, "evaluated": 0, "frontier_points": 0, "max_gap": 0.0, "statuses": {}}
+    # order G values by a cheap bound so a good plan is found early and prunes the rest
+    g_bounds = sorted((probe_work_bound(cost_model, work, cluster, space, g, max_stages), g) for g in g_options)
+    stats["probe_s"] = time.perf_counter() - started
     tables: dict[int, FrontierTable] = {}
-    bounds: list[tuple[float, int, int]] = []
-    for g in g_options:
-        table = build_frontiers(cost_model, work, cluster, space, g, max_stages)
+    best = None
+    best_g = None
+    incumbent = math.inf
+
+    def consider(solution, g: int) -> None:
+        nonlocal best, best_g, incumbent
+        if solution is not None and solution.objective < incumbent:
+            incumbent, best, best_g = solution.objective, solution, g
+            say(f"S={len(solution.rows)} G={g}: {solution.objective * 1e3:.1f} ms per iteration "
+                f"({solution.status}, {time.perf_counter() - started:.1f}s)")
+
+    # phase 1: frontiers per G, each followed by quick even-split plans that set the incumbent
+    for g_bound, g in g_bounds:
+        if g_bound >= incumbent:
+            stats["grad_accum_skipped"] = stats.get("grad_accum_skipped", 0) + 1
+            continue
+        table = build_frontiers(cost_model, work, cluster, space, g, max_stages, incumbent)
         stats["grad_accum_tried"] += 1
-        stats["evaluated"] += table.stats.get("candidates_exact", 0) + 2 * table.stats.get("bases", 0)
+        stats["evaluated"] += table.stats.get("candidates_exact", 0) * 2 + 2 * table.stats.get("bases", 0)
         stats["frontier_points"] += table.stats.get("frontier_points", 0)
+        say(f"G={g}: {table.stats.get('bases', 0)} base configs, {table.stats.get('frontier_points', 0)} "
+            f"Pareto points ({time.perf_counter() - started:.1f}s)")
         if not table.cells:
             continue
         tables[g] = table
         for stages in stage_options:
-            bound = lower_bound(role_pools(table, stages, work, cluster, space), stages, g, work.num_layers)
-            if math.isfinite(bound):
-                bounds.append((bound, stages, g))
-        say(f"G={g}: {table.stats.get('bases', 0)} base configs, {table.stats.get('frontier_points', 0)} "
-            f"Pareto points ({time.perf_counter() - started:.1f}s)")
+            consider(uniform_solution(table, stages, work, cluster, space), g)
     stats["frontier_s"] = time.perf_counter() - started
-    best = None
-    best_g = None
-    incumbent = math.inf
-    for bound, stages, g in sorted(bounds):
+    # phase 2: MILPs in order of their lower bound, skipping those that cannot beat the incumbent
+    bounds = []
+    for g, table in tables.items():
+        least_sums = sum_time_bounds(table, work, cluster, space, stage_options)
+        for stages in stage_options:
+            pools = role_pools(table, stages, work, cluster, space)
+            bound = lower_bound(pools, stages, g, work.num_layers, cluster.world, least_sums.get(stages, 0.0))
+            if math.isfinite(bound):
+                bounds.append((bound, stages, g, pools))
+    for bound, stages, g, pools in sorted(bounds, key=lambda item: (item[0], item[1], item[2])):
         if bound >= incumbent * (1 - 1e-9):
             stats["milps_skipped"] += 1
             continue
-        solution = solve_stages(tables[g], stages, work, cluster, space, incumbent)
+        solution = solve_stages(tables[g], stages, work, cluster, space, incumbent, pools)
         stats["milps"] += 1
         if solution is None:
             continue
         stats["max_gap"] = max(stats["max_gap"], solution.gap)
         stats["statuses"][solution.status] = stats["statuses"].get(solution.status, 0) + 1
-        if solution.objective < incumbent:
-            incumbent, best, best_g = solution.objective, solution, g
-            say(f"S={stages} G={g}: {solution.objective * 1e3:.1f} ms per iteration ({solution.status}, gap "
-                f"{solution.gap:.1%}, {time.perf_counter() - started:.1f}s)")
+        consider(solution, g)
     stats["search_s"] = time.perf_counter() - started
     if best is None:
         raise TuneError(_memory_diagnosis(cost_model, work, cluster, space))

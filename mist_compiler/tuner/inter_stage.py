@@ -128,14 +128,18 @@ def role_pools(table: FrontierTable, stages: int, work: Workload, cluster: Clust
     return pools
 
 
-def lower_bound(pools: dict[str, ChoicePool], stages: int, grad_accum: int, total_layers: int) -> float:
-    """A bound no plan of this (S, G) beats: stage minima, and the stage that holds >= L/S layers."""
+def lower_bound(pools: dict[str, ChoicePool], stages: int, grad_accum: int, total_layers: int, world: int,
+                least_sum: float = 0.0) -> float:
+    """A bound no plan of this (S, G) beats: stage minima, work over the cluster, the stage with >= L/S
+    layers, and ``least_sum`` (a bound on sum_i T_i, see :func:`sum_time_bounds`)."""
     if any(len(pool) == 0 for pool in pools.values()):
         return math.inf
     minima = [pools[role].min_stable() for role in ("first", "last", "only") if role in pools]
     if "middle" in pools:
         minima += [pools["middle"].min_stable()] * (stages - 2)
-    bound = (grad_accum - 1) * max(minima) + sum(minima)
+    per_layer = min(float((p.stable * p.devices / np.maximum(p.layers, 1)).min()) for p in pools.values())
+    slowest = max(max(minima), total_layers * per_layer / world, least_sum / stages)
+    bound = (grad_accum - 1) * slowest + max(sum(minima), least_sum)
     big = math.ceil(total_layers / stages)
     heaviest = min((float(p.stable[p.layers >= big].min()) for p in pools.values() if (p.layers >= big).any()),
                    default=math.inf)
@@ -258,9 +262,18 @@ def _solve_milp(table: FrontierTable, pools: dict[str, ChoicePool], stages: int,
             model += mip.xsum(fitting) >= positions
     t_sum = t_first + t_last + t_middle_sum
     model += bubble >= d_last - t_sum + t_last
+    # redundant cuts that tighten the relaxation: the slowest stage is at least the average
+    # stage, and at least the device-weighted average (work conservation over the cluster)
+    model += stages * t_max >= t_sum
+    device_seconds = mip.xsum(float(first.stable[c] * first.devices[c]) * x_first[c] for c in range(len(first))) + \
+        mip.xsum(float(last.stable[c] * last.devices[c]) * x_last[c] for c in range(len(last)))
+    if middle_count > 0:
+        device_seconds = device_seconds + mip.xsum(float(middle.stable[c] * middle.devices[c]) * n_mid[c] for c in range(len(middle)))
+    model += cluster.world * t_max >= device_seconds
     model += layers == work.num_layers
     model += devices == cluster.world
     model.objective = (g - 1) * t_max + t_sum + bubble
+    model.max_mip_gap = space.milp_gap
     if math.isfinite(incumbent):
         model.cutoff = incumbent
     status = model.optimize(max_seconds=space.milp_seconds)
@@ -292,3 +305,95 @@ def _order_middle(pool: ChoicePool | None, chosen: list[int]) -> list[int]:
     if not chosen or pool is None:
         return []
     return sorted(chosen, key=lambda c: (-int(pool.fit_k[c]), float(pool.delta[c]), int(pool.rows[c])))
+
+
+def uniform_solution(table: FrontierTable, stages: int, work: Workload, cluster: Cluster,
+                     space: SearchSpace) -> StageSolution | None:
+    """A quick incumbent: equal devices per stage, layers split as evenly as possible, and per stage
+    the point that minimises ``G * stable + delta``. Exact time; used to prune before any MILP."""
+    if cluster.world % stages or work.num_layers < stages:
+        return None
+    per_stage = cluster.world // stages
+    shapes = [i for i, s in enumerate(table.shapes) if s.count == per_stage]
+    if not shapes:
+        return None
+    g = table.grad_accum
+    base, extra = divmod(work.num_layers, stages)
+    best = None
+    for arrangement in _even_splits(stages, base, extra):
+        if not all(space.layers_allowed(l, stages, work.num_layers) for l in arrangement):
+            continue
+        for shape in shapes:
+            rows = []
+            for i, layers in enumerate(arrangement):
+                pp = PP_BOTH if stages == 1 else PP_PRE if i == 0 else PP_POST if i == stages - 1 else PP_NONE
+                inflight = 1 if pp in (PP_BOTH, PP_POST) else min(stages - i, g)
+                members = table.cell(layers, pp, shape, inflight)
+                if len(members) == 0:
+                    rows = None
+                    break
+                rows.append(int(members[np.argmin(g * table.stable[members] + table.delta[members])]))
+            if rows is None:
+                continue
+            value = pipeline_iteration_time(table.stable[rows], table.delta[rows], g)
+            if best is None or value < best.objective:
+                inflight = [min(stages - i, g) for i in range(stages)]
+                best = StageSolution(rows, list(arrangement), inflight, value, value, value, 0.0, "HEURISTIC", 0)
+    return best
+
+
+def _even_splits(stages: int, base: int, extra: int) -> list[tuple[int, ...]]:
+    """Layer counts differing by at most one: the extra layers on the middle, the front or the back."""
+    if extra == 0:
+        return [(base,) * stages]
+    front = tuple(base + (i < extra) for i in range(stages))
+    back = tuple(base + (i >= stages - extra) for i in range(stages))
+    middle_order = list(range(1, stages - 1)) + [0, stages - 1]
+    middle_set = set(middle_order[:extra])
+    middle = tuple(base + (i in middle_set) for i in range(stages))
+    return sorted({front, back, middle})
+
+
+def _min_table(pool: ChoicePool, total_layers: int, world: int) -> np.ndarray:
+    """table[l, d] = the fastest stable time of a choice with l layers on d devices (inf: none)."""
+    table = np.full((total_layers + 1, world + 1), np.inf)
+    if len(pool):
+        np.minimum.at(table, (pool.layers, pool.devices), pool.stable)
+    return table
+
+
+def _min_plus(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """(left (+) right)[l, d] = min over splits of left[l1, d1] + right[l - l1, d - d1]."""
+    result = np.full_like(left, np.inf)
+    layers, devices = left.shape
+    for l, d in zip(*np.nonzero(np.isfinite(right))):
+        np.minimum(result[l:, d:], left[:layers - l, :devices - d] + right[l, d], out=result[l:, d:])
+    return result
+
+
+def sum_time_bounds(table: FrontierTable, work: Workload, cluster: Cluster, space: SearchSpace,
+                    stage_options: list[int]) -> dict[int, float]:
+    """For each S, the least ``sum_i T_i`` of any S stages covering all layers and devices (a DP over
+    (layers, devices) with relaxed filters, so it is a valid lower bound for the MILP)."""
+    total, world = work.num_layers, cluster.world
+    if (total + 1) * (world + 1) > 200_000:
+        return {}
+    g = table.grad_accum
+    relaxed = space.restrict(layer_slack=None, uniform_devices=False)
+    middle = _min_table(_pool(table, PP_NONE, min(2, g), 3, work, cluster, relaxed), total, world)
+    last = _min_table(_pool(table, PP_POST, 1, 2, work, cluster, relaxed), total, world)
+    only = _min_table(_pool(table, PP_BOTH, 1, 1, work, cluster, relaxed), total, world)
+    bounds: dict[int, float] = {}
+    chain = np.full_like(middle, np.inf)
+    chain[0, 0] = 0.0
+    chains = {0: chain}
+    for stages in sorted(stage_options):
+        if stages == 1:
+            bounds[1] = float(only[total, world])
+            continue
+        while max(chains) < stages - 2:
+            chains[max(chains) + 1] = _min_plus(chains[max(chains)], middle)
+        first = _min_table(_pool(table, PP_PRE, min(stages, g), stages, work, cluster, relaxed), total, world)
+        head = _min_plus(chains[stages - 2], first) if stages > 2 else first
+        bounds[stages] = float(np.min(head[::-1, ::-1] + last) if np.isfinite(last).any() else np.inf)
+    return bounds

@@ -17,6 +17,7 @@ cost model has (the tests check them on the real one):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -159,8 +160,12 @@ def _knob_limits(space: SearchSpace, layers: np.ndarray) -> tuple[np.ndarray, np
 
 
 def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], space: SearchSpace,
-                     limit: float, stats: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of (base index, ckpt layers, offload combo index) worth evaluating exactly."""
+                     limit: float, stats: dict, bound: "IncumbentBound") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of (base index, ckpt layers, offload combo index) worth evaluating exactly.
+
+    A base whose fastest form (no knobs) already gives ``G * stable >= incumbent`` is dropped: no
+    plan using it can beat the best plan found so far.
+    """
     combos = space.offload_combos()
     n = len(bases)
     low, high = _knob_limits(space, bases.layers)
@@ -169,6 +174,11 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
     most_saving = evaluate(model, bases, shapes, high, max_offload, 1)
     alive = _fits(most_saving.peak_memory_bytes, limit)
     least_saving = evaluate(model, bases, shapes, low, no_offload, bases.max_inflight)
+    fastest = least_saving.stable_s.astype(float)
+    stats["work_bound"] = bound.work_bound(bases, fastest, alive, shapes)
+    if stats["work_bound"] >= bound.incumbent:
+        alive[:] = False
+    alive &= bound.grad_accum * fastest < bound.incumbent
     easy = alive & _fits(least_saving.peak_memory_bytes, limit)
     tight = np.flatnonzero(alive & ~easy)
     stats["bases"] = stats.get("bases", 0) + n
@@ -179,50 +189,62 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
     ckpts = [low[easy_rows]]
     offload_ids = [np.zeros(len(easy_rows), dtype=int)]
     if len(tight):
-        base_rows = np.repeat(tight, len(combos))
-        combo_ids = np.tile(np.arange(len(combos)), len(tight))
-        sub = bases.take(base_rows)
-        offload = combos[combo_ids]
-        if space.ckpt == "tune":
-            picked_rows, picked_ckpt, picked_combo = _predict_min_ckpt(model, sub, shapes, offload, limit)
-            rows.append(base_rows[picked_rows])
-            ckpts.append(picked_ckpt)
-            offload_ids.append(combo_ids[picked_rows])
-        else:
-            for option_low in (True, False):
-                option = _knob_limits(space, sub.layers)[0 if option_low else 1]
-                rows.append(base_rows)
-                ckpts.append(option)
-                offload_ids.append(combo_ids)
+        picked_base, picked_ckpt, picked_combo = _minimal_knobs(model, bases.take(tight), shapes, space, combos, limit)
+        rows.append(tight[picked_base])
+        ckpts.append(picked_ckpt)
+        offload_ids.append(picked_combo)
     return np.concatenate(rows), np.concatenate(ckpts), np.concatenate(offload_ids)
 
 
-def _predict_min_ckpt(model: StageCostModel, sub: Bases, shapes: list[DeviceShape], offload: np.ndarray,
-                      limit: float) -> tuple[np.ndarray, np.ndarray, None]:
-    """For each row and each in-flight count, the smallest checkpoint count predicted to fit."""
-    none = np.zeros_like(sub.layers)
-    corners = [evaluate(model, sub, shapes, c, offload, k).peak_memory_bytes
-               for c in (none, sub.layers) for k in (1, 2)]
-    m0k1, m0k2, mlk1, mlk2 = corners
-    layers = np.maximum(sub.layers, 1).astype(float)
+def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape], space: SearchSpace,
+                   combos: np.ndarray, limit: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each tight base and in-flight count, the minimal (offload combo, ckpt) pairs that fit.
+
+    Combos form a grid over the four families. For every combo the smallest fitting checkpoint
+    count is predicted from four corner evaluations (ckpt none/max x k = 1, 2); a combo is kept
+    only if lowering any one offload ratio by a grid step would need strictly more checkpointing
+    (otherwise that lower combo fits with no more recompute and dominates it, knobs being monotone).
+    """
+    grid_shape = tuple(len(set(combos[:, f])) for f in range(4))
+    n, c = len(tight), len(combos)
+    sub = tight.take(np.repeat(np.arange(n), c))
+    offload = np.tile(combos, (n, 1))
+    low, high = _knob_limits(space, sub.layers)
+    corners = [evaluate(model, sub, shapes, knob, offload, k).peak_memory_bytes.astype(float)
+               for knob in (low, high) for k in (1, 2)]
+    m_low1, m_low2, m_high1, m_high2 = corners
+    span = np.maximum(high - low, 1).astype(float)
     picked_rows, picked_ckpt = [], []
     for k in range(1, int(sub.max_inflight.max()) + 1):
         active = sub.max_inflight >= k
-        m_none = m0k1 + (k - 1) * (m0k2 - m0k1)
-        m_all = mlk1 + (k - 1) * (mlk2 - mlk1)
-        saving_per_layer = (m_none - m_all) / layers
-        with np.errstate(divide="ignore", invalid="ignore"):
-            needed = np.where(saving_per_layer > 0, (m_none - limit) / saving_per_layer, np.inf)
-        ckpt = np.where(m_none <= limit, 0, np.ceil(needed - 1e-9))
-        ok = active & np.isfinite(ckpt) & (ckpt <= sub.layers) & _fits(m_all, limit)
-        picked_rows.append(np.flatnonzero(ok))
-        picked_ckpt.append(np.clip(ckpt[ok], 0, sub.layers[ok]).astype(int))
+        m_low = m_low1 + (k - 1) * (m_low2 - m_low1)
+        m_high = m_high1 + (k - 1) * (m_high2 - m_high1)
+        if space.ckpt == "tune":
+            saving_per_layer = (m_low - m_high) / span
+            with np.errstate(divide="ignore", invalid="ignore"):
+                needed = np.where(saving_per_layer > 0, (m_low - limit) / saving_per_layer, np.inf)
+            ckpt = np.where(_fits(m_low, limit), 0.0, np.ceil(needed - 1e-9))
+        else:
+            ckpt = np.where(_fits(m_low, limit), 0.0, np.where(_fits(m_high, limit), (high - low).astype(float), np.inf))
+        ok = active & np.isfinite(ckpt) & (ckpt <= high - low) & _fits(m_high, limit)
+        cost = np.where(ok, ckpt, np.inf).reshape((n,) + grid_shape)
+        minimal = np.isfinite(cost)
+        for axis in range(1, 5):
+            if cost.shape[axis] < 2:
+                continue
+            lower = np.take(cost, np.arange(cost.shape[axis] - 1), axis=axis)
+            upper = np.take(cost, np.arange(1, cost.shape[axis]), axis=axis)
+            beaten = np.concatenate([np.zeros_like(np.take(minimal, [0], axis=axis)), lower <= upper], axis=axis)
+            minimal &= ~beaten
+        keep = np.flatnonzero(minimal.ravel())
+        picked_rows.append(keep)
+        picked_ckpt.append((low[keep] + ckpt[keep]).astype(int))
     rows = np.concatenate(picked_rows)
     ckpts = np.concatenate(picked_ckpt)
-    # keep each (row, ckpt) once
     key = rows.astype(np.int64) * (int(sub.layers.max()) + 2) + ckpts
     _, first = np.unique(key, return_index=True)
-    return rows[first], ckpts[first], None
+    rows, ckpts = rows[first], ckpts[first]
+    return rows // c, ckpts, rows % c
 
 
 def pareto_mask(group: np.ndarray, stable: np.ndarray, delta: np.ndarray, tiebreak: np.ndarray) -> np.ndarray:
@@ -230,21 +252,25 @@ def pareto_mask(group: np.ndarray, stable: np.ndarray, delta: np.ndarray, tiebre
     if len(group) == 0:
         return np.zeros(0, dtype=bool)
     order = np.lexsort((tiebreak, delta, stable, group))
-    g, d = group[order], delta[order]
-    new_group = np.ones(len(g), dtype=bool)
-    new_group[1:] = g[1:] != g[:-1]
-    # running minimum of delta restarting at each group: offset groups so later ones are far below
-    span = float(np.ptp(d)) + 1.0
-    rank = np.cumsum(new_group) - 1
-    shifted = d - rank * span * 4
+    keep = np.zeros(len(group), dtype=bool)
+    keep[order[_pareto_sorted(group[order], delta[order])]] = True
+    return keep
+
+
+def _pareto_sorted(group: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """Pareto mask for points already sorted by (group, stable, delta): keep strict new delta minima."""
+    if len(group) == 0:
+        return np.zeros(0, dtype=bool)
+    new_group = np.ones(len(group), dtype=bool)
+    new_group[1:] = group[1:] != group[:-1]
+    # running minimum of delta restarting at each group: offset groups so later ones lie far below
+    span = float(np.ptp(delta)) + 1.0
+    shifted = delta - (np.cumsum(new_group) - 1) * span * 4
     running = np.minimum.accumulate(shifted)
     previous = np.empty_like(running)
     previous[0] = np.inf
     previous[1:] = running[:-1]
-    keep_sorted = new_group | (shifted < previous - 1e-15 * span)
-    keep = np.zeros(len(g), dtype=bool)
-    keep[order[keep_sorted]] = True
-    return keep
+    return new_group | (shifted < previous - 1e-15 * span)
 
 
 def _thin(indices: np.ndarray, stable: np.ndarray, limit: int) -> np.ndarray:
@@ -256,14 +282,33 @@ def _thin(indices: np.ndarray, stable: np.ndarray, limit: int) -> np.ndarray:
     return ordered[picks]
 
 
+@dataclass
+class IncumbentBound:
+    """The best iteration time found so far, used to drop configurations that cannot beat it."""
+
+    grad_accum: int
+    incumbent: float
+    total_layers: int
+    world: int
+
+    def work_bound(self, bases: Bases, fastest: np.ndarray, alive: np.ndarray, shapes: list[DeviceShape]) -> float:
+        """``G * L * min(device-seconds per layer) / world``: every plan of this G takes at least this."""
+        if not alive.any():
+            return math.inf
+        counts = np.array([s.count for s in shapes])[bases.shape]
+        per_layer = fastest * counts / np.maximum(bases.layers, 1)
+        return float(self.grad_accum * self.total_layers * per_layer[alive].min() / self.world)
+
+
 def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, space: SearchSpace,
-                    grad_accum: int, max_stages: int) -> FrontierTable:
+                    grad_accum: int, max_stages: int, incumbent: float = math.inf) -> FrontierTable:
     """Evaluate every stage configuration for this G and keep each cell's Pareto frontier."""
     stats: dict = {"grad_accum": grad_accum}
+    bound = IncumbentBound(grad_accum, incumbent, work.num_layers, cluster.world)
     limit = float(model.device_memory_bytes)
     bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
     combos = space.offload_combos()
-    rows, ckpt, combo = _candidate_knobs(model, bases, shapes, space, limit, stats) if len(bases) else (
+    rows, ckpt, combo = _candidate_knobs(model, bases, shapes, space, limit, stats, bound) if len(bases) else (
         np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros(0, dtype=int))
     table_bases = bases.take(rows)
     offload = combos[combo] if len(combo) else np.zeros((0, 4))
@@ -321,12 +366,12 @@ def _frontier_cells(bases: Bases, fit_k: np.ndarray, stable: np.ndarray, delta: 
         return cells
     shape_span = int(bases.shape.max()) + 1
     group = (bases.layers.astype(np.int64) * 4 + bases.pp) * shape_span + bases.shape
+    order = np.lexsort((memory, delta, stable, group))
+    sorted_group, sorted_delta, sorted_fit = group[order], delta[order], fit_k[order]
     thinned = 0
     for k in range(1, int(fit_k.max()) + 1):
-        members = np.flatnonzero(fit_k >= k)
-        keep = members[pareto_mask(group[members], stable[members], delta[members], memory[members])]
-        order = np.argsort(group[keep], kind="stable")
-        keep = keep[order]
+        members = np.flatnonzero(sorted_fit >= k)
+        keep = order[members[_pareto_sorted(sorted_group[members], sorted_delta[members])]]
         splits = np.flatnonzero(np.diff(group[keep])) + 1
         for chunk in np.split(keep, splits):
             if len(chunk) == 0:
@@ -337,3 +382,18 @@ def _frontier_cells(bases: Bases, fit_k: np.ndarray, stable: np.ndarray, delta: 
             cells[key] = _thin(chunk, stable, max_points)
     stats["points_thinned"] = thinned
     return cells
+
+
+def probe_work_bound(model: StageCostModel, work: Workload, cluster: Cluster, space: SearchSpace,
+                     grad_accum: int, max_stages: int) -> float:
+    """A cheap lower bound on any plan of this G (two evaluations per base), to order and skip G values."""
+    bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
+    if len(bases) == 0:
+        return math.inf
+    combos = space.offload_combos()
+    low, high = _knob_limits(space, bases.layers)
+    most_saving = evaluate(model, bases, shapes, high, np.tile(combos.max(axis=0), (len(bases), 1)), 1)
+    alive = _fits(most_saving.peak_memory_bytes, float(model.device_memory_bytes))
+    fastest = evaluate(model, bases, shapes, low, np.zeros((len(bases), 4)), 1).stable_s.astype(float)
+    bound = IncumbentBound(grad_accum, math.inf, work.num_layers, cluster.world)
+    return bound.work_bound(bases, fastest, alive, shapes)

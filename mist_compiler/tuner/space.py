@@ -52,7 +52,7 @@ class SearchSpace:
     - ``layer_slack``: each stage holds within this many layers of ``L / S`` (None: any split).
     - ``partial_node_stages``: allow stages smaller than a node.
     - ``max_frontier_points``: cap on Pareto points kept per stage cell (keeps the MILP small).
-    - ``milp_seconds``: time limit of each inter-stage MILP solve.
+    - ``milp_seconds`` / ``milp_gap``: time limit and relative optimality gap of each MILP solve.
     """
 
     micro_batches: tuple[int, ...] | None = None
@@ -71,7 +71,8 @@ class SearchSpace:
     layer_slack: int | None = None
     partial_node_stages: bool = True
     max_frontier_points: int = 12
-    milp_seconds: float = 10.0
+    milp_seconds: float = 5.0
+    milp_gap: float = 1e-4
     name: str = "full"
 
     def __post_init__(self) -> None:
