@@ -7,6 +7,20 @@ load and an error names the field.
 
 Units: bytes and seconds throughout, except the human-facing YAML keys that say otherwise
 (``_gb`` = 1e9 bytes, ``_gbps`` = 1e9 bytes/s, ``_tflops`` = 1e12 FLOP/s).
+
+Meaning of the fields the cost model reads:
+
+* ``efficiency[op_class]`` (``matmul``, ``attention``, ``elementwise``, ``reduction``, ``default``
+  for the rest; measured profiles add ``norm`` and ``softmax``): the fraction of the roofline an
+  op of that class achieves. For the compute-bound classes (matmul, attention) it scales
+  ``peak_flops[dtype]``; for the memory-bound ones it scales ``memory_bandwidth`` (the achieved
+  device copy rate). ``cost/op_time.py`` applies it.
+* ``collectives['NxG']``: alpha-beta fits per group shape; ``cost.comm`` derives unlisted shapes.
+* ``op_overhead_s`` (optional, default 0): fixed seconds per op on top of its roofline time
+  (eager dispatch on CPU, kernel launch on GPU); matters for small models.
+* ``slowdown['A|B']``: factor by which channel A runs slower while channel B is active
+  (channels ``compute``, ``collective``, ``h2d``, ``d2h``); missing pairs are 1. ``cost.overlap``
+  simulates a phase with them.
 """
 from __future__ import annotations
 
@@ -30,9 +44,13 @@ def _require(condition: bool, where: str, message: str) -> None:
 
 
 def _positive(value: Any, where: str) -> float:
-    _require(isinstance(value, (int, float)) and not isinstance(value, bool), where, f"expected a number, got {value!r}")
-    _require(value > 0, where, f"must be positive, got {value}")
+    _require(_number(value), where, f"expected a number, got {value!r}")
+    _require(value > 0 and value != float("inf"), where, f"must be positive, got {value}")
     return float(value)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 def _keys(data: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> None:
@@ -53,6 +71,8 @@ class LinkFit:
 
 @dataclass(frozen=True)
 class HardwareProfile:
+    """One device kind and its node: rates, links, copies, interference (see the module docstring)."""
+
     name: str
     device_memory: float  # bytes usable by the framework on one device
     gpus_per_node: int  # devices per node this profile describes (upper bound for group shapes)
@@ -66,47 +86,66 @@ class HardwareProfile:
     # slowdown[(a, b)] = factor by which channel a runs slower while channel b is active
     slowdown: dict[tuple[str, str], float] = field(default_factory=dict)
     description: str = ""
+    op_overhead: float = 0.0  # s, fixed cost of launching one op (framework dispatch / kernel launch)
 
     def efficiency_of(self, op_class: str) -> float:
+        """Efficiency of an op class; a class the profile does not list gets ``default`` (else 1)."""
         return self.efficiency.get(op_class, self.efficiency.get("default", 1.0))
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<profile>") -> "HardwareProfile":
         top = {"name", "device_memory_gb", "gpus_per_node", "peak_tflops", "efficiency",
                "memory_bandwidth_gbps", "collectives", "h2d_gbps", "d2h_gbps"}
-        _keys(data, source, top, {"description", "collective_factor", "slowdown"})
+        _keys(data, source, top, {"description", "collective_factor", "slowdown", "op_overhead_s"})
+        _require(isinstance(data["name"], str) and data["name"].strip() != "", "name", f"expected a non-empty string, got {data['name']!r}")
+        _require(isinstance(data.get("description", ""), str), "description", "expected a string")
+        gpus_per_node = data["gpus_per_node"]
+        _require(isinstance(gpus_per_node, int) and not isinstance(gpus_per_node, bool) and gpus_per_node > 0,
+                 "gpus_per_node", f"expected a positive integer, got {gpus_per_node!r}")
         peak = data["peak_tflops"]
         _keys(peak, "peak_tflops", set(), set(DTYPES))
         _require(bool(peak), "peak_tflops", f"give at least one of {list(DTYPES)}")
         efficiency = data["efficiency"]
         _require(isinstance(efficiency, dict) and efficiency, "efficiency", "expected a non-empty mapping op class -> fraction")
         for op_class, value in efficiency.items():
-            _require(isinstance(value, (int, float)) and 0 < value <= 1, f"efficiency.{op_class}", f"must be in (0, 1], got {value!r}")
+            _require(isinstance(op_class, str), f"efficiency.{op_class}", "op class names are strings")
+            _require(_number(value) and 0 < value <= 1, f"efficiency.{op_class}", f"must be in (0, 1], got {value!r}")
         links = {}
         _require(isinstance(data["collectives"], dict) and data["collectives"], "collectives", "expected a non-empty mapping 'NxM' -> {bandwidth_gbps, latency_s}")
         for shape, fit in data["collectives"].items():
             where = f"collectives.{shape}"
             parts = str(shape).lower().split("x")
             _require(len(parts) == 2 and all(p.isdigit() and int(p) > 0 for p in parts), where, "group shape must be 'NODESxGPUS', e.g. '1x8'")
+            shape_key = (int(parts[0]), int(parts[1]))
+            _require(shape_key != (1, 1), where, "a one-device group has no collective cost; list shapes of 2+ devices")
+            _require(shape_key[1] <= gpus_per_node, where, f"{shape_key[1]} gpus per node exceeds gpus_per_node={gpus_per_node}")
+            _require(shape_key not in links, where, "group shape listed twice")
             _keys(fit, where, {"bandwidth_gbps", "latency_s"})
             latency = fit["latency_s"]
-            _require(isinstance(latency, (int, float)) and latency >= 0, f"{where}.latency_s", f"must be >= 0, got {latency!r}")
-            links[(int(parts[0]), int(parts[1]))] = LinkFit(_positive(fit["bandwidth_gbps"], f"{where}.bandwidth_gbps") * 1e9, float(latency))
+            _require(_number(latency) and 0 <= latency < float("inf"), f"{where}.latency_s", f"must be >= 0, got {latency!r}")
+            links[shape_key] = LinkFit(_positive(fit["bandwidth_gbps"], f"{where}.bandwidth_gbps") * 1e9, float(latency))
         factors = {"all_gather": 1.0, "reduce_scatter": 1.1, "all_reduce": 2.1, "p2p": 1.0, "broadcast": 1.0, "all_to_all": 1.0}
-        for name, value in (data.get("collective_factor") or {}).items():
+        collective_factor = data.get("collective_factor") or {}
+        _require(isinstance(collective_factor, dict), "collective_factor", "expected a mapping collective -> factor")
+        for name, value in collective_factor.items():
             _require(name in COLLECTIVES, f"collective_factor.{name}", f"unknown collective; known: {list(COLLECTIVES)}")
             factors[name] = _positive(value, f"collective_factor.{name}")
         slowdown = {}
-        for pair, value in (data.get("slowdown") or {}).items():
+        slowdown_data = data.get("slowdown") or {}
+        _require(isinstance(slowdown_data, dict), "slowdown", "expected a mapping 'A|B' -> factor")
+        for pair, value in slowdown_data.items():
             where = f"slowdown.{pair}"
             names = str(pair).split("|")
-            _require(len(names) == 2 and all(n in CHANNELS for n in names), where, f"key must be 'A|B' with channels from {list(CHANNELS)}")
-            _require(isinstance(value, (int, float)) and value >= 1.0, where, f"a slowdown factor is >= 1, got {value!r}")
+            _require(len(names) == 2 and all(n in CHANNELS for n in names) and names[0] != names[1], where,
+                     f"key must be 'A|B' with two different channels from {list(CHANNELS)}")
+            _require(_number(value) and 1.0 <= value < float("inf"), where, f"a slowdown factor is >= 1, got {value!r}")
             slowdown[(names[0], names[1])] = float(value)
-        gpus_per_node = data["gpus_per_node"]
-        _require(isinstance(gpus_per_node, int) and gpus_per_node > 0, "gpus_per_node", f"expected a positive integer, got {gpus_per_node!r}")
+        op_overhead = data.get("op_overhead_s", 0.0)
+        _require(_number(op_overhead) and 0 <= op_overhead < 1.0, "op_overhead_s",
+                 f"seconds per op, >= 0 and < 1, got {op_overhead!r}")
         return cls(
-            name=str(data["name"]),
+            op_overhead=float(op_overhead),
+            name=data["name"],
             device_memory=_positive(data["device_memory_gb"], "device_memory_gb") * 1e9,
             gpus_per_node=gpus_per_node,
             peak_flops={dtype: _positive(v, f"peak_tflops.{dtype}") * 1e12 for dtype, v in peak.items()},
@@ -135,6 +174,7 @@ class HardwareProfile:
             "h2d_gbps": self.h2d_bandwidth / 1e9,
             "d2h_gbps": self.d2h_bandwidth / 1e9,
             "slowdown": {f"{a}|{b}": v for (a, b), v in self.slowdown.items()},
+            "op_overhead_s": self.op_overhead,
         }
 
 
@@ -162,3 +202,13 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         except yaml.YAMLError as error:
             raise ProfileError(f"hardware profile {path!r} is not valid YAML: {error}") from None
     return HardwareProfile.from_dict(data, source=os.path.basename(path))
+
+
+def save_profile(profile: HardwareProfile, path: str) -> None:
+    """Write ``profile`` as YAML that :func:`load_profile` reads back to an equal profile."""
+    import yaml
+
+    data = profile.to_dict()
+    HardwareProfile.from_dict(data, source=path)  # never write a file we would refuse to load
+    with open(path, "w") as handle:
+        yaml.safe_dump(data, handle, sort_keys=False, width=100)

@@ -1,0 +1,142 @@
+"""``analyze``: predicted iteration time and per-stage memory of a plan (``mistc analyze``).
+
+A plan is priced stage by stage with the vectorised stage cost model (one candidate per stage,
+1F1B: stage i of S keeps ``min(S - i, grad_accum)`` micro-batches' activations in flight) and the
+stages are combined by ``stage_api.pipeline_iteration_time``. Each stage reports its compute,
+exposed communication, exposed copies, its bubble (idle time in the iteration) and its peak
+memory; a stage whose peak exceeds the device memory is reported with the amount missing.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..ir.plan import Plan, PlanError, load_plan
+from .hardware import HardwareProfile, load_profile
+from .stage_api import StageCandidates, pipeline_iteration_time
+from .stage_model import StageCostModel, build_stage_cost_model
+
+MB = 1e6
+
+
+@dataclass
+class StageEstimate:
+    index: int
+    layers: tuple[int, int]
+    stable_s: float  # one micro-batch forward + backward in steady state
+    delta_s: float  # once-per-iteration extra work
+    compute_s: float  # per iteration (grad_accum micro-batches, recompute included)
+    exposed_comm_s: float
+    exposed_copy_s: float
+    bubble_s: float  # idle time of this stage in one iteration
+    peak_memory_mb: float
+    memory_limit_mb: float
+    missing_mb: float  # > 0: the stage does not fit by this much
+    memory_mb: dict[str, float] = field(default_factory=dict)  # params, grads, opt, buffers, acts
+
+    @property
+    def fits(self) -> bool:
+        return self.missing_mb <= 0
+
+
+@dataclass
+class PlanEstimate:
+    model: str
+    hardware: str
+    attention: str
+    grad_accum: int
+    iteration_time_s: float
+    tokens_per_s: float
+    stages: list[StageEstimate]
+
+    @property
+    def fits(self) -> bool:
+        return all(stage.fits for stage in self.stages)
+
+    @property
+    def missing_mb(self) -> list[float]:
+        return [max(0.0, stage.missing_mb) for stage in self.stages]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["fits"] = self.fits
+        data["missing_mb"] = self.missing_mb
+        return data
+
+
+def plan_candidates(plan: Plan) -> StageCandidates:
+    """The plan's stages as stage-model candidates, in order."""
+    count = len(plan.stages)
+
+    def column(get) -> np.ndarray:
+        return np.array([get(stage) for stage in plan.stages])
+
+    return StageCandidates(
+        num_layers=column(lambda st: st.num_layers),
+        has_pre=np.arange(count) == 0,
+        has_post=np.arange(count) == count - 1,
+        nodes=column(lambda st: st.nodes),
+        gpus_per_node=column(lambda st: st.gpus_per_node),
+        micro_batch=column(lambda st: st.micro_batch),
+        dp=column(lambda st: st.dp),
+        tp=column(lambda st: st.tp),
+        zero=column(lambda st: st.zero),
+        ckpt_layers=column(lambda st: st.ckpt_layers),
+        offload_weights=column(lambda st: st.offload.weights),
+        offload_grads=column(lambda st: st.offload.grads),
+        offload_opt=column(lambda st: st.offload.opt),
+        offload_acts=column(lambda st: st.offload.acts),
+        inflight=np.minimum(count - np.arange(count), plan.grad_accum),
+    )
+
+
+def _check_plan(plan: Plan, cost_model: StageCostModel, profile: HardwareProfile) -> None:
+    plan.check_against_model(cost_model.num_layers)
+    for index, stage in enumerate(plan.stages):
+        if stage.tp > 1 and not cost_model.tp_supported:
+            raise PlanError(f"plan field stages[{index}].tp: tensor parallelism ({stage.tp}) is not available for "
+                            f"this model: {cost_model.tp_message}; use tp = 1")
+        if stage.gpus_per_node > profile.gpus_per_node:
+            raise PlanError(f"plan field stages[{index}].gpus_per_node: {stage.gpus_per_node} exceeds the "
+                            f"{profile.gpus_per_node} devices per node of hardware {profile.name!r}")
+
+
+def analyze(model, plan, hardware, *, attention: str = "flash",
+            cost_model: StageCostModel | None = None) -> PlanEstimate:
+    """Predict a plan's iteration time and per-stage memory.
+
+    ``model``: a model name or captured ``MistProgram`` (None: the plan's ``model``);
+    ``plan``: a :class:`Plan` or a path to a plan file; ``hardware``: a profile name, path or
+    :class:`HardwareProfile`. ``cost_model`` reuses an already built stage model.
+    """
+    plan = plan if isinstance(plan, Plan) else load_plan(plan)
+    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    if model is None:
+        model = plan.model
+    if isinstance(model, str) and model != plan.model:
+        raise PlanError(f"plan field model: the plan is for {plan.model!r}, not {model!r}")
+    if cost_model is None:
+        cost_model = build_stage_cost_model(model, profile, seq_len=plan.seq_len, dtype=plan.dtype, attention=attention)
+    _check_plan(plan, cost_model, profile)
+    estimates = cost_model.evaluate(plan_candidates(plan))
+    grad_accum = plan.grad_accum
+    iteration = pipeline_iteration_time(estimates.stable_s, estimates.delta_s, grad_accum)
+    parts = estimates.breakdown
+    stages = []
+    for index, stage in enumerate(plan.stages):
+        stable, delta = float(estimates.stable_s[index]), float(estimates.delta_s[index])
+        peak = float(estimates.peak_memory_bytes[index])
+        limit = cost_model.device_memory_bytes
+        stages.append(StageEstimate(
+            index=index, layers=stage.layers, stable_s=stable, delta_s=delta,
+            compute_s=grad_accum * float(parts["compute"][index]),
+            exposed_comm_s=grad_accum * float(parts["exposed_comm"][index]) + float(parts["grad_sync"][index]),
+            exposed_copy_s=grad_accum * float(parts["exposed_copy"][index]),
+            bubble_s=max(0.0, iteration - grad_accum * stable - delta),
+            peak_memory_mb=peak / MB, memory_limit_mb=limit / MB, missing_mb=(peak - limit) / MB,
+            memory_mb={name: float(parts[name][index]) / MB for name in ("params", "grads", "opt", "buffers", "acts")},
+        ))
+    tokens = plan.global_batch * plan.seq_len
+    return PlanEstimate(plan.model, profile.name, attention, grad_accum, iteration,
+                        tokens / iteration if iteration > 0 else float("inf"), stages)

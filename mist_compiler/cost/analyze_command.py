@@ -1,0 +1,51 @@
+"""mistc analyze MODEL --plan PLAN --hardware HW: predicted iteration time and per-stage memory.
+
+Prints a table per stage (compute, exposed communication and copies, bubble, peak memory) or,
+with --json, a JSON object with at least ``iteration_time_s`` and ``stages[].peak_memory_mb``.
+Exits 1 when a stage does not fit in device memory (the table says by how much), 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from .analyze import PlanEstimate, analyze
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="zoo name, hf:path/config.json or package.module:function")
+    parser.add_argument("--plan", required=True, help="plan file (JSON or YAML)")
+    parser.add_argument("--hardware", required=True, help="hardware profile name (l4, a100-40gb, ...) or YAML path")
+    parser.add_argument("--attention", choices=("flash", "math"), default="flash", help="target attention kernel")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def format_table(estimate: PlanEstimate) -> str:
+    lines = [
+        f"model {estimate.model} on {estimate.hardware} (attention: {estimate.attention}, grad_accum {estimate.grad_accum})",
+        f"iteration time {estimate.iteration_time_s:.4f} s, {estimate.tokens_per_s:,.0f} tokens/s",
+        "",
+        f"{'stage':>5} {'layers':>9} {'compute s':>10} {'comm s':>9} {'copy s':>9} {'bubble s':>9} "
+        f"{'peak MB':>11} {'limit MB':>10}  status",
+    ]
+    for stage in estimate.stages:
+        status = "ok" if stage.fits else f"DOES NOT FIT: {stage.missing_mb:,.1f} MB missing"
+        lines.append(
+            f"{stage.index:>5} {f'[{stage.layers[0]}, {stage.layers[1]})':>9} {stage.compute_s:>10.4f} "
+            f"{stage.exposed_comm_s:>9.4f} {stage.exposed_copy_s:>9.4f} {stage.bubble_s:>9.4f} "
+            f"{stage.peak_memory_mb:>11,.1f} {stage.memory_limit_mb:>10,.0f}  {status}")
+    lines.append("")
+    lines.append("memory per stage (MB): " + "; ".join(
+        f"stage {s.index}: " + ", ".join(f"{k} {v:,.1f}" for k, v in s.memory_mb.items()) for s in estimate.stages))
+    if not estimate.fits:
+        lines.append("the plan does not fit in device memory")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    estimate = analyze(args.model, args.plan, args.hardware, attention=args.attention)
+    if args.json:
+        print(json.dumps(estimate.to_dict(), indent=2))
+    else:
+        print(format_table(estimate))
+    return 0 if estimate.fits else 1

@@ -1,0 +1,51 @@
+"""Op-time model: roofline time of FLOPs and bytes per op class on a hardware profile.
+
+Compute-bound classes (``matmul``, ``attention``) run at ``peak * efficiency[class]`` FLOP/s and
+at least as long as their bytes take at the memory bandwidth; memory-bound classes
+(``elementwise``, ``norm``, ``softmax``, ``embedding``) move their bytes at
+``memory_bandwidth * efficiency[class]`` and take at least their FLOPs at peak.
+Efficiencies come from the profile's table (measured by ``mistc profile``); a class the
+profile does not list falls back to its family (``norm``/``softmax`` -> ``reduction``,
+``embedding`` -> ``elementwise``) and then to ``default``. Everything is numpy-vectorised.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .hardware import HardwareProfile
+
+COMPUTE_BOUND = ("matmul", "attention")
+MEMORY_BOUND = ("elementwise", "norm", "softmax", "embedding", "optimizer")
+FALLBACK = {"norm": "reduction", "softmax": "reduction", "embedding": "elementwise", "optimizer": "elementwise"}
+
+
+def class_efficiency(profile: HardwareProfile, op_class: str) -> float:
+    if op_class in profile.efficiency:
+        return profile.efficiency[op_class]
+    family = FALLBACK.get(op_class)
+    if family is not None and family in profile.efficiency:
+        return profile.efficiency[family]
+    return profile.efficiency_of("default")
+
+
+def peak_flops(profile: HardwareProfile, dtype: str) -> float:
+    """Peak FLOP/s for a dtype; bfloat16/float16 share the tensor-core rate if one is missing."""
+    if dtype in profile.peak_flops:
+        return profile.peak_flops[dtype]
+    for alias in ("float16", "bfloat16"):
+        if dtype in ("float16", "bfloat16") and alias in profile.peak_flops:
+            return profile.peak_flops[alias]
+    raise ValueError(f"hardware profile {profile.name!r} has no peak_tflops for dtype {dtype!r}")
+
+
+def op_class_time(profile: HardwareProfile, dtype: str, op_class: str, flops, nbytes) -> np.ndarray:
+    """Seconds for ``flops`` and ``nbytes`` of one op class (arrays broadcast)."""
+    if op_class == "view":
+        return np.zeros(np.broadcast(np.asarray(flops), np.asarray(nbytes)).shape)
+    flops = np.asarray(flops, dtype=float)
+    nbytes = np.asarray(nbytes, dtype=float)
+    efficiency = class_efficiency(profile, op_class)
+    peak = peak_flops(profile, dtype)
+    if op_class in COMPUTE_BOUND:
+        return np.maximum(flops / (peak * efficiency), nbytes / profile.memory_bandwidth)
+    return np.maximum(flops / peak, nbytes / (profile.memory_bandwidth * efficiency))

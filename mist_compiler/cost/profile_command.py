@@ -1,0 +1,55 @@
+"""``mistc profile -o FILE``: measure this machine (compute, memory, collectives, copies, interference)
+into a hardware profile YAML that ``--hardware FILE`` and ``load_profile(FILE)`` accept.
+
+Progress goes to stderr, one line per measurement. On CPU every core is one rank (gloo); on GPUs
+every GPU is one rank (NCCL). Takes well under five minutes; ``--quick`` is a smaller, rougher pass.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from mist_compiler.cost.hardware import save_profile
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--world-sizes: expected comma-separated integers, got {text!r}") from None
+    if not sizes or any(size < 2 for size in sizes):
+        raise argparse.ArgumentTypeError(f"--world-sizes: every group needs >= 2 ranks, got {text!r}")
+    return sizes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the profile (YAML)")
+    parser.add_argument("--name", help="profile name (default: measured-cpu / measured-cuda)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, shorter timings (a few seconds; rough)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="what to profile (default: auto)")
+    parser.add_argument("--world-sizes", type=_world_sizes, default=None, metavar="N,M",
+                        help="local group sizes to time collectives over (default: 2,4 on CPU, 2,4,8 on GPU, as available)")
+    parser.add_argument("--links-from", metavar="PROFILE",
+                        help="on a single-device machine, take collective fits from this shipped profile or file")
+    parser.add_argument("--timeout", type=float, default=240.0, metavar="SECONDS",
+                        help="limit for the spawned collective ranks (default: 240)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mist_compiler.cost.profiler import ProfilerOptions, profile_machine
+
+    directory = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(directory):
+        raise ValueError(f"-o/--output: directory {directory!r} does not exist")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout: must be positive, got {args.timeout}")
+    options = ProfilerOptions(quick=args.quick, device=args.device, world_sizes=args.world_sizes, name=args.name,
+                              links_from=args.links_from, timeout_s=args.timeout)
+    profile = profile_machine(options)
+    save_profile(profile, args.output)
+    matmul = max(profile.peak_flops.values()) * profile.efficiency_of("matmul")
+    links = ", ".join(f"{n}x{g} {fit.bandwidth / 1e9:.3g} GB/s + {fit.latency * 1e6:.0f} us"
+                      for (n, g), fit in sorted(profile.links.items()))
+    print(f"wrote {args.output}: {profile.name}, {profile.gpus_per_node} devices per node, "
+          f"matmul {matmul / 1e12:.3g} TFLOP/s, memory {profile.memory_bandwidth / 1e9:.3g} GB/s, links {links}")
+    return 0

@@ -1,0 +1,662 @@
+"""Measure the machine this runs on into a hardware profile (the engine of ``mistc profile``).
+
+What is measured, on one "device" (a GPU, or on CPU one rank = one core, ``torch`` limited to one
+thread as the CPU backend runs its ranks):
+
+* compute: matmul throughput per dtype (fp32 and bf16 on CPU, bf16/fp16/fp32 on GPU), attention
+  (``scaled_dot_product_attention`` forward+backward), elementwise add, row reduction, and the
+  device-memory copy rate;
+* host<->device copies (pinned, on GPU; on CPU a host-to-host copy stands in and the profile says so);
+* every collective over every local group size available (2 and 4 ranks where cores/GPUs allow;
+  gloo on CPU, NCCL on GPU), fitted to alpha-beta from a few message sizes; point-to-point;
+* concurrency slowdowns: each ordered pair of channels (compute, collective, h2d, d2h) run
+  together on threads (their own CUDA streams on GPU), the foreground channel timed against
+  itself alone.
+
+Multi-node shapes need ranks on several machines and are not measured; ``cost.comm`` derives them.
+All distributed work runs in spawned processes with timeouts; nothing is left running.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from mist_compiler.cost.hardware import CHANNELS, HardwareProfile, ProfileError, load_profile
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
+
+# Dense datasheet peaks (TFLOP/s) of GPUs we know; anything else gets its measured matmul rate.
+GPU_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    (r"H200", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),
+    (r"H100.*PCIe", {"bfloat16": 756.0, "float16": 756.0, "float32": 51.0}),
+    (r"H100", {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}),
+    (r"A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5}),
+    (r"\bL4\b", {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3}),
+    (r"V100", {"float16": 125.0, "float32": 15.7}),
+]
+
+
+def _stderr(message: str) -> None:
+    print(f"[mistc profile] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class ProfilerOptions:
+    """How much to measure. ``quick`` shrinks sizes and durations (tests, smoke runs)."""
+
+    quick: bool = False
+    device: str = "auto"  # "cpu", "cuda" or "auto"
+    world_sizes: tuple[int, ...] | None = None  # local group sizes for collectives; None: 2 and 4 as available
+    name: str | None = None
+    links_from: str | None = None  # shipped profile to take collective fits from when none can be measured
+    timeout_s: float = 240.0  # for all spawned collective workers together
+    log: Callable[[str], None] = field(default=_stderr, repr=False)
+
+    @property
+    def bench_s(self) -> float:
+        """Target duration of one timed measurement."""
+        return 0.03 if self.quick else 0.15
+
+
+# --------------------------------------------------------------------------- timing helpers
+
+def _sync_for(device: str) -> Callable[[], None]:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def seconds_per_call(fn: Callable[[], object], sync: Callable[[], None], target_s: float, repeats: int = 3) -> float:
+    """Best per-call time over ``repeats`` batches, each batch sized to last about ``target_s / repeats``."""
+    fn()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    once = max(time.perf_counter() - start, 1e-7)
+    calls = max(1, min(10_000, int(target_s / repeats / once)))
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+# --------------------------------------------------------------------------- compute and memory
+
+@dataclass
+class ComputeMeasurements:
+    """Rates measured on one device (FLOP/s or bytes/s)."""
+
+    matmul_flops: dict[str, float]  # dtype -> large-matmul rate
+    matmul_model_flops: float  # rate of a transformer-sized matmul in the main dtype
+    attention_flops: float
+    copy_bytes_per_s: float
+    elementwise_bytes_per_s: float
+    reduction_bytes_per_s: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    main_dtype: str
+    norm_bytes_per_s: float
+    softmax_bytes_per_s: float
+    op_overhead_s: float
+
+
+def _dtypes(device: str) -> list[str]:
+    return ["bfloat16", "float16", "float32"] if device == "cuda" else ["float32", "bfloat16"]
+
+
+def measure_compute(device: str, options: ProfilerOptions) -> ComputeMeasurements:
+    import torch
+    import torch.nn.functional as F
+
+    log, sync, target = options.log, _sync_for(device), options.bench_s
+    on_gpu = device == "cuda"
+    main_dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if on_gpu else "float32"
+
+    matmul: dict[str, float] = {}
+    for dtype_name in _dtypes(device):
+        dtype = getattr(torch, dtype_name)
+        n = (8192 if dtype_name != "float32" else 4096) if on_gpu else (512 if options.quick else 1024)
+        if not on_gpu and dtype_name != "float32":
+            n = 256  # bf16 matmul on CPU is an order of magnitude slower
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        rate = 2 * n**3 / seconds_per_call(lambda: a @ b, sync, target)
+        matmul[dtype_name] = rate
+        log(f"matmul {dtype_name} {n}^3: {rate / 1e9:.1f} GFLOP/s")
+
+    dtype = getattr(torch, main_dtype)
+    tokens, hidden = (8192, 4096) if on_gpu else ((512, 256) if options.quick else (1024, 512))
+    x, w = torch.randn(tokens, hidden, device=device, dtype=dtype), torch.randn(hidden, 4 * hidden, device=device, dtype=dtype)
+    model_rate = 2 * tokens * hidden * 4 * hidden / seconds_per_call(lambda: x @ w, sync, target)
+    log(f"matmul {main_dtype} {tokens}x{hidden}x{4 * hidden} (transformer MLP shape): {model_rate / 1e9:.1f} GFLOP/s")
+
+    batch, heads, seq, head_dim = (4, 16, 2048, 128) if on_gpu else ((1, 4, 128, 64) if options.quick else (1, 4, 256, 64))
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def attention_step() -> None:
+        out = F.scaled_dot_product_attention(q, k, v)
+        out.sum().backward()
+
+    # forward 4*b*h*s^2*d, backward counted as twice the forward (the usual convention)
+    attention_rate = 3 * 4 * batch * heads * seq * seq * head_dim / seconds_per_call(attention_step, sync, target)
+    log(f"attention {main_dtype} b{batch} h{heads} s{seq} d{head_dim} fwd+bwd: {attention_rate / 1e9:.1f} GFLOP/s")
+
+    numel = (64 << 20 if on_gpu else (1 << 20 if options.quick else 4 << 20))
+    src = torch.randn(numel, device=device)
+    other, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
+    nbytes = src.element_size() * numel
+    copy_rate = 2 * nbytes / seconds_per_call(lambda: dst.copy_(src), sync, target)
+    log(f"device memory copy {nbytes / 1e6:.0f} MB: {copy_rate / 1e9:.2f} GB/s (read+write)")
+    add_rate = 3 * nbytes / seconds_per_call(lambda: torch.add(src, other, out=dst), sync, target)
+    log(f"elementwise add: {add_rate / 1e9:.2f} GB/s")
+    rows = src.view(-1, 1024)
+    sums = torch.empty(rows.shape[0], device=device)
+    reduce_rate = nbytes / seconds_per_call(lambda: torch.sum(rows, dim=1, out=sums), sync, target)
+    log(f"row reduction: {reduce_rate / 1e9:.2f} GB/s")
+    norm_rate = 2 * nbytes / seconds_per_call(lambda: F.layer_norm(rows, (1024,)), sync, target)
+    log(f"layer norm (rows of 1024): {norm_rate / 1e9:.2f} GB/s (read+write)")
+    softmax_rate = 2 * nbytes / seconds_per_call(lambda: torch.softmax(rows, dim=1), sync, target)
+    log(f"softmax (rows of 1024): {softmax_rate / 1e9:.2f} GB/s (read+write)")
+
+    h2d_rate, d2h_rate = _measure_host_copies(device, numel, sync, target, log)
+    tiny = torch.ones(1, device=device)
+    tiny_out = torch.empty(1, device=device)
+    overhead = seconds_per_call(lambda: torch.add(tiny, tiny, out=tiny_out), sync, target)
+    log(f"per-op overhead (one-element add): {overhead * 1e6:.2f} us")
+    return ComputeMeasurements(matmul, model_rate, attention_rate, copy_rate, add_rate, reduce_rate,
+                               h2d_rate, d2h_rate, main_dtype, norm_rate, softmax_rate, overhead)
+
+
+def _measure_host_copies(device: str, numel: int, sync, target: float, log) -> tuple[float, float]:
+    import torch
+
+    pinned = device == "cuda"
+    host = torch.randn(numel, pin_memory=pinned)
+    host_out = torch.empty(numel, pin_memory=pinned)
+    on_device = torch.randn(numel, device=device)
+    nbytes = host.element_size() * numel
+    h2d = nbytes / seconds_per_call(lambda: on_device.copy_(host, non_blocking=pinned), sync, target)
+    d2h = nbytes / seconds_per_call(lambda: host_out.copy_(on_device, non_blocking=pinned), sync, target)
+    what = "pinned" if pinned else "CPU->CPU stand-in for"
+    log(f"{what} host-to-device copy: {h2d / 1e9:.2f} GB/s, device-to-host: {d2h / 1e9:.2f} GB/s")
+    return h2d, d2h
+
+
+# --------------------------------------------------------------------------- concurrency
+
+class _Channel:
+    """One unit of work of a channel, repeatable; runs on the calling thread (its own stream on GPU)."""
+
+    def __init__(self, name: str, device: str, quick: bool, group=None) -> None:
+        import torch
+
+        self.name, self.device = name, device
+        on_gpu = device == "cuda"
+        self.stream = torch.cuda.Stream() if on_gpu else None
+        if name == "compute":
+            n = 4096 if on_gpu else 256
+            dtype = torch.bfloat16 if on_gpu else torch.float32
+            self.a, self.b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+            self.out = torch.empty(n, n, device=device, dtype=dtype)
+            self._step = lambda: torch.matmul(self.a, self.b, out=self.out)
+        elif name == "collective":
+            import torch.distributed as dist
+
+            self.buffer = torch.ones((64 << 20 if on_gpu else 256 << 10), device=device)
+            self._step = lambda: dist.all_reduce(self.buffer, group=group)
+        else:
+            numel = (64 << 20) if on_gpu else ((1 << 20) if quick else (2 << 20))
+            host = torch.randn(numel, pin_memory=on_gpu)
+            dev = torch.randn(numel, device=device)
+            src, dst = (host, dev) if name == "h2d" else (dev, host)
+            self._step = lambda: dst.copy_(src, non_blocking=on_gpu)
+
+    def run(self, steps: int) -> float:
+        """Run ``steps`` units; seconds elapsed on this thread until they are done."""
+        import torch
+
+        start = time.perf_counter()
+        if self.stream is None:
+            for _ in range(steps):
+                self._step()
+        else:
+            with torch.cuda.stream(self.stream):
+                for _ in range(steps):
+                    self._step()
+            self.stream.synchronize()
+        return time.perf_counter() - start
+
+
+def _backend_device() -> str:
+    """NCCL reduces CUDA tensors only; gloo takes CPU ones."""
+    import torch.distributed as dist
+
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _agree_max(value: float, distributed: bool) -> float:
+    """The maximum of ``value`` over ranks (all ranks must make identical collective calls)."""
+    if not distributed:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=_backend_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def _agree_mean(value: float, distributed: bool) -> float:
+    if not distributed:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=_backend_device())
+    dist.all_reduce(tensor)
+    return float(tensor.item()) / dist.get_world_size()
+
+
+def _run_together(fore: _Channel, steps: int, back: _Channel, back_steps: int) -> float:
+    """Seconds ``fore`` takes for ``steps`` while ``back`` runs ``back_steps`` on another thread."""
+    failure: list[BaseException] = []
+
+    def background() -> None:
+        try:
+            back.run(back_steps)
+        except BaseException as error:  # re-raised on the calling thread
+            failure.append(error)
+
+    worker = threading.Thread(target=background, daemon=True)
+    worker.start()
+    seconds = fore.run(steps)
+    worker.join()
+    if failure:
+        raise RuntimeError(f"profile: channel {back.name} failed while measuring {fore.name}") from failure[0]
+    return seconds
+
+
+def measure_slowdowns(device: str, options: ProfilerOptions, distributed: bool) -> dict[str, float]:
+    """``{'A|B': factor}``: foreground A timed while B runs on another thread, against A alone.
+
+    With ``distributed`` (a process group is up) the collective channel takes part; every rank runs
+    the same schedule, and iteration counts are agreed across ranks so collectives always match.
+    """
+    import torch.distributed as dist
+
+    names = [c for c in CHANNELS if c != "collective" or distributed]
+    channels = {c: _Channel(c, device, options.quick, dist.group.WORLD if distributed else None) for c in names}
+    per_step = {}
+    for name, channel in channels.items():
+        channel.run(2)  # warm-up; fixed counts so that collectives match across ranks
+        seconds = channel.run(3) / 3
+        steps = int(_agree_max(max(1, int(options.bench_s / 3 / max(seconds, 1e-7))), distributed))
+        per_step[name] = _agree_max(channel.run(steps) / steps, distributed)
+    factors: dict[str, float] = {}
+    for fore in names:
+        steps = max(2, math.ceil(options.bench_s / per_step[fore]))
+        for back in names:
+            if back == fore:
+                continue
+            back_steps = max(2, math.ceil(1.6 * steps * per_step[fore] / per_step[back]))
+            ratios = []
+            for _ in range(1 if options.quick else 3):  # alone and together back to back: slow drift cancels
+                if distributed:
+                    dist.barrier()
+                alone = channels[fore].run(steps)
+                if distributed:
+                    dist.barrier()
+                ratios.append(_run_together(channels[fore], steps, channels[back], back_steps) / alone)
+            factor = _agree_mean(float(np.median(ratios)), distributed)
+            factors[f"{fore}|{back}"] = round(max(1.0, factor), 4)
+            options.log(f"slowdown {fore} while {back} runs: x{factor:.3f}")
+    return factors
+
+
+# --------------------------------------------------------------------------- collectives
+
+def _message_sizes(device: str, quick: bool) -> list[int]:
+    if device == "cuda":
+        return [1 << 20, 16 << 20, 128 << 20] if not quick else [1 << 20, 32 << 20]
+    return [64 << 10, 1 << 20, 8 << 20] if not quick else [64 << 10, 1 << 20]
+
+
+def _collective_call(kind: str, nbytes: int, device: str, world: int):
+    """A zero-argument callable running collective ``kind`` on an ``nbytes`` full buffer."""
+    import torch
+    import torch.distributed as dist
+
+    numel = max(world, nbytes // 4 // world * world)
+    full = torch.ones(numel, device=device)
+    shard = torch.ones(numel // world, device=device)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_single(full, shard)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(shard, full)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    if kind == "broadcast":
+        return lambda: dist.broadcast(full, src=0)
+    if kind == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full)
+    if kind == "p2p":
+        rank = dist.get_rank()
+        if rank == 0:
+            return lambda: dist.send(full, dst=1)
+        if rank == 1:
+            return lambda: dist.recv(full, src=0)
+        return lambda: None
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _time_collective(call, sync, target_s: float) -> float:
+    """Per-call seconds, slowest rank, best of two rounds; iteration counts agreed across ranks."""
+    import torch.distributed as dist
+
+    call()
+    sync()
+    dist.barrier()
+    start = time.perf_counter()
+    call()
+    sync()
+    once = _agree_max(time.perf_counter() - start, True)
+    calls = int(max(1, min(200, target_s / 2 / max(once, 1e-6))))
+    best = math.inf
+    for _ in range(2):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        sync()
+        best = min(best, _agree_max((time.perf_counter() - start) / calls, True))
+    return best
+
+
+def _collective_worker(rank: int, world: int, port: int, device: str, quick: bool, bench_s: float,
+                       measure_concurrency: bool, result_path: str) -> None:
+    """One spawned rank: times every collective, optionally the slowdowns; rank 0 writes the JSON result."""
+    import datetime
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    sync = _sync_for(device)
+    quiet = lambda message: None  # noqa: E731
+    options = ProfilerOptions(quick=quick, log=(lambda m: _stderr(f"[{world} ranks] {m}")) if rank == 0 else quiet)
+    times: dict[str, list[tuple[int, float]]] = {}
+    for kind in KINDS + ("p2p",):
+        for nbytes in _message_sizes(device, quick):
+            seconds = _time_collective(_collective_call(kind, nbytes, device, world), sync, bench_s)
+            times.setdefault(kind, []).append((nbytes, seconds))
+            options.log(f"{kind} {nbytes / 1e6:.3f} MB: {seconds * 1e3:.3f} ms")
+    slowdown = measure_slowdowns(device, options, distributed=True) if measure_concurrency else {}
+    dist.barrier()
+    if rank == 0:  # written whole, then renamed: the parent never reads half a file
+        with open(result_path + ".part", "w") as handle:
+            json.dump({"world": world, "times": times, "slowdown": slowdown}, handle)
+        os.replace(result_path + ".part", result_path)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_collective_group(world: int, device: str, options: ProfilerOptions, measure_concurrency: bool,
+                         timeout_s: float) -> dict:
+    """Start ``world`` local rank processes, time all collectives; kill them all if they overrun ``timeout_s``.
+
+    Ranks are fresh interpreters (``python -m mist_compiler.cost.profiler``), so this works from any
+    caller, including scripts without a ``__main__`` guard.
+    """
+    import json
+    import subprocess
+    import tempfile
+
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="mist-profile-") as scratch:
+        result_path = os.path.join(scratch, "result.json")
+        ranks = []
+        try:
+            for rank in range(world):
+                config = json.dumps([rank, world, port, device, options.quick, options.bench_s,
+                                     measure_concurrency, result_path])
+                ranks.append(subprocess.Popen([sys.executable, "-m", "mist_compiler.cost.profiler", "--worker", config],
+                                              env=env, stdin=subprocess.DEVNULL))
+            deadline = time.monotonic() + timeout_s
+            while any(p.poll() is None for p in ranks):
+                if os.path.exists(result_path):  # every rank is past its last collective: let them exit briefly
+                    deadline = min(deadline, time.monotonic() + 2.0)
+                    if time.monotonic() > deadline:
+                        break
+                elif time.monotonic() > deadline:
+                    raise RuntimeError(f"profile: {world}-rank collective measurement did not finish within {timeout_s:.0f} s")
+                if any(p.poll() not in (None, 0) for p in ranks):
+                    break
+                time.sleep(0.1)
+            codes = [p.poll() for p in ranks]
+            if not os.path.exists(result_path):
+                raise RuntimeError(f"profile: a {world}-rank collective worker failed (exit codes {codes}; "
+                                   "its error is printed above)")
+            with open(result_path) as handle:
+                return json.load(handle)
+        finally:
+            for process in ranks:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(timeout=10)
+
+
+def fit_alpha_beta(x_bytes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
+    """Least-squares ``seconds = x / bandwidth + latency`` (latency >= 0, bandwidth > 0)."""
+    x, t = np.asarray(x_bytes, dtype=float), np.asarray(seconds, dtype=float)
+    slope, intercept = np.polyfit(x, t, 1) if len(x) > 1 else (t[0] / x[0], 0.0)
+    if intercept < 0 or slope <= 0:  # noise: fit through the origin instead
+        slope, intercept = float(np.dot(x, t) / np.dot(x, x)), 0.0
+    return 1.0 / slope, float(intercept)
+
+
+def _factor(z: np.ndarray, excess: np.ndarray) -> float:
+    """Least-squares ``excess = factor * z`` (absolute seconds, so the large messages dominate)."""
+    return max(1e-3, float(np.dot(z, excess) / np.dot(z, z)))
+
+
+def fit_collectives(results: list[dict]) -> tuple[dict[str, dict], dict[str, float]]:
+    """Alpha-beta fits per group shape and collective factors relative to all-gather.
+
+    The all-gather timings give each shape's bandwidth and latency. The profile keeps one latency
+    per shape, so each other kind's factor is the least-squares fit of ``time - latency`` against
+    ``bytes * (n-1)/n / bandwidth``; over shapes the factors are averaged geometrically.
+    """
+    links: dict[str, dict] = {}
+    ratios: dict[str, list[float]] = {k: [] for k in KINDS + ("p2p",)}
+    for result in sorted(results, key=lambda r: r["world"]):
+        n = result["world"]
+        times = {kind: np.array(pairs, dtype=float) for kind, pairs in result["times"].items()}
+        gathered = times["all_gather"]
+        bandwidth, latency = fit_alpha_beta(gathered[:, 0] * (n - 1) / n, gathered[:, 1])
+        links[f"1x{n}"] = {"bandwidth_gbps": round(bandwidth / 1e9, 6), "latency_s": float(f"{latency:.3g}")}
+        for kind in KINDS:
+            z = times[kind][:, 0] * (n - 1) / n / bandwidth
+            ratios[kind].append(_factor(z, times[kind][:, 1] - latency))
+        if n == 2:
+            ratios["p2p"].append(_factor(times["p2p"][:, 0] / bandwidth, times["p2p"][:, 1] - latency))
+    factors = {kind: round(float(np.exp(np.mean(np.log(values)))), 4) for kind, values in ratios.items() if values}
+    return links, factors
+
+
+# --------------------------------------------------------------------------- the whole profile
+
+def _device_count(device: str) -> int:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.device_count()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _device_memory(device: str, per_node: int) -> float:
+    import torch
+
+    if device == "cuda":
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    with open("/proc/meminfo") as handle:
+        total_kb = next(int(line.split()[1]) for line in handle if line.startswith("MemTotal"))
+    return total_kb * 1024 / per_node
+
+
+def _peaks(device: str, measured: ComputeMeasurements) -> tuple[dict[str, float], str]:
+    import torch
+
+    if device == "cuda":
+        name = torch.cuda.get_device_name(0)
+        for pattern, peaks in GPU_PEAK_TFLOPS:
+            if re.search(pattern, name):
+                return {k: v * 1e12 for k, v in peaks.items()}, f"datasheet peaks of {name}"
+        return dict(measured.matmul_flops), f"{name} is not in the datasheet table: peaks are measured large-matmul rates"
+    return dict(measured.matmul_flops), "peaks are measured single-thread large-matmul rates (no datasheet for a CPU core)"
+
+
+def _efficiencies(measured: ComputeMeasurements, peaks: dict[str, float]) -> dict[str, float]:
+    peak = peaks.get(measured.main_dtype, measured.matmul_flops[measured.main_dtype])
+    clamp = lambda value: round(float(min(1.0, max(1e-4, value))), 4)  # noqa: E731
+    efficiency = {
+        "matmul": clamp(measured.matmul_model_flops / peak),
+        "attention": clamp(measured.attention_flops / peak),
+        "elementwise": clamp(measured.elementwise_bytes_per_s / measured.copy_bytes_per_s),
+        "reduction": clamp(measured.reduction_bytes_per_s / measured.copy_bytes_per_s),
+        "norm": clamp(measured.norm_bytes_per_s / measured.copy_bytes_per_s),
+        "softmax": clamp(measured.softmax_bytes_per_s / measured.copy_bytes_per_s),
+    }
+    efficiency["default"] = min(efficiency.values())  # unknown ops: the worst class measured
+    return efficiency
+
+
+def _group_sizes(device: str, options: ProfilerOptions) -> list[int]:
+    available = _device_count(device)
+    wanted = options.world_sizes if options.world_sizes is not None else ((2, 4, 8) if device == "cuda" else (2, 4))
+    for size in wanted:
+        if size < 2:
+            raise ProfileError(f"profile option world_sizes: a collective group needs >= 2 ranks, got {size}")
+        if options.world_sizes is not None and size > available:
+            raise ProfileError(f"profile option world_sizes: {size} ranks asked for, this machine has {available} "
+                               f"{'GPUs' if device == 'cuda' else 'cores'}")
+    return [size for size in wanted if size <= available]
+
+
+def profile_machine(options: ProfilerOptions) -> HardwareProfile:
+    """Measure this machine and return its profile (validated like any YAML profile)."""
+    import torch
+
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    device = options.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ProfileError(f"profile option device: expected 'cpu', 'cuda' or 'auto', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ProfileError("profile option device: 'cuda' asked for but no CUDA device is available")
+    per_node = _device_count(device)
+    sizes = _group_sizes(device, options)
+    if not sizes and options.links_from is None:
+        raise ProfileError(f"collectives: no group of >= 2 {device} ranks to measure here ({per_node} available); "
+                           "pass links_from (--links-from PROFILE) to take the fits from a shipped profile")
+    base = load_profile(options.links_from) if options.links_from and not sizes else None
+    options.log(f"profiling {device}: {per_node} {'GPUs' if device == 'cuda' else 'cores (one rank each, 1 thread)'}")
+
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        measured = measure_compute(device, options)
+        local_slowdown = measure_slowdowns(device, options, distributed=False) if not sizes else {}
+    finally:
+        torch.set_num_threads(threads)
+        if device == "cuda":
+            torch.cuda.empty_cache()  # leave GPU 0's memory to the rank processes
+
+    results = []
+    for index, world in enumerate(sizes):
+        options.log(f"collectives over {world} local ranks ({'NCCL' if device == 'cuda' else 'gloo'}), spawning them")
+        results.append(run_collective_group(world, device, options, measure_concurrency=index == 0,
+                                            timeout_s=options.timeout_s))
+    notes = [f"{_device_count(device)} {device} devices here, 1-minute load average {load_before:.1f} when it started "
+             "(other work on the machine slows every measurement)"]
+    if results:
+        links, factors = fit_collectives(results)
+        slowdown = results[0]["slowdown"]
+    else:
+        links = {f"{n}x{g}": {"bandwidth_gbps": f.bandwidth / 1e9, "latency_s": f.latency} for (n, g), f in base.links.items()}
+        factors = dict(base.collective_factor)
+        slowdown = dict(local_slowdown)
+        slowdown.update({f"{a}|{b}": v for (a, b), v in base.slowdown.items() if "collective" in (a, b)})
+        notes.append(f"collective fits, collective slowdowns and devices per node ({base.gpus_per_node}) copied from "
+                     f"profile {base.name!r}: no group of 2+ devices was measured here")
+
+    peaks, peak_note = _peaks(device, measured)
+    notes.append(peak_note)
+    if device == "cpu":
+        notes.append("one 'device' is one core running one rank with torch limited to 1 thread; device memory is "
+                     "total RAM divided by the cores; h2d/d2h are a CPU->CPU copy standing in for host<->device; "
+                     "slowdowns include the CPU contention of threads sharing the cores")
+    if base is None:
+        notes.append("inter-node shapes not measured (single machine); cost.comm derives them from the intra-node fits")
+    name = options.name or (f"measured-{device}")
+    data = {
+        "name": name,
+        "description": f"Measured by `mistc profile` in {time.perf_counter() - started:.0f} s"
+                       f"{' (--quick)' if options.quick else ''}. " + "; ".join(notes) + ".",
+        "device_memory_gb": round(_device_memory(device, per_node) / 1e9, 3),
+        "gpus_per_node": max(per_node, base.gpus_per_node) if base else per_node,
+        "peak_tflops": {k: float(f"{v / 1e12:.6g}") for k, v in peaks.items()},
+        "efficiency": _efficiencies(measured, peaks),
+        "memory_bandwidth_gbps": round(measured.copy_bytes_per_s / 1e9, 3),
+        "collectives": links,
+        "collective_factor": factors,
+        "h2d_gbps": round(measured.h2d_bytes_per_s / 1e9, 3),
+        "d2h_gbps": round(measured.d2h_bytes_per_s / 1e9, 3),
+        "slowdown": slowdown,
+        "op_overhead_s": float(f"{measured.op_overhead_s:.3g}"),
+    }
+    profile = HardwareProfile.from_dict(data, source="measured profile")
+    options.log(f"done in {time.perf_counter() - started:.1f} s")
+    return profile
+
+
+if __name__ == "__main__":
+    # internal entry point of the rank processes that run_collective_group starts
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        import json as _json
+
+        _collective_worker(*_json.loads(sys.argv[2]))
+    else:
+        print("internal module: use `mistc profile`", file=sys.stderr)
+        sys.exit(2)

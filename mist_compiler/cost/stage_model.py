@@ -1,0 +1,351 @@
+"""Stage cost model: time and memory of pipeline-stage candidates, vectorised (the tuner's oracle).
+
+``build_stage_cost_model(model, hardware, seq_len=..., dtype=..., attention=...)`` captures the
+model once (or takes a captured ``MistProgram``), runs the cost-annotation and memory-analysis
+passes on each block class (pre, layer, post), lambdifies their sympy expressions in
+``(b, s, t)`` and returns a :class:`StageCostModel` whose ``evaluate`` prices any number of
+:class:`~mist_compiler.cost.stage_api.StageCandidates` with numpy.
+
+Per candidate (one pipeline stage, one device's view):
+- compute: per op class roofline (``op_time``) of the stage's blocks, forward and backward, plus
+  the profile's fixed ``op_overhead`` per executed op (dispatch / kernel launch), plus the
+  forward of the checkpointed layers again (recompute) during the backward;
+- tensor-parallel all-reduces (from the annotation pass) on the critical path, exposed;
+- ZeRO traffic over the ``dp`` group: levels 2-3 reduce-scatter gradients every micro-batch and
+  level 3 all-gathers weights in forward and backward, overlapped with compute; levels 0-1
+  synchronise gradients once per iteration (``delta``), levels 1-2 all-gather updated weights
+  after the step;
+- offload copies: offloaded weights come in (h2d) for the forward and the backward of every
+  micro-batch, offloaded gradients go out (d2h) every backward, offloaded activations go out in
+  the forward and come back in the backward; offloaded optimizer states are stepped on the host
+  (``HOST_ADAM_PARAMS_PER_S``) with their gradients out and weights back in (``delta``);
+- pipeline point-to-point: a stage that is not the last sends its output forward and receives
+  its gradient; a stage that is not the first does the opposite;
+- channels of one phase are combined by the overlap model (``overlap.overlap``);
+- ``stable_s`` = forward + backward phases of one micro-batch; ``delta_s`` = gradient
+  synchronisation + optimizer step (device part at memory bandwidth, host part) + offload
+  traffic of the step + the first ZeRO-3 gather that nothing hides;
+- memory: ``cost.memory`` closed forms over the per-block liveness results.
+Evaluation groups candidates by their distinct ``(micro_batch, tp, nodes, gpus_per_node)`` so
+the symbolic parts run once per distinct value, then everything is array arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import sympy
+
+from ..passes.cost_annotation import B, S, T, BlockCosts
+from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
+from .comm import collective_time, copy_time, p2p_time
+from .hardware import HardwareProfile, load_profile
+from .memory import BlockActivationTerms, activation_peak, model_state_memory, state_bytes_per_param
+from .op_time import class_efficiency, op_class_time
+from .overlap import OverlapResult, overlap
+from .stage_api import StageCandidates, StageEstimates
+
+OPTIMIZER_BYTES_PER_PARAM = 28.0  # Adam step traffic: read master/grad/m/v, write master/m/v (+ low-precision copy)
+HOST_ADAM_PARAMS_PER_S = 1.0e9  # CPU Adam throughput for offloaded optimizer states (DeepSpeed CPU-Adam order)
+BLOCK_KINDS = ("pre", "layer", "post")
+
+
+class StageModelError(ValueError):
+    """Bad arguments to the stage cost model; the message names the field."""
+
+
+def _lambdify(expr: sympy.Expr) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    expr = sympy.sympify(expr)
+    unknown = expr.free_symbols - {B, S, T}
+    if unknown:
+        raise StageModelError(f"cost expression {expr} has symbols {sorted(map(str, unknown))} besides b, s, t")
+    function = sympy.lambdify((B, S, T), expr, modules="numpy")
+
+    def evaluate(b: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:
+        b, s, t = np.broadcast_arrays(np.asarray(b, float), np.asarray(s, float), np.asarray(t, float))
+        return np.broadcast_to(np.asarray(function(b, s, t), dtype=float), b.shape).copy()
+
+    return evaluate
+
+
+@dataclass
+class BlockAnalysis:
+    """Everything the stage model needs from one block class, symbolic in b, s, t."""
+
+    kind: str
+    costs: BlockCosts
+    memory: BlockMemory
+    params_per_device: sympy.Expr  # parameter elements on one device under tensor parallelism
+    params: int  # parameter elements, unsharded
+
+    @property
+    def tp_supported(self) -> bool:
+        return self.costs.sharding.supported
+
+    @property
+    def tp_message(self) -> str:
+        return self.costs.sharding.message
+
+
+@dataclass
+class _BlockFunctions:
+    """Lambdified per-block quantities."""
+
+    flops: dict[str, dict[str, Callable]]  # phase -> op class -> f(b, s, t)
+    nbytes: dict[str, dict[str, Callable]]
+    collectives: dict[str, list[Callable]]  # phase -> all-reduce payloads
+    saved: Callable
+    input: Callable
+    output: Callable
+    forward_peaks: list[Callable]
+    backward_peaks: list[Callable]
+    params_per_device: Callable
+    tp_supported: bool
+    op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
+
+
+def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
+    phases = {"forward": block.costs.forward, "backward": block.costs.backward}
+    return _BlockFunctions(
+        flops={p: {c: _lambdify(e) for c, e in g.flops_by_class().items()} for p, g in phases.items()},
+        nbytes={p: {c: _lambdify(e) for c, e in g.bytes_by_class().items()} for p, g in phases.items()},
+        collectives={p: [_lambdify(c.bytes) for c in g.collectives] for p, g in phases.items()},
+        saved=_lambdify(block.memory.saved[attention]),
+        input=_lambdify(block.memory.input),
+        output=_lambdify(block.memory.output),
+        forward_peaks=[_lambdify(e) for e in block.memory.forward_peaks[attention]],
+        backward_peaks=[_lambdify(e) for e in block.memory.backward_peaks[attention]],
+        params_per_device=_lambdify(block.params_per_device),
+        tp_supported=block.tp_supported,
+        op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
+    )
+
+
+def _group_shapes(tp: np.ndarray, dp: np.ndarray, nodes: np.ndarray, gpus_per_node: np.ndarray):
+    """(tp group nodes, gpus per node), (dp group nodes, gpus per node): TP packed inside nodes."""
+    tp_in_node = tp <= gpus_per_node
+    tp_nodes = np.where(tp_in_node, 1, np.maximum(tp // np.maximum(gpus_per_node, 1), 1))
+    tp_gpus = np.where(tp_in_node, tp, gpus_per_node)
+    dp_nodes = np.where(tp_in_node, nodes, dp)
+    dp_gpus = np.where(tp_in_node, np.maximum(gpus_per_node // np.maximum(tp, 1), 1), 1)
+    dp_nodes = np.where(tp_in_node, np.maximum(dp // dp_gpus, 1), dp_nodes)
+    return (tp_nodes, tp_gpus), (dp_nodes, dp_gpus)
+
+
+def _warm_up_candidate() -> StageCandidates:
+    return StageCandidates(num_layers=1, has_pre=True, has_post=True, nodes=1, gpus_per_node=2, micro_batch=1, dp=1,
+                           tp=2, zero=3, ckpt_layers=1, offload_weights=0.5, offload_grads=0.5, offload_opt=0.5,
+                           offload_acts=0.5, inflight=1)
+
+
+def _overlap(profile: HardwareProfile, compute, collective, h2d, d2h) -> OverlapResult:
+    """The overlap model, run only where a channel besides compute has work (the rest is compute)."""
+    compute, collective, h2d, d2h = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, collective, h2d, d2h)))
+    busy = (collective > 0) | (h2d > 0) | (d2h > 0)
+    zeros = np.zeros(compute.shape)
+    total = compute.copy()
+    finish = {"compute": compute.copy(), "collective": zeros.copy(), "h2d": zeros.copy(), "d2h": zeros.copy()}
+    exposed = {"collective": zeros.copy(), "h2d": zeros.copy(), "d2h": zeros.copy()}
+    if busy.any():
+        part = overlap(profile, compute[busy], collective[busy], h2d[busy], d2h[busy])
+        total[busy] = part.total_s
+        for name in finish:
+            finish[name][busy] = part.finish_s[name]
+        for name in exposed:
+            exposed[name][busy] = part.exposed_s[name]
+    return OverlapResult(total, finish, exposed, finish["compute"] - compute)
+
+
+@dataclass
+class StageCostModel:
+    """Vectorised stage evaluator (implements ``stage_api.StageCostModel``)."""
+
+    blocks: dict[str, BlockAnalysis]
+    hardware: HardwareProfile
+    seq_len: int
+    dtype: str = "float16"
+    attention: str = "flash"
+    model_name: str = ""
+    num_layers: int = 0
+    _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise StageModelError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {self.attention!r}")
+        state_bytes_per_param(self.dtype)
+        missing = [kind for kind in BLOCK_KINDS if kind not in self.blocks]
+        if missing:
+            raise StageModelError(f"model analysis lacks block kind(s) {missing}")
+        self._functions = {kind: _block_functions(block, self.attention) for kind, block in self.blocks.items()}
+        self.evaluate(_warm_up_candidate())  # first-call costs of numpy/lambdify paid here, not by the tuner
+
+    @property
+    def device_memory_bytes(self) -> float:
+        return self.hardware.device_memory
+
+    @property
+    def tp_supported(self) -> bool:
+        return all(block.tp_supported for block in self.blocks.values())
+
+    @property
+    def tp_message(self) -> str:
+        return "; ".join(f"{kind}: {block.tp_message}" for kind, block in self.blocks.items() if not block.tp_supported)
+
+    # ---- per distinct (b, t, nodes, gpus) quantities -------------------------------------------
+
+    def _block_terms(self, kind: str, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, np.ndarray]:
+        functions = self._functions[kind]
+        s = np.full(b.shape, float(self.seq_len))
+        terms: dict[str, np.ndarray] = {}
+        for phase in ("forward", "backward"):
+            time = np.zeros(b.shape)
+            for op_class, flops in functions.flops[phase].items():
+                time = time + op_class_time(self.hardware, self.dtype, op_class, flops(b, s, t),
+                                            functions.nbytes[phase][op_class](b, s, t))
+            terms[f"{phase}_compute"] = time + functions.op_count[phase] * getattr(self.hardware, "op_overhead", 0.0)
+            comm = np.zeros(b.shape)
+            for payload in functions.collectives[phase]:
+                comm = comm + collective_time(self.hardware, "all_reduce", np.maximum(payload(b, s, t), 0.0), *tp_shape)
+            terms[f"{phase}_tp"] = np.where(t > 1, comm, 0.0)
+        terms["saved"] = functions.saved(b, s, t)
+        terms["input"] = functions.input(b, s, t)
+        terms["output"] = functions.output(b, s, t)
+        terms["forward_peak"] = np.max(np.stack([f(b, s, t) for f in functions.forward_peaks]), axis=0)
+        terms["backward_peak"] = np.max(np.stack([f(b, s, t) for f in functions.backward_peaks]), axis=0)
+        terms["params"] = functions.params_per_device(b, s, t)
+        return terms
+
+    def evaluate(self, candidates: StageCandidates) -> StageEstimates:
+        c = candidates
+        count = len(c)
+        b = np.asarray(c.micro_batch, dtype=np.int64)
+        tp = np.asarray(c.tp, dtype=np.int64)
+        dp = np.asarray(c.dp, dtype=np.int64)
+        nodes = np.asarray(c.nodes, dtype=np.int64)
+        gpus = np.asarray(c.gpus_per_node, dtype=np.int64)
+        (tp_nodes, tp_gpus), (dp_nodes, dp_gpus) = _group_shapes(tp, dp, nodes, gpus)
+        if count and (b.max() >= 1 << 20 or tp.max() >= 1 << 14 or tp_nodes.max() >= 1 << 14 or tp_gpus.max() >= 1 << 14):
+            raise StageModelError("micro_batch must be < 2^20 and tp, nodes, gpus_per_node < 2^14")
+        keys = ((b << 42) | (tp << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
+        unique_keys, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        ub, ut = b[first].astype(float), tp[first].astype(float)
+        shape = (tp_nodes[first], tp_gpus[first])
+        per_kind = {kind: {name: value[inverse] for name, value in self._block_terms(kind, ub, ut, shape).items()}
+                    for kind in BLOCK_KINDS}
+        layer, pre, post = per_kind["layer"], per_kind["pre"], per_kind["post"]
+        n = np.asarray(c.num_layers, dtype=float)
+        ckpt = np.asarray(c.ckpt_layers, dtype=float)
+        has_pre = np.asarray(c.has_pre, dtype=float)
+        has_post = np.asarray(c.has_post, dtype=float)
+
+        def stage_sum(name: str) -> np.ndarray:
+            return n * layer[name] + has_pre * pre[name] + has_post * post[name]
+
+        # ---- memory ---------------------------------------------------------------------------
+        weight_b, grad_b, _ = state_bytes_per_param(self.dtype)
+        stage_params = stage_sum("params")
+        states = model_state_memory(stage_params, layer["params"], self.dtype, c.zero, dp,
+                                    c.offload_weights, c.offload_grads, c.offload_opt)
+        terms = {kind: BlockActivationTerms(v["saved"], v["input"], v["forward_peak"], v["backward_peak"])
+                 for kind, v in per_kind.items()}
+        acts_per_mb, acts_peak = activation_peak(terms["layer"], terms["pre"], terms["post"], n, ckpt,
+                                                 has_pre, has_post, c.inflight, c.offload_acts)
+        peak = states.total + acts_peak
+
+        # ---- stable phase: one micro-batch forward + backward ----------------------------------
+        zero = np.asarray(c.zero)
+        weight_bytes = stage_params * weight_b
+        grad_bytes = stage_params * grad_b
+        forward_compute = stage_sum("forward_compute")
+        recompute = ckpt * layer["forward_compute"]
+        backward_compute = stage_sum("backward_compute") + recompute
+        tp_exposed = stage_sum("forward_tp") + stage_sum("backward_tp") + ckpt * layer["forward_tp"]
+        gather = collective_time(self.hardware, "all_gather", weight_bytes, dp_nodes, dp_gpus)
+        scatter = collective_time(self.hardware, "reduce_scatter", grad_bytes, dp_nodes, dp_gpus)
+        all_reduce = collective_time(self.hardware, "all_reduce", grad_bytes, dp_nodes, dp_gpus)
+        forward_collective = np.where(zero >= 3, gather, 0.0)
+        backward_collective = np.where(zero >= 3, gather, 0.0) + np.where(zero >= 2, scatter, 0.0)
+        weight_share = np.where(zero >= 3, 1.0 / dp, 1.0)
+        offload_w = np.asarray(c.offload_weights, dtype=float)
+        offload_g = np.asarray(c.offload_grads, dtype=float)
+        offload_a = np.asarray(c.offload_acts, dtype=float)
+        offload_o = np.asarray(c.offload_opt, dtype=float)
+        weights_in = copy_time(self.hardware, offload_w * weight_bytes * weight_share, "h2d")
+        grads_out = copy_time(self.hardware, offload_g * grad_bytes * np.where(zero >= 2, 1.0 / dp, 1.0), "d2h")
+        acts_out = copy_time(self.hardware, offload_a * acts_per_mb, "d2h")
+        acts_in = copy_time(self.hardware, offload_a * acts_per_mb, "h2d")
+        inter_node = nodes > 1
+        p2p_bytes = (1.0 - has_post) * layer["output"] + (1.0 - has_pre) * layer["input"]
+        p2p = p2p_time(self.hardware, p2p_bytes, inter_node)
+        forward = _overlap(self.hardware, forward_compute, forward_collective, weights_in, acts_out)
+        backward = _overlap(self.hardware, backward_compute, backward_collective, weights_in + acts_in, grads_out)
+        stable = forward.total_s + backward.total_s + tp_exposed + p2p
+
+        # ---- delta: once per iteration ---------------------------------------------------------
+        sync = np.where(zero == 0, all_reduce, np.where(zero == 1, scatter, 0.0))
+        after_step_gather = np.where((zero == 1) | (zero == 2), gather, 0.0)
+        opt_share = np.where(zero >= 1, 1.0 / dp, 1.0)
+        shard_params = stage_params * opt_share
+        device_step = op_class_time(self.hardware, self.dtype, "optimizer", 0.0,
+                                    (1.0 - offload_o) * shard_params * OPTIMIZER_BYTES_PER_PARAM)
+        host_step = offload_o * shard_params / HOST_ADAM_PARAMS_PER_S
+        step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
+        step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
+        step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step
+        first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
+                                                           dp_nodes, dp_gpus), 0.0)
+        delta = sync + step + after_step_gather + first_gather
+
+        # ---- infeasible: tensor parallelism on a structure the sharding rules do not know -------
+        unsupported = np.zeros(count, dtype=bool)
+        for kind, functions in self._functions.items():
+            if not functions.tp_supported:
+                present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}[kind]
+                unsupported |= present & (tp > 1)
+        stable = np.where(unsupported, np.inf, stable)
+        peak = np.where(unsupported, np.inf, peak)
+
+        compute = forward_compute + backward_compute
+        breakdown = {
+            "compute": compute,
+            "recompute": recompute,
+            "forward": forward.total_s,
+            "backward": backward.total_s,
+            "tp_comm": tp_exposed,
+            "p2p": p2p,
+            "exposed_comm": forward.exposed_s["collective"] + backward.exposed_s["collective"] + tp_exposed + p2p,
+            "exposed_copy": (forward.exposed_s["h2d"] + forward.exposed_s["d2h"]
+                             + backward.exposed_s["h2d"] + backward.exposed_s["d2h"]),
+            "grad_sync": sync + after_step_gather,
+            "optimizer": step,
+            "params": states.weights,
+            "grads": states.grads,
+            "opt": states.opt,
+            "buffers": states.buffers,
+            "acts": acts_peak,
+            "acts_per_microbatch": acts_per_mb,
+        }
+        return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak, breakdown=breakdown)
+
+
+def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float16",
+                           attention: str = "flash") -> StageCostModel:
+    """Capture (if given a name) and analyse ``model`` once; return the vectorised stage model.
+
+    ``model``: a model name (zoo, ``hf:``, ``module:function``) or a captured ``MistProgram``;
+    ``hardware``: a profile name/path or a :class:`HardwareProfile`.
+    """
+    from .analysis import analyse_program, capture_program  # noqa: circular at import time
+
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise StageModelError(f"seq_len must be a positive integer, got {seq_len!r}")
+    if attention not in ATTENTION_KERNELS:
+        raise StageModelError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
+    state_bytes_per_param(dtype)
+    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    program = capture_program(model, seq_len=seq_len, dtype=dtype)
+    blocks, num_layers = analyse_program(program)
+    return StageCostModel(blocks, profile, seq_len, dtype, attention,
+                          model_name=getattr(program, "model_name", str(model)), num_layers=num_layers)

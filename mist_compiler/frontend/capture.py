@@ -1,0 +1,267 @@
+"""``capture``: a model (module or name) -> MistProgram, as one list of passes.
+
+No real weight is allocated: the model is built (or copied) with FakeTensor weights. Layers are
+first grouped by the structure of their module tree (types, parameter and buffer shapes, forward
+code); one layer per group is kept, so an 80-layer model is traced as a 1-layer one. The joint
+forward+backward ATen graph of that model is traced with the micro-batch ``b`` and sequence
+``s`` symbolic, then cut into pre / layer / post blocks, hashed (Weisfeiler-Lehman over each
+layer's op graph) and lowered to the IR.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import networkx as nx
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from ..ir.program import ATTENTION_KERNELS, IRError, MistProgram
+from ..models import resolve_model
+from ..passes.block_discovery import BlockPartition, block_discovery
+from ..passes.manager import PassManager
+from ..passes.shape_prop import shape_prop
+from .joint import JointCapture, loss_of, trace_joint
+from .lowering import lower_to_ir
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+EXAMPLE_BATCH = 2
+
+
+@dataclass(frozen=True)
+class CaptureState:
+    """What flows through the capture passes; each pass returns a new state."""
+
+    source: Any  # nn.Module or model name
+    model_name: str
+    attention: str
+    dtype: str | None = None
+    seq_len: int | None = None
+    model: nn.Module | None = None  # FakeTensor weights
+    fake_mode: FakeTensorMode | None = None
+    config: dict | None = None
+    layer_list: str | None = None  # module path of the nn.ModuleList of layers
+    layer_groups: tuple = ()  # per kept layer: the original layer indices it stands for
+    joint: JointCapture | None = None
+    shapes: dict | None = None
+    partition: BlockPartition | None = None
+    program: MistProgram | None = None
+
+    def __str__(self) -> str:
+        if self.program is not None:
+            from ..ir.printer import format_program
+            return format_program(self.program)
+        lines = [f"capture state of {self.model_name}: layer list {self.layer_list!r}, groups {list(self.layer_groups)}"]
+        if self.joint is not None:
+            lines.append(f"joint graph: {len(self.joint.joint_graph.graph.nodes)} nodes, "
+                         f"{len(self.joint.saved_names)} saved values")
+        if self.partition is not None:
+            blocks = sorted(set(self.partition.node_block.values()))
+            lines.append(f"blocks: {blocks}; layer hashes {self.partition.layer_hash}")
+        return "\n".join(lines)
+
+
+def capture(
+    model: nn.Module | str,
+    example_inputs: Sequence[torch.Tensor] | None = None,
+    *,
+    seq_len: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    attention: str = "flash",
+    print_after: Sequence[str] = (),
+    on_dump: Callable[[str, Any], None] | None = None,
+) -> MistProgram:
+    """Capture ``model`` (an nn.Module, a zoo name, ``hf:config.json`` or ``module:function``).
+
+    ``example_inputs`` (optional ``(input_ids,)`` or ``(input_ids, labels)``) only fixes the
+    token dtype; shapes are always symbolic in ``b`` and ``s``. ``seq_len`` is the default value of
+    ``s`` (the model's maximum sequence length when omitted); ``dtype`` casts the floating-point
+    weights (default: as built); ``attention`` is the target kernel (``flash`` or ``math``).
+    """
+    if attention not in ATTENTION_KERNELS:
+        raise IRError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
+    state = CaptureState(model, model if isinstance(model, str) else type(model).__name__, attention,
+                         _dtype_name(dtype), seq_len)
+    passes = [
+        build_fake_model,  # weights become FakeTensors (no memory), cast to dtype
+        group_layers,  # layers with the same module structure form a group
+        keep_one_layer_per_group,  # trace one representative per group
+        check_model_output,  # forward returns a scalar loss or logits
+        trace_joint_graph,  # dynamo + aot_autograd: joint forward+backward ATen graph, b and s symbolic
+        shape_prop,  # every node's shape as sympy in b, s
+        block_discovery,  # pre / layers / post, Weisfeiler-Lehman class hash per layer
+        lower_to_ir,  # IR nodes, attention op, saved tensors per block class
+    ]
+    manager = PassManager(passes, print_after=print_after, on_dump=on_dump)
+    return manager(state).program.program
+
+
+def _dtype_name(dtype: str | torch.dtype | None) -> str | None:
+    if dtype is None:
+        return None
+    name = str(dtype).replace("torch.", "")
+    if name not in DTYPES:
+        raise IRError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    return name
+
+
+def fake_copy(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are FakeTensors (ties preserved)."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in memo:
+            value = fake_mode.from_tensor(tensor.detach())
+            memo[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
+        return memo[id(tensor)]
+
+    copied = copy.copy(model)
+    copied._modules = {}
+    copied._parameters = {k: (fake(v) if v is not None else None) for k, v in model._parameters.items()}
+    copied._buffers = {k: (fake(v) if v is not None else None) for k, v in model._buffers.items()}
+    for name, child in model._modules.items():
+        copied._modules[name] = _fake_copy_child(child, fake, {}) if child is not None else None
+    return copied
+
+
+def _fake_copy_child(module: nn.Module, fake, seen: dict) -> nn.Module:
+    if id(module) in seen:
+        return seen[id(module)]
+    copied = copy.copy(module)
+    seen[id(module)] = copied
+    copied._parameters = {k: (fake(v) if v is not None else None) for k, v in module._parameters.items()}
+    copied._buffers = {k: (fake(v) if v is not None else None) for k, v in module._buffers.items()}
+    copied._modules = {k: (_fake_copy_child(v, fake, seen) if v is not None else None) for k, v in module._modules.items()}
+    return copied
+
+
+def build_fake_model(state: CaptureState) -> CaptureState:
+    """Pass: the model with FakeTensor weights, in the requested dtype."""
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    config = None
+    if isinstance(state.source, str):
+        spec = resolve_model(state.source, state.seq_len)
+        with fake_mode:
+            model = spec.build()
+        config = spec.config.to_dict() if spec.config is not None else None
+    elif isinstance(state.source, nn.Module):
+        model = fake_copy(state.source, fake_mode)
+        cfg = getattr(state.source, "config", None)
+        config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
+    else:
+        raise IRError(f"capture: model must be an nn.Module or a model name, got {type(state.source).__name__}")
+    if state.dtype is not None:
+        with fake_mode:
+            cast_floating(model, DTYPES[state.dtype])
+    dtype = state.dtype or _param_dtype(model)
+    seq_len = state.seq_len or _max_seq(config) or 2048
+    return replace(state, model=model, fake_mode=fake_mode, config=config, dtype=dtype, seq_len=seq_len)
+
+
+def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point parameters and buffers of our own fake copy, ties preserved."""
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, value in table.items():
+                if value is None or not value.is_floating_point() or value.dtype == dtype:
+                    continue
+                if id(value) not in memo:
+                    cast = value.detach().to(dtype)
+                    memo[id(value)] = nn.Parameter(cast, value.requires_grad) if isinstance(value, nn.Parameter) else cast
+                table[key] = memo[id(value)]
+
+
+def _param_dtype(model: nn.Module) -> str:
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return str(parameter.dtype).replace("torch.", "")
+    return "float32"
+
+
+def _max_seq(config: dict | None) -> int | None:
+    for key in ("max_seq", "n_positions", "max_position_embeddings"):
+        if config and isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def find_layer_list(model: nn.Module) -> str | None:
+    """Module path of the longest nn.ModuleList (the repeated layers), or None."""
+    best, best_len = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > best_len:
+            best, best_len = name, len(module)
+    return best
+
+
+def module_signature(module: nn.Module) -> str:
+    """WL hash of a module tree: types, forward code, parameter/buffer shapes and dtypes."""
+    tree = nx.DiGraph()
+    for name, sub in module.named_modules():
+        tensors = [(k, tuple(v.shape), str(v.dtype)) for k, v in list(sub._parameters.items()) + list(sub._buffers.items())
+                   if v is not None]
+        forward = getattr(type(sub).forward, "__qualname__", "")
+        tree.add_node(name, label=f"{type(sub).__qualname__}|{forward}|{tensors}")
+        if name:
+            tree.add_edge(name.rpartition(".")[0], name)
+    return hashlib.sha1(nx.weisfeiler_lehman_graph_hash(tree, node_attr="label").encode()).hexdigest()[:16]
+
+
+def group_layers(state: CaptureState) -> CaptureState:
+    """Pass: find the layer list and group its layers by module signature."""
+    path = find_layer_list(state.model)
+    if path is None:
+        return replace(state, layer_list=None, layer_groups=())
+    layers = state.model.get_submodule(path)
+    groups: dict[str, list[int]] = {}
+    for index, layer in enumerate(layers):
+        groups.setdefault(module_signature(layer), []).append(index)
+    return replace(state, layer_list=path, layer_groups=tuple(tuple(g) for g in groups.values()))
+
+
+def replace_submodule(root: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    """A shallow copy of ``root`` with the module at ``path`` replaced (``root`` is untouched)."""
+    head, _, rest = path.partition(".")
+    copied = copy.copy(root)
+    copied._modules = dict(root._modules)
+    copied._modules[head] = new if not rest else replace_submodule(root._modules[head], rest, new)
+    return copied
+
+
+def keep_one_layer_per_group(state: CaptureState) -> CaptureState:
+    """Pass: a model whose layer list holds one representative per group (traced in that order)."""
+    if state.layer_list is None:
+        return state
+    layers = state.model.get_submodule(state.layer_list)
+    kept = nn.ModuleList(layers[group[0]] for group in state.layer_groups)
+    return replace(state, model=replace_submodule(state.model, state.layer_list, kept))
+
+
+def _example_tokens(state: CaptureState) -> tuple[torch.Tensor, torch.Tensor]:
+    seq = max(3, min(16, state.seq_len or 16))
+    with state.fake_mode:
+        input_ids = torch.zeros(EXAMPLE_BATCH, seq, dtype=torch.long)
+        labels = torch.zeros(EXAMPLE_BATCH, seq, dtype=torch.long)
+    return input_ids, labels
+
+
+def check_model_output(state: CaptureState) -> CaptureState:
+    """Pass (check): one eager fake forward; the output must be a scalar loss or logits."""
+    input_ids, labels = _example_tokens(state)
+    with state.fake_mode, torch.no_grad():
+        output = state.model(input_ids=input_ids, labels=labels)
+    loss_of(output, state.model_name)
+    return replace(state)
+
+
+def trace_joint_graph(state: CaptureState) -> CaptureState:
+    """Pass: joint forward+backward ATen graph of the (reduced) model, b and s symbolic."""
+    input_ids, labels = _example_tokens(state)
+    with state.fake_mode:
+        joint = trace_joint(state.model, input_ids, labels)
+    return replace(state, joint=joint)

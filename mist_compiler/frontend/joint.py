@@ -1,0 +1,151 @@
+"""Joint forward+backward ATen graphs through dynamo + aot_autograd.
+
+``joint_backend(on_capture)`` is a dynamo backend: it hands the torch-level graph to
+``aot_module_simplified`` with a partition function that records the joint graph, splits it with
+``default_partition`` (every value the backward reads is saved: what eager autograd keeps) and
+reports a :class:`JointCapture`. The compiled forward/backward are boxed callables running the
+partitioned graphs, so the same backend also trains (``mist_backend``).
+
+``trace_joint(model, input_ids, labels)`` runs that backend once on a model whose weights are
+FakeTensors, with the input's batch and sequence dimensions marked dynamic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import sympy
+import torch
+import torch.fx
+from functorch.compile import make_boxed_func
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import default_partition
+
+from ..ir.program import B, S
+
+
+@dataclass
+class JointCapture:
+    """The graphs of one capture and what their placeholders are."""
+
+    torch_graph: torch.fx.GraphModule  # dynamo's torch-level graph (nn_module_stack, sources)
+    joint_graph: torch.fx.GraphModule  # forward+backward ATen graph (before partitioning)
+    forward_graph: torch.fx.GraphModule
+    backward_graph: torch.fx.GraphModule
+    num_fwd_outputs: int
+    saved_names: list[str]  # forward outputs after num_fwd_outputs: the values saved for backward
+    symbol_map: dict  # ShapeEnv symbol -> IR symbol (b, s)
+    primal_params: dict[str, str] = field(default_factory=dict)  # joint placeholder -> parameter path
+    primal_inputs: dict[str, str] = field(default_factory=dict)  # joint placeholder -> input name
+
+
+def _is_parameter(node: torch.fx.Node, example) -> bool:
+    return isinstance(example, torch.nn.Parameter) or "_parameters_" in node.name
+
+
+def _parameter_path(node: torch.fx.Node) -> str:
+    """``blocks.0.attn.q.weight`` from the placeholder's module stack and its dynamo name."""
+    from ..passes.block_discovery import module_paths
+
+    leaf = node.name.split("_parameters_")[-1].strip("_")
+    paths = module_paths(node)
+    return f"{paths[-1]}.{leaf}" if paths else leaf
+
+
+def batch_seq_symbols(gm: torch.fx.GraphModule, example_inputs: list) -> dict:
+    """Map the ShapeEnv symbols of the token input's two dimensions to ``b`` and ``s``."""
+    candidates = []
+    for node in gm.graph.nodes:
+        example = node.meta.get("example_value")
+        if node.op == "placeholder" and isinstance(example, torch.Tensor) and example.dim() == 2 \
+                and not example.is_floating_point():
+            candidates.append((0 if "input_ids" in node.name else 1, node, example))
+    if not candidates:
+        return {}
+    _, _, tokens = min(candidates, key=lambda c: c[0])
+    mapping = {}
+    for dim, symbol in zip(tokens.shape, (B, S)):
+        if isinstance(dim, torch.SymInt) and isinstance(dim.node.expr, sympy.Symbol):
+            mapping[dim.node.expr] = symbol
+    return mapping
+
+
+def joint_backend(on_capture: Callable[[JointCapture], None]):
+    """A dynamo backend that records the joint graph and runs the partitioned graphs."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list, **_kwargs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+        def partition(joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+            forward, backward = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+            forward_outputs = list(forward.graph.find_nodes(op="output"))[0].args[0]
+            saved = [n.name for n in forward_outputs[num_fwd_outputs:] if isinstance(n, torch.fx.Node)]
+            primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+            params, inputs = {}, {}
+            for primal, node, example in zip(primals, placeholders, example_inputs):
+                if _is_parameter(node, example):
+                    params[primal.name] = _parameter_path(node)
+                else:
+                    inputs[primal.name] = node.name
+            on_capture(JointCapture(gm, joint, forward, backward, num_fwd_outputs, saved,
+                                    batch_seq_symbols(gm, example_inputs), params, inputs))
+            return forward, backward
+
+        def boxed(graph: torch.fx.GraphModule, _inputs):
+            return make_boxed_func(graph.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition)
+
+    return backend
+
+
+def _run_model(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor):
+    return model(input_ids=input_ids, labels=labels)
+
+
+def loss_of(output, model_name: str = "model") -> torch.Tensor:
+    """The scalar loss in a model's output (tensor, ``.loss``, dict or tuple), else a clear error."""
+    loss = output
+    if not isinstance(loss, torch.Tensor):
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+        if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            loss = output[0]
+    if isinstance(loss, torch.Tensor) and (loss.dim() == 0 or loss.dim() == 3):
+        return loss
+    described = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
+    raise ModelOutputError(
+        f"{model_name}: forward(input_ids=..., labels=...) must return a scalar loss, an object with "
+        f".loss, or logits [batch, seq, vocab]; it returned {described}"
+    )
+
+
+class ModelOutputError(ValueError):
+    """A model whose forward returns neither a scalar loss nor logits."""
+
+
+def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> JointCapture:
+    """Trace ``model(input_ids=, labels=) -> loss`` (FakeTensor weights) into a joint graph."""
+    captured: list[JointCapture] = []
+
+    def run(model, input_ids, labels):
+        output = _run_model(model, input_ids, labels)
+        loss = loss_of(output)
+        if loss.dim() == 3:  # logits: the capture adds the standard next-token loss
+            loss = torch.nn.functional.cross_entropy(loss.float().flatten(0, 1), labels.flatten())
+        return loss
+
+    # dynamic=True: sizes become symbols, and equal example sizes share one (duck sizing), so
+    # input_ids and labels agree on b and s; parameter shapes stay static.
+    compiled = torch.compile(run, backend=joint_backend(captured.append), fullgraph=True, dynamic=True)
+    try:
+        # module float attributes (eps) stay constants: otherwise dynamo lifts them to inputs,
+        # fails in aot_autograd and traces everything a second time
+        with torch._dynamo.config.patch(specialize_float=True):
+            compiled(model, input_ids, labels)
+    finally:
+        torch._dynamo.reset_code(run.__code__)
+    if not captured:
+        raise RuntimeError("capture: dynamo produced no graph with gradients (does the model have parameters?)")
+    return captured[-1]

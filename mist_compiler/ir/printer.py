@@ -1,0 +1,62 @@
+"""Human-readable text form of a MistProgram (what ``mistc ir`` prints)."""
+from __future__ import annotations
+
+from .program import BlockClass, IRNode, MistProgram
+
+
+def _format_node(node: IRNode) -> str:
+    outputs = ", ".join(str(o) for o in node.outputs) or "-"
+    attrs = "" if not node.attrs else " {" + ", ".join(f"{k}={v}" for k, v in node.attrs.items()) + "}"
+    source = f"  # {node.source}" if node.source else ""
+    return f"    %{node.name}: {outputs} = {node.op}({', '.join('%' + i for i in node.inputs)}){attrs}{source}"
+
+
+def _ranges(indices: list[int]) -> str:
+    spans, start = [], None
+    for i, index in enumerate(indices):
+        if start is None:
+            start = index
+        if i + 1 == len(indices) or indices[i + 1] != index + 1:
+            spans.append(f"{start}" if start == index else f"{start}-{index}")
+            start = None
+    return ",".join(spans)
+
+
+def format_block_class(program: MistProgram, cls: BlockClass, nodes: bool = True) -> str:
+    members = [b.index for b in program.blocks if b.class_id == cls.class_id]
+    where = f"layers {_ranges(members)}" if cls.kind == "layer" else cls.kind
+    lines = [
+        f"class {cls.class_id} ({cls.kind}, hash {cls.structural_hash}): {where}; representative {cls.representative or '-'}",
+        f"  params: {cls.param_count:,} ({cls.param_dtype}), {len(cls.forward_nodes)} forward / "
+        f"{len(cls.backward_nodes)} backward ops",
+        f"  saved for backward (attention={program.attention}): {cls.saved_bytes_expr(program.attention)} bytes",
+    ]
+    for name, info in cls.saved_tensors(program.attention):
+        lines.append(f"    saved %{name}: {info}")
+    for attn in cls.attention:
+        lines.append(f"  attention %{attn.node}: q {attn.query}, k {attn.key}, causal={attn.is_causal}, "
+                     f"captured as {attn.captured_op}")
+    if nodes:
+        lines.append("  forward:")
+        lines += [_format_node(n) for n in cls.forward_nodes]
+        lines.append("  backward:")
+        lines += [_format_node(n) for n in cls.backward_nodes]
+    return "\n".join(lines)
+
+
+def format_program(program: MistProgram, nodes: bool = True) -> str:
+    layers = program.layers
+    lines = [
+        f"mist program {program.model_name}: dtype {program.dtype}, symbols {', '.join(program.symbols)} "
+        f"(default s={program.seq_len}), attention kernel {program.attention}",
+        f"  {program.params:,} parameters; {len(layers)} layers in {len(program.block_classes)} block classes "
+        f"(pre, {len(program.block_classes) - 2} layer class(es), post)",
+        "blocks:",
+    ]
+    for block in program.blocks:
+        lines.append(f"  [{block.index:>3}] {block.kind:<5} {block.module_path or '-':<20} class {block.class_id}  "
+                     f"{block.param_count:,} params")
+    for cls in program.block_classes.values():
+        lines.append("")
+        lines.append(format_block_class(program, cls, nodes))
+    return "\n".join(lines)

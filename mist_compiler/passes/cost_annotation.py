@@ -1,0 +1,538 @@
+"""Cost annotation pass: FLOPs, bytes moved, op class and tensor-parallel sharding per IR node.
+
+For every node of a block's captured forward and backward ATen graphs this pass derives
+- ``flops``: sympy expression in ``b``, ``s``, ``t`` (formulas of ``torch.utils.flop_counter``'s
+  ``flop_registry`` where it has one; our own for the attention ops it misses, e.g.
+  ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, which it counts as 0).
+  Causal attention is counted at the **full** ``s^2`` (the MFU convention, and what the
+  registry does for the CUDA kernels), not halved;
+- ``bytes``: bytes read + written (inputs + outputs; metadata-only views move nothing);
+- ``op_class``: ``matmul``, ``attention``, ``norm``, ``softmax`` (log-softmax / loss),
+  ``embedding``, ``elementwise`` or ``view``, the key of the hardware profile's efficiency table;
+- ``tp``: the node's tensor-parallel state, ``R`` replicated, ``S`` sharded by ``t``, ``P``
+  partial sum (needs an all-reduce before any consumer but an add).
+
+Tensor-parallel sharding is recognised by data flow (Megatron-style rules):
+1. a *weight matmul* is an ``mm``/``addmm`` one of whose operands is (a view of) a parameter;
+2. the weight matmuls whose outputs reach the attention op's q, k, v through transparent ops
+   (views, pointwise ops such as rotary embedding, casts, cat) are **column-parallel**;
+3. a weight matmul whose input traces back through transparent ops *only* to the attention
+   output or to other weight matmuls is **row-parallel**, and those weight matmuls are
+   column-parallel (o-projection after attention; ``down`` after ``gelu(up)`` or
+   ``silu(gate) * up``). Anything else (a norm, a reduction, the block input) on the way
+   disqualifies it;
+4. in the post block the weight matmul whose output reaches a log-softmax is the
+   **vocab-parallel head** (column-parallel + parallel cross-entropy); in the pre block the
+   embedding indexed by a graph input (token ids) is **vocab-parallel**; other embeddings
+   (learned positions) stay replicated.
+Sharded weights are seeded ``S`` and the state propagates: ``mm(S, S) -> P`` (the contraction
+runs over the sharded dim: row-parallel forward, column-parallel input gradient),
+``mm(S, R) -> S``, views and pointwise ops keep ``S``, ``add(P, P) -> P``, and a ``P`` value
+consumed by anything else gets an **all-reduce** (an IR collective with its byte count). That
+yields the forward all-reduce after each row-parallel linear, the backward all-reduce of the
+column-parallel input gradients (q+k+v summed first, then one all-reduce), the vocab-parallel
+embedding's all-reduce and the small all-reduces of the parallel cross-entropy (max, sum of
+exponentials, target logit: a log-softmax over a sharded vocabulary, an NLL over sharded
+log-probabilities). A block whose structure is not recognised (a weight matmul left unpaired
+in a block with attention, a sharded block output, ...) is marked ``tp_supported=False`` with a
+message; the cost model then only accepts ``t == 1`` for it.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+B, S, T = (sympy.Symbol(name, positive=True, integer=True) for name in ("b", "s", "t"))
+CANONICAL_SYMBOLS = {"b": B, "s": S, "t": T}
+
+aten = torch.ops.aten
+
+ATTENTION_FORWARD = {
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "scaled_dot_product_attention", "_flash_attention_forward", "_efficient_attention_forward",
+}
+ATTENTION_BACKWARD = {f"{name}_backward" for name in ATTENTION_FORWARD} | {
+    "_flash_attention_backward", "_efficient_attention_backward",
+}
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
+NORMS = {"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward"}
+SOFTMAX_LOSS = {"_log_softmax", "_log_softmax_backward_data", "_softmax", "_softmax_backward_data",
+                "nll_loss_forward", "nll_loss_backward", "logsumexp"}
+EMBEDDINGS = {"embedding", "embedding_dense_backward"}
+# ops that move no data (views, aliases, tuple access)
+VIEW_NAMES = {"_unsafe_view", "detach", "alias", "lift_fresh"}
+# ops that are transparent for the sharding pattern besides views and pointwise ops
+TRANSPARENT_NAMES = {"_to_copy", "clone", "cat", "repeat_interleave", "contiguous", "expand", "_unsafe_view"}
+# reductions of a vocabulary-sharded tensor that Megatron's parallel cross-entropy all-reduces
+VOCAB_REDUCTIONS = {"_log_softmax": 2, "logsumexp": 2, "nll_loss_forward": 1}
+KEEPS_PARTIAL = {"add"}
+
+
+class TensorParallelError(ValueError):
+    """A block whose structure the tensor-parallel sharding rules do not recognise, used with t > 1."""
+
+
+def op_name(node: fx.Node) -> str:
+    """``aten.mm.default`` -> ``mm``; non-aten callables by their ``__name__``."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def is_view(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target.is_view:
+        return True
+    return op_name(node) in VIEW_NAMES
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
+def to_expr(value: Any, symbols: dict[str, sympy.Symbol] | None = None) -> sympy.Expr:
+    """An int / SymInt / sympy value as a sympy expression over the canonical symbols."""
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+    elif isinstance(value, (int, sympy.Basic)):
+        expr = sympy.sympify(value)
+    else:
+        raise TypeError(f"cannot turn {value!r} into a size expression")
+    if symbols:
+        expr = expr.xreplace({sym: symbols[sym.name] for sym in expr.free_symbols if sym.name in symbols})
+    return expr
+
+
+def tensor_values(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [item for item in value if isinstance(item, torch.Tensor)]
+    return []
+
+
+def tensor_shape(tensor: torch.Tensor, symbols: dict[str, sympy.Symbol] | None) -> tuple[sympy.Expr, ...]:
+    return tuple(to_expr(size, symbols) for size in tensor.shape)
+
+
+def tensor_bytes(tensor: torch.Tensor, symbols: dict[str, sympy.Symbol] | None) -> sympy.Expr:
+    return sympy.Mul(*tensor_shape(tensor, symbols)) * tensor.element_size()
+
+
+def value_bytes(node: fx.Node, symbols: dict[str, sympy.Symbol] | None) -> sympy.Expr:
+    return sympy.Add(*(tensor_bytes(v, symbols) for v in tensor_values(node.meta.get("val"))))
+
+
+def op_class(node: fx.Node) -> str:
+    name = op_name(node)
+    if is_view(node):
+        return "view"
+    if name in MATMULS:
+        return "matmul"
+    if name in ATTENTION_FORWARD or name in ATTENTION_BACKWARD:
+        return "attention"
+    if name in NORMS:
+        return "norm"
+    if name in SOFTMAX_LOSS:
+        return "softmax"
+    if name in EMBEDDINGS:
+        return "embedding"
+    return "elementwise"
+
+
+def _shape_args(args: Iterable[Any], symbols: dict[str, sympy.Symbol] | None) -> list[Any]:
+    shaped = []
+    for arg in args:
+        value = arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+        if isinstance(value, torch.Tensor):
+            shaped.append(tensor_shape(value, symbols))
+        elif isinstance(value, torch.SymInt):
+            shaped.append(to_expr(value, symbols))
+        else:
+            shaped.append(value)
+    return shaped
+
+
+def node_flops(node: fx.Node, symbols: dict[str, sympy.Symbol] | None = None) -> sympy.Expr:
+    """FLOPs of one node (0 for ops without a formula: pointwise work is counted in bytes)."""
+    if node.op != "call_function":
+        return sympy.Integer(0)
+    name = op_name(node)
+    args = _shape_args(node.args, symbols)
+    if name in ATTENTION_FORWARD:
+        return sympy.sympify(sdpa_flop_count(args[0], args[1], args[2]))
+    if name in ATTENTION_BACKWARD:
+        return sympy.sympify(sdpa_backward_flop_count(args[0], args[1], args[2], args[3]))
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if packet is None or packet not in flop_registry:
+        return sympy.Integer(0)
+    out = node.meta.get("val")
+    out_shape = tuple(tensor_shape(v, symbols) for v in tensor_values(out)) if isinstance(out, (tuple, list)) else (
+        tensor_shape(out, symbols) if isinstance(out, torch.Tensor) else None)
+    kwargs = {k: (tensor_shape(v.meta["val"], symbols) if isinstance(v, fx.Node) else v) for k, v in node.kwargs.items()}
+    return sympy.sympify(flop_registry[packet].__wrapped__(*args, out_shape=out_shape, **kwargs))
+
+
+def node_bytes(node: fx.Node, symbols: dict[str, sympy.Symbol] | None = None) -> sympy.Expr:
+    """Bytes read and written by one node; metadata-only views move nothing."""
+    if node.op != "call_function" or is_view(node):
+        return sympy.Integer(0)
+    seen: set[fx.Node] = set()
+    total = value_bytes(node, symbols)
+    for arg in node.all_input_nodes:
+        if arg not in seen:
+            seen.add(arg)
+            total += value_bytes(arg, symbols)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor-parallel pattern recognition
+
+
+def _view_base(node: fx.Node) -> fx.Node:
+    while is_view(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _is_transparent(node: fx.Node) -> bool:
+    return node.op == "call_function" and (is_view(node) or is_pointwise(node) or op_name(node) in TRANSPARENT_NAMES)
+
+
+def _depends_on_input(node: fx.Node, memo: dict[fx.Node, bool], params: set[str]) -> bool:
+    """Whether a node depends on an activation input (else it is a constant such as rotary tables)."""
+    if node in memo:
+        return memo[node]
+    if node.op == "placeholder":
+        memo[node] = isinstance(node.meta.get("val"), torch.Tensor) and node.name not in params
+        return memo[node]
+    memo[node] = False
+    result = any(_depends_on_input(arg, memo, params) for arg in node.all_input_nodes)
+    memo[node] = result
+    return result
+
+
+def _sources(node: fx.Node, memo: dict[fx.Node, bool], params: set[str]) -> set[fx.Node]:
+    """Non-transparent nodes a value is computed from, ignoring constants."""
+    found: set[fx.Node] = set()
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if not _depends_on_input(current, memo, params):
+            continue
+        if _is_transparent(current):
+            stack.extend(current.all_input_nodes)
+        else:
+            found.add(current)
+    return found
+
+
+def _reaches(node: fx.Node, names: set[str]) -> bool:
+    """Whether a value flows (through transparent ops) into an op named in ``names``."""
+    stack, seen = list(node.users), set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if op_name(current) in names:
+            return True
+        if _is_transparent(current):
+            stack.extend(current.users)
+    return False
+
+
+@dataclass
+class Sharding:
+    """Which parameters of a block are sharded and how; the outcome of pattern recognition."""
+
+    column: list[str] = field(default_factory=list)  # weight-matmul node names
+    row: list[str] = field(default_factory=list)
+    vocab_head: list[str] = field(default_factory=list)
+    vocab_embedding: list[str] = field(default_factory=list)
+    sharded_params: set[str] = field(default_factory=set)  # placeholder names seeded S
+    supported: bool = True
+    message: str = ""
+
+
+def _weight_param(node: fx.Node, params: set[str]) -> fx.Node | None:
+    for arg in node.all_input_nodes:
+        base = _view_base(arg)
+        if base.op == "placeholder" and base.name in params:
+            return base
+    return None
+
+
+def _activation_input(node: fx.Node, params: set[str]) -> fx.Node | None:
+    weight = _weight_param(node, params)
+    for arg in node.args[-2:]:
+        if isinstance(arg, fx.Node) and _view_base(arg) is not weight:
+            return arg
+    return None
+
+
+def recognise_sharding(graph: fx.Graph, params: set[str]) -> Sharding:
+    """Find column/row-parallel linears, vocab-parallel head and embedding in a forward graph."""
+    nodes = list(graph.nodes)
+    memo: dict[fx.Node, bool] = {}
+    weight_mms = [n for n in nodes if op_name(n) in ("mm", "addmm") and _weight_param(n, params) is not None]
+    attentions = [n for n in nodes if op_name(n) in ATTENTION_FORWARD]
+    sharding = Sharding()
+    column: set[fx.Node] = set()
+    row: set[fx.Node] = set()
+    for attention in attentions:
+        for arg in attention.args[:3]:
+            sources = _sources(arg, memo, params)
+            if not sources or not all(src in weight_mms for src in sources):
+                sharding.supported = False
+                sharding.message = (f"attention {attention.name}: q/k/v do not come from linear layers "
+                                    f"(sources: {sorted(s.name for s in sources)})")
+                return sharding
+            column |= sources
+    pair_sources = set(weight_mms) | set(attentions)
+    for mm in weight_mms:
+        activation = _activation_input(mm, params)
+        if activation is None:
+            continue
+        sources = _sources(activation, memo, params)
+        if sources and all(src in pair_sources and src is not mm and src not in row for src in sources):
+            row.add(mm)
+            column |= {src for src in sources if src in weight_mms}
+    for mm in weight_mms:
+        if mm not in column and mm not in row and _reaches(mm, {"_log_softmax", "logsumexp"}):
+            sharding.vocab_head.append(mm.name)
+    placeholders = {n for n in nodes if n.op == "placeholder"}
+    for node in nodes:
+        if op_name(node) == "embedding" and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
+            if _view_base(node.args[1]) in placeholders and _weight_param(node, params) is not None:
+                sharding.vocab_embedding.append(node.name)
+    if column and not row:
+        sharding.supported = False
+        sharding.message = "column-parallel linears found but no row-parallel linear closes them"
+        return sharding
+    leftovers = [mm.name for mm in weight_mms if mm not in column and mm not in row and mm.name not in sharding.vocab_head]
+    if attentions and leftovers:
+        sharding.supported = False
+        sharding.message = f"linear layers {leftovers} fit no column/row-parallel pair"
+        return sharding
+    by_name = {n.name: n for n in nodes}
+    sharding.column = [n.name for n in nodes if n in column]
+    sharding.row = [n.name for n in nodes if n in row]
+    for name in sharding.column + sharding.vocab_head:
+        node = by_name[name]
+        sharding.sharded_params.add(_weight_param(node, params).name)
+        if op_name(node) == "addmm":  # column-parallel bias is sharded along with the output
+            bias = _view_base(node.args[0])
+            if bias.op == "placeholder":
+                sharding.sharded_params.add(bias.name)
+    for name in sharding.row:
+        sharding.sharded_params.add(_weight_param(by_name[name], params).name)
+    for name in sharding.vocab_embedding:
+        sharding.sharded_params.add(_weight_param(by_name[name], params).name)
+    return sharding
+
+
+# ---------------------------------------------------------------------------------------------
+# per-node costs and state propagation
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    name: str
+    op: str
+    op_class: str
+    flops: sympy.Expr  # with tensor-parallel sharding applied (divided by t where sharded)
+    bytes: sympy.Expr
+    tp: str  # "R" | "S" | "P"
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective implied by the sharding, inserted after node ``after``."""
+
+    kind: str  # "all_reduce"
+    bytes: sympy.Expr  # payload per rank
+    after: str
+    reason: str
+
+
+@dataclass
+class GraphCosts:
+    nodes: list[NodeCost]
+    collectives: list[Collective]
+    states: dict[str, str]  # node name -> tensor-parallel state of its value
+
+    def flops_by_class(self) -> dict[str, sympy.Expr]:
+        totals: dict[str, sympy.Expr] = {}
+        for cost in self.nodes:
+            totals[cost.op_class] = totals.get(cost.op_class, sympy.Integer(0)) + cost.flops
+        return totals
+
+    def bytes_by_class(self) -> dict[str, sympy.Expr]:
+        totals: dict[str, sympy.Expr] = {}
+        for cost in self.nodes:
+            totals[cost.op_class] = totals.get(cost.op_class, sympy.Integer(0)) + cost.bytes
+        return totals
+
+    @property
+    def total_flops(self) -> sympy.Expr:
+        return sympy.Add(*(cost.flops for cost in self.nodes))
+
+    def restrict(self, names: set[str]) -> "GraphCosts":
+        """The nodes named in ``names`` and the collectives after them."""
+        return GraphCosts([c for c in self.nodes if c.name in names],
+                          [c for c in self.collectives if c.after in names], self.states)
+
+    def collective_bytes(self, kind: str = "all_reduce") -> sympy.Expr:
+        return sympy.Add(*(c.bytes for c in self.collectives if c.kind == kind))
+
+
+def _scaled_bytes(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
+    if node.op != "call_function" or is_view(node):
+        return sympy.Integer(0)
+    def part(value_node: fx.Node) -> sympy.Expr:
+        size = value_bytes(value_node, symbols)
+        return size / T if states.get(value_node.name) == "S" else size
+    total = part(node)
+    for arg in set(node.all_input_nodes):
+        total += part(arg)
+    return total
+
+
+def propagate_costs(graph: fx.Graph, initial: dict[str, str], symbols: dict[str, sympy.Symbol] | None,
+                    phase: str) -> GraphCosts:
+    """Walk a graph in order, assigning tensor-parallel states, costs and collectives."""
+    states: dict[str, str] = {}
+    costs: list[NodeCost] = []
+    collectives: list[Collective] = []
+
+    def reduce_partial(producer: fx.Node, reason: str) -> None:
+        states[producer.name] = "R"
+        collectives.append(Collective("all_reduce", value_bytes(producer, symbols), producer.name, reason))
+
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            states[node.name] = initial.get(node.name, "R")
+            continue
+        if node.op == "output":
+            for arg in node.all_input_nodes:
+                if states.get(arg.name) == "P":
+                    reduce_partial(arg, f"{phase} output {arg.name} is a partial sum")
+            continue
+        if node.op != "call_function":
+            states[node.name] = "R"
+            continue
+        name = op_name(node)
+        inputs = [arg for arg in node.all_input_nodes if isinstance(arg.meta.get("val"), torch.Tensor)
+                  or isinstance(arg.meta.get("val"), (tuple, list))]
+        in_states = [states.get(arg.name, "R") for arg in inputs]
+        keeps_partial = is_view(node) or (name in KEEPS_PARTIAL and in_states and all(s == "P" for s in in_states))
+        if not keeps_partial:
+            for arg, state in zip(inputs, in_states):
+                if state == "P":
+                    reduce_partial(arg, f"{phase}: {node.name} ({name}) needs the full value of {arg.name}")
+            in_states = [states.get(arg.name, "R") for arg in inputs]
+        if keeps_partial and "P" in in_states:
+            state = "P"
+        elif name in ("mm", "addmm"):
+            matrices = [states.get(arg.name, "R") for arg in node.args[-2:] if isinstance(arg, fx.Node)]
+            state = "P" if matrices.count("S") == 2 else ("S" if "S" in matrices else "R")
+        elif name == "embedding" and in_states and in_states[0] == "S":
+            state = "P"  # vocab-parallel lookup: rows outside this rank's range are zero
+        elif name in VOCAB_REDUCTIONS and in_states and in_states[0] == "S":
+            rows = sympy.Mul(*tensor_shape(inputs[0].meta["val"], symbols)[:-1]) if inputs[0].meta["val"].dim() > 1 else sympy.Integer(1)
+            collectives.append(Collective("all_reduce", rows * 4 * VOCAB_REDUCTIONS[name], node.name,
+                                          f"{phase}: parallel cross-entropy reduction in {name}"))
+            state = "R" if name == "nll_loss_forward" else "S"
+        elif "S" in in_states:
+            state = "S"
+        else:
+            state = "R"
+        states[node.name] = state
+        flops = node_flops(node, symbols)
+        if state in ("S", "P") or "S" in in_states:
+            flops = flops / T
+        costs.append(NodeCost(node.name, name, op_class(node), sympy.expand(flops),
+                              sympy.expand(_scaled_bytes(node, states | {node.name: state}, symbols)), state))
+    return GraphCosts(costs, collectives, states)
+
+
+NEEDS_FULL_FEATURES = {"native_layer_norm", "mean", "_fused_rms_norm", "var_mean", "softmax", "_softmax"}
+
+
+@dataclass
+class ProgramCosts:
+    """Costs of a captured forward/backward graph pair, and the sharding found."""
+
+    forward: GraphCosts
+    backward: GraphCosts
+    sharding: Sharding
+    param_states: dict[str, str]
+
+    def restrict(self, names: set[str]) -> "ProgramCosts":
+        """The costs of the nodes named in ``names`` (one block)."""
+        return ProgramCosts(self.forward.restrict(names), self.backward.restrict(names), self.sharding, self.param_states)
+
+
+BlockCosts = ProgramCosts  # a block's costs are a restricted ProgramCosts
+
+
+def _check_sharded_consumers(graph: fx.Graph, states: dict[str, str]) -> str:
+    """A message if a sharded value reaches an op that needs all features (unrecognised structure)."""
+    for node in graph.nodes:
+        if node.op == "call_function" and op_name(node) in NEEDS_FULL_FEATURES:
+            for arg in node.all_input_nodes:
+                if states.get(arg.name) == "S":
+                    return f"{node.name} ({op_name(node)}) would read the sharded value {arg.name}"
+    return ""
+
+
+def annotate_graphs(forward: fx.GraphModule, backward: fx.GraphModule, params: set[str],
+                    symbols: dict[str, sympy.Symbol] | None = None,
+                    backward_inputs: dict[str, str] | None = None) -> ProgramCosts:
+    """Annotate a captured forward/backward graph pair (a whole model or one block).
+
+    ``params``: names of the forward graph's parameter placeholders. ``backward_inputs`` maps
+    backward placeholder names to the forward node they receive (default: same name, which is
+    what AOTAutograd's partitioners produce); tangents are replicated.
+    """
+    sharding = recognise_sharding(forward.graph, params)
+    seeds = {name: "S" for name in sharding.sharded_params} if sharding.supported else {}
+    forward_costs = propagate_costs(forward.graph, seeds, symbols, "forward")
+    if sharding.supported:
+        problem = _check_sharded_consumers(forward.graph, forward_costs.states)
+        if problem:
+            sharding.supported = False
+            sharding.message = f"unrecognised tensor-parallel structure: {problem}"
+    if not sharding.supported:
+        forward_costs = propagate_costs(forward.graph, {}, symbols, "forward")
+    mapping = backward_inputs or {}
+    initial = {}
+    for node in backward.graph.nodes:
+        if node.op == "placeholder":
+            source = mapping.get(node.name, node.name)
+            initial[node.name] = "R" if node.name.startswith("tangents") else forward_costs.states.get(source, "R")
+    backward_costs = propagate_costs(backward.graph, initial, symbols, "backward")
+    param_states = {name: ("S" if name in sharding.sharded_params and sharding.supported else "R") for name in params}
+    return ProgramCosts(forward_costs, backward_costs, sharding, param_states)
+

@@ -1,0 +1,131 @@
+"""``mistc profile``: measuring this machine produces a profile that loads; fits are sound."""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from mist_compiler.cost import profile_command
+from mist_compiler.cost.comm import collective_time
+from mist_compiler.cost.hardware import CHANNELS, ProfileError, load_profile
+from mist_compiler.cost.profiler import ProfilerOptions, fit_alpha_beta, fit_collectives, profile_machine
+
+
+def _run_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    profile_command.add_arguments(parser)
+    return profile_command.run(parser.parse_args(argv))
+
+
+def test_fit_alpha_beta_recovers_a_line():
+    x = np.array([1e5, 1e6, 1e7])
+    bandwidth, latency = fit_alpha_beta(x, x / 2e9 + 3e-4)
+    assert bandwidth == pytest.approx(2e9) and latency == pytest.approx(3e-4)
+
+
+def test_fit_alpha_beta_never_returns_negative_latency():
+    bandwidth, latency = fit_alpha_beta(np.array([1e6, 2e6]), np.array([0.9e-3, 2.1e-3]))
+    assert latency == 0.0 and bandwidth > 0
+
+
+def test_fit_collectives_recovers_factors_of_synthetic_timings():
+    sizes = [1 << 16, 1 << 20, 1 << 23]
+    bandwidth, latency = 1.5e9, 2e-4
+    factors = {"all_gather": 1.0, "reduce_scatter": 1.1, "all_reduce": 2.1, "broadcast": 0.8, "all_to_all": 1.3}
+    results = []
+    for world in (2, 4):
+        times = {kind: [(b, b * (world - 1) / world / bandwidth * f + latency) for b in sizes] for kind, f in factors.items()}
+        times["p2p"] = [(b, b / bandwidth * 0.5 + latency) for b in sizes]
+        results.append({"world": world, "times": times, "slowdown": {}})
+    links, fitted = fit_collectives(results)
+    assert set(links) == {"1x2", "1x4"}
+    assert links["1x4"]["bandwidth_gbps"] == pytest.approx(1.5, rel=1e-4)
+    assert links["1x2"]["latency_s"] == pytest.approx(2e-4, rel=1e-2)
+    for kind, factor in factors.items():
+        assert fitted[kind] == pytest.approx(factor, rel=1e-3)
+    assert fitted["p2p"] == pytest.approx(0.5, rel=1e-3)
+
+
+@pytest.mark.distributed
+def test_quick_profile_writes_a_loadable_profile(tmp_path, capfd):
+    output = tmp_path / "here.yaml"
+    assert _run_command(["-o", str(output), "--quick", "--name", "this-machine", "--world-sizes", "2"]) == 0
+    profile = load_profile(str(output))
+    assert profile.name == "this-machine"
+    assert (1, 2) in profile.links and profile.links[(1, 2)].bandwidth > 0
+    assert all(op in profile.efficiency for op in ("matmul", "attention", "elementwise", "reduction", "norm", "softmax",
+                                                   "default"))
+    assert profile.peak_flops["float32"] > 1e8  # any CPU core does 0.1 GFLOP/s
+    assert 0 < profile.op_overhead < 1e-3
+    assert {a for a, _ in profile.slowdown} == set(CHANNELS) and len(profile.slowdown) == 12
+    assert float(collective_time(profile, "all_reduce", 1e6, 1, 2)) > 0
+    captured = capfd.readouterr()
+    assert "matmul" in captured.err and "all_reduce" in captured.err  # progress lines
+    assert "wrote" in captured.out
+
+
+def test_single_device_profile_borrows_links(monkeypatch):
+    monkeypatch.setattr("mist_compiler.cost.profiler.measure_compute", _fake_compute)
+    profile = profile_machine(ProfilerOptions(quick=True, world_sizes=(), links_from="l4", log=lambda m: None))
+    l4 = load_profile("l4")
+    assert profile.links == l4.links and profile.gpus_per_node == l4.gpus_per_node
+    assert profile.slowdown[("compute", "collective")] == l4.slowdown[("compute", "collective")]
+    assert ("h2d", "d2h") in profile.slowdown  # measured locally
+    assert "copied from profile 'l4'" in profile.description
+    assert profile.efficiency == {"matmul": 0.8, "attention": 0.4, "elementwise": 0.8, "reduction": 0.9,
+                                  "norm": 0.6, "softmax": 0.7, "default": 0.4}
+
+
+def test_no_collective_group_without_links_from_is_an_error():
+    with pytest.raises(ProfileError, match="links_from"):
+        profile_machine(ProfilerOptions(quick=True, world_sizes=(), log=lambda m: None))
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["-o", "/no/such/dir/p.yaml", "--quick"], "--output"),
+    (["-o", "p.yaml", "--timeout", "0"], "--timeout"),
+])
+def test_command_rejects_bad_options(argv, named):
+    with pytest.raises(ValueError, match=named):
+        _run_command(argv)
+
+
+def test_world_size_beyond_the_machine_is_named():
+    with pytest.raises(ProfileError, match="world_sizes"):
+        profile_machine(ProfilerOptions(quick=True, world_sizes=(4096,), log=lambda m: None))
+
+
+def test_world_sizes_option_parsing():
+    parser = argparse.ArgumentParser()
+    profile_command.add_arguments(parser)
+    assert parser.parse_args(["-o", "x", "--world-sizes", "2,4"]).world_sizes == (2, 4)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["-o", "x", "--world-sizes", "1"])
+
+
+def _fake_compute(device, options):
+    from mist_compiler.cost.profiler import ComputeMeasurements
+
+    return ComputeMeasurements({"float32": 5e10}, 4e10, 2e10, 2e10, 1.6e10, 1.8e10, 1e10, 1e10, "float32", 1.2e10, 1.4e10, 4e-6)
+
+
+@pytest.mark.distributed
+def test_overrunning_ranks_are_killed_with_a_clear_error(monkeypatch):
+    import subprocess
+
+    from mist_compiler.cost import profiler
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        process = real_popen(*args, **kwargs)
+        started.append(process)
+        return process
+
+    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    with pytest.raises(RuntimeError, match="did not finish within"):
+        profiler.run_collective_group(2, "cpu", ProfilerOptions(quick=True, log=lambda m: None),
+                                      measure_concurrency=False, timeout_s=0.3)
+    assert len(started) == 2 and all(process.poll() is not None for process in started)
