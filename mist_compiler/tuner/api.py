@@ -1,0 +1,321 @@
+"""``mist_compiler.tune``: model + cluster + global batch -> the fastest Plan the cost model predicts.
+
+The search: for every gradient-accumulation count G, build each stage cell's Pareto frontier
+(intra_stage), then for every stage count S a lower bound; (S, G) pairs are solved in order of
+their bound by the inter-stage MILP, skipping those whose bound cannot beat the best plan found
+so far. The result carries the plan, its predicted time, per-stage estimates, the breakdown and
+search statistics (and the frontiers it chose from, for ``mistc explain``).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..cost.stage_api import StageCandidates, StageCostModel, StageEstimates, pipeline_iteration_time
+from ..ir.plan import Offload, Plan, StagePlan
+from .inter_stage import lower_bound, role_pools, solve_stages, solver_name, sum_time_bounds, uniform_solution
+from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable, build_frontiers, probe_work_bound
+from .space import Cluster, SearchSpace, TuneError, Workload, divisors
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class StageReport:
+    """Exact estimates of one chosen stage (at its real in-flight count)."""
+
+    index: int
+    stable_s: float
+    delta_s: float
+    peak_memory_bytes: float
+    inflight: int
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TuneResult:
+    plan: Plan
+    predicted_time_s: float
+    stages: list[StageReport]
+    breakdown: dict[str, float]
+    stats: dict
+    device_memory_bytes: float
+    frontiers: dict = field(default_factory=dict)  # chosen G: per stage, the frontier it chose from
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.plan.global_batch * self.plan.seq_len / self.predicted_time_s
+
+
+def _stderr_progress(message: str) -> None:
+    print(f"[tune] {message}", file=sys.stderr, flush=True)
+
+
+def workload_of(model: str, seq_len: int, global_batch: int, dtype: str) -> tuple[Workload, object]:
+    from ..models import resolve_model
+
+    spec = resolve_model(model, seq_len)
+    config = spec.config
+    if config is None:
+        built = spec.build()
+        config = getattr(built, "cfg", None) or getattr(built, "config", None)
+        layers = getattr(config, "layers", None) or getattr(config, "num_hidden_layers", None)
+        heads = getattr(config, "heads", None) or getattr(config, "num_attention_heads", None)
+        if layers is None or heads is None:
+            raise TuneError(f"model {model!r}: cannot find its layer and head counts to tune it")
+    else:
+        layers, heads = config.layers, config.heads
+    return Workload(int(layers), int(heads), global_batch, seq_len, dtype, model), config
+
+
+def check_request(work: Workload, cluster: Cluster, space: SearchSpace, hardware_gpus_per_node: int | None) -> None:
+    """Reject requests that cannot have a plan, naming the limit and the smallest change that fits."""
+    if work.global_batch < 1:
+        raise TuneError(f"global_batch must be >= 1, got {work.global_batch}")
+    if work.seq_len < 1:
+        raise TuneError(f"seq_len must be >= 1, got {work.seq_len}")
+    if hardware_gpus_per_node is not None and cluster.gpus_per_node > hardware_gpus_per_node:
+        raise TuneError(
+            f"gpus_per_node = {cluster.gpus_per_node} exceeds the hardware profile's {hardware_gpus_per_node} "
+            f"GPUs per node; use --gpus-per-node {hardware_gpus_per_node} or fewer"
+        )
+    stage_options = space.stage_count_options(work.num_layers, cluster.world)
+    if space.stage_counts is not None and not stage_options:
+        raise TuneError(
+            f"stage_counts {list(space.stage_counts)} all exceed the model's {work.num_layers} layers or the "
+            f"{cluster.world} devices; the most stages possible is {min(work.num_layers, cluster.world)}"
+        )
+    tp_max = max((max(space.tp_options(s, work.heads), default=0) for s in space.device_shapes(cluster.nodes, cluster.gpus_per_node)), default=0)
+    if tp_max == 0:
+        raise TuneError(f"no tensor-parallel degree in {space.tp_degrees} divides the model's {work.heads} heads")
+    usable = min(work.num_layers, cluster.world) * work.global_batch * tp_max
+    if cluster.world > usable:
+        raise TuneError(
+            f"{cluster.world} devices are more than this model and batch can use ({usable} = stages "
+            f"{min(work.num_layers, cluster.world)} x global batch {work.global_batch} x TP {tp_max}); "
+            f"use at most {usable} devices or a larger global batch"
+        )
+    if not _batch_divisible(work, cluster, space):
+        smallest = _smallest_data_parallel(work, cluster, space)
+        fix = -(-work.global_batch // smallest) * smallest
+        raise TuneError(
+            f"global batch {work.global_batch} cannot be split: every stage layout of {cluster.world} devices needs "
+            f"a data-parallel degree that divides it (the smallest is {smallest}); use a global batch that is a "
+            f"multiple of {smallest}, e.g. {fix}"
+        )
+
+
+def _stage_dp_degrees(work: Workload, cluster: Cluster, space: SearchSpace) -> set[int]:
+    degrees = set()
+    for shape in space.device_shapes(cluster.nodes, cluster.gpus_per_node):
+        for tp in space.tp_options(shape, work.heads):
+            degrees.add(shape.count // tp)
+    return degrees
+
+
+def _batch_divisible(work: Workload, cluster: Cluster, space: SearchSpace) -> bool:
+    return any(work.global_batch % dp == 0 for dp in _stage_dp_degrees(work, cluster, space))
+
+
+def _smallest_data_parallel(work: Workload, cluster: Cluster, space: SearchSpace) -> int:
+    return min(_stage_dp_degrees(work, cluster, space) or {1})
+
+
+def _memory_diagnosis(cost_model: StageCostModel, work: Workload, cluster: Cluster, space: SearchSpace) -> str:
+    """The smallest device memory at which some evenly split plan of the searched space fits."""
+    best = math.inf
+    combos = space.offload_combos()
+    most = combos.max(axis=0)
+    zero = max(space.zero_levels)
+    for stages in space.stage_count_options(work.num_layers, cluster.world):
+        if cluster.world % stages:
+            continue
+        per_stage = cluster.world // stages
+        shapes = [s for s in space.device_shapes(cluster.nodes, cluster.gpus_per_node) if s.count == per_stage]
+        layers = -(-work.num_layers // stages)
+        for shape in shapes:
+            for tp in space.tp_options(shape, work.heads):
+                dp = shape.count // tp
+                for g in space.grad_accum_options(work.global_batch):
+                    if work.global_batch % (dp * g):
+                        continue
+                    micro = work.global_batch // (dp * g)
+                    if not space.micro_batch_allowed(np.array([micro]))[0]:
+                        continue
+                    roles = [(PP_BOTH, 1)] if stages == 1 else [(PP_PRE, min(stages, g)), (PP_POST, 1)]
+                    if stages > 2:
+                        roles.append((PP_NONE, min(stages - 1, g)))
+                    ckpt = 0 if space.ckpt == "none" else layers
+                    peaks = []
+                    for pp, inflight in roles:
+                        candidates = StageCandidates(
+                            num_layers=layers, has_pre=bool(pp & 1), has_post=pp >= PP_POST, nodes=shape.nodes,
+                            gpus_per_node=shape.gpus, micro_batch=micro, dp=dp, tp=tp, zero=zero, ckpt_layers=ckpt,
+                            offload_weights=most[0], offload_grads=most[1], offload_opt=most[2], offload_acts=most[3],
+                            inflight=inflight,
+                        )
+                        peaks.append(float(cost_model.evaluate(candidates).peak_memory_bytes[0]))
+                    best = min(best, max(peaks))
+    have = cost_model.device_memory_bytes / 1e9
+    if not math.isfinite(best):
+        return (f"no plan fits in {have:.2f} GB per device: no stage layout of the searched space is valid for "
+                f"{cluster.world} devices and global batch {work.global_batch}")
+    return (f"no plan fits in {have:.2f} GB per device: the smallest memory that would fit (evenly split, every "
+            f"saving knob of the searched space at its maximum) is {best / 1e9:.2f} GB per device; use devices with at "
+            f"least that much memory, more devices, or a smaller global batch/sequence")
+
+
+def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int, seq_len: int = 2048,
+         space: SearchSpace | None = None, dtype: str = "float16", attention: str = "flash",
+         cost_model: StageCostModel | None = None, progress: Progress | None = None,
+         workload: Workload | None = None) -> TuneResult:
+    """Search the fastest plan. ``hardware`` is a profile name/path or a HardwareProfile.
+
+    ``cost_model`` overrides the project's stage cost model (tests pass an analytic double);
+    ``workload`` then supplies layer and head counts for a model that is not in the zoo.
+    """
+    space = space or SearchSpace()
+    say = progress or (lambda message: None)
+    started = time.perf_counter()
+    cluster = Cluster(nodes, gpus_per_node)
+    profile = None
+    if cost_model is None:
+        from ..cost.hardware import HardwareProfile, load_profile
+
+        profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+        from ..cost.stage_model import build_stage_cost_model
+
+        cost_model = build_stage_cost_model(model, profile, seq_len=seq_len, dtype=dtype, attention=attention)
+    if workload is None:
+        workload, _ = workload_of(model, seq_len, global_batch, dtype)
+    work = workload
+    check_request(work, cluster, space, profile.gpus_per_node if profile is not None else None)
+    stage_options = space.stage_count_options(work.num_layers, cluster.world)
+    max_stages = max(stage_options)
+    g_options = [g for g in space.grad_accum_options(work.global_batch)]
+    stats: dict = {"solver": solver_name(), "space": space.describe(), "grad_accum_tried": 0, "milps": 0,
+                   "milps_skipped": 0, "evaluated": 0, "frontier_points": 0, "max_gap": 0.0, "statuses": {}}
+    # order G values by a cheap bound so a good plan is found early and prunes the rest
+    g_bounds = sorted((probe_work_bound(cost_model, work, cluster, space, g, max_stages), g) for g in g_options)
+    stats["probe_s"] = time.perf_counter() - started
+    tables: dict[int, FrontierTable] = {}
+    best = None
+    best_g = None
+    incumbent = math.inf
+
+    def consider(solution, g: int) -> None:
+        nonlocal best, best_g, incumbent
+        if solution is not None and solution.objective < incumbent:
+            incumbent, best, best_g = solution.objective, solution, g
+            say(f"S={len(solution.rows)} G={g}: {solution.objective * 1e3:.1f} ms per iteration "
+                f"({solution.status}, {time.perf_counter() - started:.1f}s)")
+
+    # phase 1: frontiers per G, each followed by quick even-split plans that set the incumbent
+    for g_bound, g in g_bounds:
+        if g_bound >= incumbent:
+            stats["grad_accum_skipped"] = stats.get("grad_accum_skipped", 0) + 1
+            continue
+        table = build_frontiers(cost_model, work, cluster, space, g, max_stages, incumbent)
+        stats["grad_accum_tried"] += 1
+        stats["evaluated"] += table.stats.get("candidates_exact", 0) * 2 + 2 * table.stats.get("bases", 0)
+        stats["frontier_points"] += table.stats.get("frontier_points", 0)
+        say(f"G={g}: {table.stats.get('bases', 0)} base configs, {table.stats.get('frontier_points', 0)} "
+            f"Pareto points ({time.perf_counter() - started:.1f}s)")
+        if not table.cells:
+            continue
+        tables[g] = table
+        for stages in stage_options:
+            consider(uniform_solution(table, stages, work, cluster, space), g)
+    stats["frontier_s"] = time.perf_counter() - started
+    # phase 2: MILPs in order of their lower bound, skipping those that cannot beat the incumbent
+    bounds = []
+    for g, table in tables.items():
+        least_sums = sum_time_bounds(table, work, cluster, space, stage_options)
+        for stages in stage_options:
+            pools = role_pools(table, stages, work, cluster, space)
+            bound = lower_bound(pools, stages, g, work.num_layers, cluster.world, least_sums.get(stages, 0.0))
+            if math.isfinite(bound):
+                bounds.append((bound, stages, g, pools))
+    for bound, stages, g, pools in sorted(bounds, key=lambda item: (item[0], item[1], item[2])):
+        if bound >= incumbent * (1 - 1e-9):
+            stats["milps_skipped"] += 1
+            continue
+        solution = solve_stages(tables[g], stages, work, cluster, space, incumbent, pools)
+        stats["milps"] += 1
+        if solution is None:
+            continue
+        stats["max_gap"] = max(stats["max_gap"], solution.gap)
+        stats["statuses"][solution.status] = stats["statuses"].get(solution.status, 0) + 1
+        consider(solution, g)
+    stats["search_s"] = time.perf_counter() - started
+    if best is None:
+        raise TuneError(_memory_diagnosis(cost_model, work, cluster, space))
+    return _result(cost_model, work, space, tables[best_g], best, stats)
+
+
+def _result(cost_model: StageCostModel, work: Workload, space: SearchSpace, table: FrontierTable, solution,
+            stats: dict) -> TuneResult:
+    configs = table.configs
+    rows = np.array(solution.rows)
+    chosen = configs.select(rows)
+    chosen.inflight = np.array(solution.inflight)
+    estimates = cost_model.evaluate(chosen)
+    start = 0
+    stages = []
+    for i, row in enumerate(rows):
+        layers = int(configs.num_layers[row])
+        stages.append(StagePlan(
+            layers=(start, start + layers), nodes=int(configs.nodes[row]), gpus_per_node=int(configs.gpus_per_node[row]),
+            micro_batch=int(configs.micro_batch[row]), dp=int(configs.dp[row]), tp=int(configs.tp[row]),
+            zero=int(configs.zero[row]), ckpt_layers=int(configs.ckpt_layers[row]),
+            offload=Offload(float(configs.offload_weights[row]), float(configs.offload_grads[row]),
+                            float(configs.offload_opt[row]), float(configs.offload_acts[row])),
+        ))
+        start += layers
+    plan = Plan(model=work.model_name, seq_len=work.seq_len, global_batch=work.global_batch, dtype=work.dtype,
+                grad_accum=table.grad_accum, stages=tuple(stages))
+    predicted = pipeline_iteration_time(estimates.stable_s, estimates.delta_s, table.grad_accum)
+    reports = [
+        StageReport(i, float(estimates.stable_s[i]), float(estimates.delta_s[i]), float(estimates.peak_memory_bytes[i]),
+                    int(solution.inflight[i]), {k: float(np.asarray(v)[i]) for k, v in estimates.breakdown.items()})
+        for i in range(len(rows))
+    ]
+    g = table.grad_accum
+    stable = estimates.stable_s
+    breakdown = {
+        "steady_s": float((g - 1) * stable.max()),
+        "fill_drain_s": float(stable.sum()),
+        "exposed_delta_s": float(predicted - (g - 1) * stable.max() - stable.sum()),
+    }
+    stats["milp_objective_s"] = solution.milp_objective
+    stats["milp_bound_s"] = solution.bound
+    stats["final_status"] = solution.status
+    return TuneResult(plan, predicted, reports, breakdown, stats, float(cost_model.device_memory_bytes),
+                      frontiers=_frontier_summary(table, solution))
+
+
+def _frontier_summary(table: FrontierTable, solution) -> dict:
+    """Per chosen stage, the Pareto frontier of its cell (for plots in ``mistc explain``)."""
+    configs = table.configs
+    stages = []
+    for i, row in enumerate(solution.rows):
+        pp = int(configs.has_pre[row]) + 2 * int(configs.has_post[row])
+        shape = next(s for s, d in enumerate(table.shapes)
+                     if d.nodes == configs.nodes[row] and d.gpus == configs.gpus_per_node[row])
+        members = table.cell(int(configs.num_layers[row]), pp, shape, solution.inflight[i])
+        stages.append({
+            "stage": i, "layers": int(configs.num_layers[row]), "devices": int(configs.nodes[row] * configs.gpus_per_node[row]),
+            "inflight": int(solution.inflight[i]),
+            "points": [{"stable_s": float(table.stable[m]), "delta_s": float(table.delta[m]),
+                        "tp": int(configs.tp[m]), "zero": int(configs.zero[m]), "ckpt_layers": int(configs.ckpt_layers[m]),
+                        "offload": [float(configs.offload_weights[m]), float(configs.offload_grads[m]),
+                                    float(configs.offload_opt[m]), float(configs.offload_acts[m])]}
+                       for m in members],
+            "chosen": {"stable_s": float(table.stable[row]), "delta_s": float(table.delta[row])},
+        })
+    return {"grad_accum": table.grad_accum, "stages": stages}

@@ -1,0 +1,399 @@
+"""Intra-stage tuning: per stage cell, the Pareto frontier of (stable, delta) under the memory limit.
+
+A cell is (layers, pre/post kind, device shape, in-flight micro-batches) for one
+gradient-accumulation count ``G`` (which fixes each stage's micro-batch as
+``global_batch / (dp * G)``). Inside a cell the free choices are TP (hence DP and micro-batch),
+ZeRO level, checkpointed layers and the four offload ratios; all are evaluated vectorised.
+
+Work is kept small by three exact-or-checked shortcuts, each relying on a property every sane
+cost model has (the tests check them on the real one):
+- *monotone knobs*: checkpointing or offloading more never makes a stage faster, so a base
+  configuration (layers, devices, TP, ZeRO) that fits with no checkpointing and no offload needs
+  nothing else, and one that does not fit with every knob at its maximum is dropped;
+- *affine in-flight memory*: peak memory is affine in the in-flight micro-batch count (one more
+  micro-batch of saved activations), so two evaluations (k = 1, 2) give every k;
+- *affine checkpoint memory*: the smallest checkpointed-layer count that fits is predicted from the
+  corners (0 and all layers, k = 1 and 2) and then verified exactly (and raised while it does not fit).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..cost.stage_api import StageCandidates, StageCostModel, StageEstimates
+from .space import Cluster, DeviceShape, SearchSpace, Workload
+
+PP_NONE, PP_PRE, PP_POST, PP_BOTH = 0, 1, 2, 3
+PP_NAMES = {PP_NONE: "middle", PP_PRE: "first", PP_POST: "last", PP_BOTH: "only"}
+EVAL_CHUNK = 250_000
+MEMORY_TOLERANCE = 1e-9  # relative slack against float rounding in the memory comparisons
+
+
+@dataclass
+class Bases:
+    """Base configurations (no knobs yet) as parallel int arrays."""
+
+    layers: np.ndarray
+    pp: np.ndarray
+    shape: np.ndarray
+    tp: np.ndarray
+    dp: np.ndarray
+    micro_batch: np.ndarray
+    zero: np.ndarray
+    max_inflight: np.ndarray
+
+    def take(self, index: np.ndarray) -> "Bases":
+        return Bases(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+@dataclass
+class FrontierTable:
+    """Pareto points of every cell for one G. ``cells`` maps (layers, pp, shape, k) -> row indices."""
+
+    grad_accum: int
+    shapes: list[DeviceShape]
+    configs: StageCandidates  # inflight field holds 1; use memory_at for other k
+    stable: np.ndarray
+    delta: np.ndarray
+    memory_k1: np.ndarray
+    memory_per_inflight: np.ndarray
+    cells: dict[tuple[int, int, int, int], np.ndarray]
+    stats: dict = field(default_factory=dict)
+
+    def memory_at(self, rows: np.ndarray, inflight: int) -> np.ndarray:
+        return self.memory_k1[rows] + (inflight - 1) * self.memory_per_inflight[rows]
+
+    def cell(self, layers: int, pp: int, shape: int, inflight: int) -> np.ndarray:
+        return self.cells.get((layers, pp, shape, inflight), np.zeros(0, dtype=int))
+
+
+def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
+             offload: np.ndarray, inflight: np.ndarray | int) -> StageEstimates:
+    """Evaluate bases with knobs (``offload`` is [n, 4]) in chunks; returns concatenated estimates."""
+    n = len(bases)
+    if n == 0:
+        empty = np.zeros(0)
+        return StageEstimates(empty, empty, empty, {})
+    nodes = np.array([s.nodes for s in shapes])[bases.shape]
+    gpus = np.array([s.gpus for s in shapes])[bases.shape]
+    inflight_arr = np.broadcast_to(np.asarray(inflight), (n,))
+    parts = []
+    for start in range(0, n, EVAL_CHUNK):
+        window = slice(start, min(n, start + EVAL_CHUNK))
+        candidates = StageCandidates(
+            num_layers=bases.layers[window], has_pre=(bases.pp[window] & 1).astype(bool),
+            has_post=(bases.pp[window] >= PP_POST), nodes=nodes[window], gpus_per_node=gpus[window],
+            micro_batch=bases.micro_batch[window], dp=bases.dp[window], tp=bases.tp[window],
+            zero=bases.zero[window], ckpt_layers=ckpt[window],
+            offload_weights=offload[window, 0], offload_grads=offload[window, 1],
+            offload_opt=offload[window, 2], offload_acts=offload[window, 3], inflight=inflight_arr[window],
+        )
+        parts.append(model.evaluate(candidates))
+    if len(parts) == 1:
+        return parts[0]
+    return StageEstimates(
+        np.concatenate([p.stable_s for p in parts]), np.concatenate([p.delta_s for p in parts]),
+        np.concatenate([p.peak_memory_bytes for p in parts]), {},
+    )
+
+
+def enumerate_bases(work: Workload, cluster: Cluster, space: SearchSpace, grad_accum: int,
+                    max_stages: int) -> tuple[Bases, list[DeviceShape]]:
+    """All (layers, pp kind, shape, tp, zero) with a whole micro-batch for this G."""
+    shapes = space.device_shapes(cluster.nodes, cluster.gpus_per_node)
+    total = work.num_layers
+    layer_kinds = []
+    for pp in (PP_NONE, PP_PRE, PP_POST, PP_BOTH):
+        if pp == PP_BOTH:
+            layers = np.array([total])
+        elif pp == PP_NONE:
+            layers = np.arange(1, total - 1) if max_stages >= 3 else np.zeros(0, dtype=int)
+        else:
+            layers = np.arange(1, total) if max_stages >= 2 else np.zeros(0, dtype=int)
+        layer_kinds.append((pp, layers))
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in Bases.__dataclass_fields__}
+    zeros = np.array(sorted(space.zero_levels))
+    for shape_index, shape in enumerate(shapes):
+        if shape.count > cluster.world:
+            continue
+        for tp in space.tp_options(shape, work.heads):
+            dp = shape.count // tp
+            if work.global_batch % (dp * grad_accum):
+                continue
+            micro = work.global_batch // (dp * grad_accum)
+            if not space.micro_batch_allowed(np.array([micro]))[0]:
+                continue
+            for pp, layers in layer_kinds:
+                if len(layers) == 0:
+                    continue
+                grid_layers, grid_zero = np.meshgrid(layers, zeros, indexing="ij")
+                count = grid_layers.size
+                inflight_cap = 1 if pp in (PP_POST, PP_BOTH) else max(1, min(max_stages - (pp == PP_NONE), grad_accum))
+                columns["layers"].append(grid_layers.ravel())
+                columns["zero"].append(grid_zero.ravel())
+                columns["pp"].append(np.full(count, pp))
+                columns["shape"].append(np.full(count, shape_index))
+                columns["tp"].append(np.full(count, tp))
+                columns["dp"].append(np.full(count, dp))
+                columns["micro_batch"].append(np.full(count, micro))
+                columns["max_inflight"].append(np.full(count, inflight_cap))
+    if not columns["layers"]:
+        empty = np.zeros(0, dtype=int)
+        return Bases(*(empty for _ in Bases.__dataclass_fields__)), shapes
+    bases = Bases(**{name: np.concatenate(parts).astype(int) for name, parts in columns.items()})
+    return bases, shapes
+
+
+def _fits(memory: np.ndarray, limit: float) -> np.ndarray:
+    return memory <= limit * (1 + MEMORY_TOLERANCE)
+
+
+def _knob_limits(space: SearchSpace, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    low = layers if space.ckpt == "all" else np.zeros_like(layers)
+    high = np.zeros_like(layers) if space.ckpt == "none" else layers
+    return low, high
+
+
+def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], space: SearchSpace,
+                     limit: float, stats: dict, bound: "IncumbentBound") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of (base index, ckpt layers, offload combo index) worth evaluating exactly.
+
+    A base whose fastest form (no knobs) already gives ``G * stable >= incumbent`` is dropped: no
+    plan using it can beat the best plan found so far.
+    """
+    combos = space.offload_combos()
+    n = len(bases)
+    low, high = _knob_limits(space, bases.layers)
+    no_offload = np.zeros((n, 4))
+    max_offload = np.tile(combos.max(axis=0), (n, 1))
+    most_saving = evaluate(model, bases, shapes, high, max_offload, 1)
+    alive = _fits(most_saving.peak_memory_bytes, limit)
+    least_saving = evaluate(model, bases, shapes, low, no_offload, bases.max_inflight)
+    fastest = least_saving.stable_s.astype(float)
+    stats["work_bound"] = bound.work_bound(bases, fastest, alive, shapes)
+    if stats["work_bound"] >= bound.incumbent:
+        alive[:] = False
+    alive &= bound.grad_accum * fastest < bound.incumbent
+    easy = alive & _fits(least_saving.peak_memory_bytes, limit)
+    tight = np.flatnonzero(alive & ~easy)
+    stats["bases"] = stats.get("bases", 0) + n
+    stats["bases_fit"] = stats.get("bases_fit", 0) + int(alive.sum())
+    stats["bases_tight"] = stats.get("bases_tight", 0) + len(tight)
+    easy_rows = np.flatnonzero(easy)
+    rows = [easy_rows]
+    ckpts = [low[easy_rows]]
+    offload_ids = [np.zeros(len(easy_rows), dtype=int)]
+    if len(tight):
+        picked_base, picked_ckpt, picked_combo = _minimal_knobs(model, bases.take(tight), shapes, space, combos, limit)
+        rows.append(tight[picked_base])
+        ckpts.append(picked_ckpt)
+        offload_ids.append(picked_combo)
+    return np.concatenate(rows), np.concatenate(ckpts), np.concatenate(offload_ids)
+
+
+def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape], space: SearchSpace,
+                   combos: np.ndarray, limit: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each tight base and in-flight count, the minimal (offload combo, ckpt) pairs that fit.
+
+    Combos form a grid over the four families. For every combo the smallest fitting checkpoint
+    count is predicted from four corner evaluations (ckpt none/max x k = 1, 2); a combo is kept
+    only if lowering any one offload ratio by a grid step would need strictly more checkpointing
+    (otherwise that lower combo fits with no more recompute and dominates it, knobs being monotone).
+    """
+    grid_shape = tuple(len(set(combos[:, f])) for f in range(4))
+    n, c = len(tight), len(combos)
+    sub = tight.take(np.repeat(np.arange(n), c))
+    offload = np.tile(combos, (n, 1))
+    low, high = _knob_limits(space, sub.layers)
+    corners = [evaluate(model, sub, shapes, knob, offload, k).peak_memory_bytes.astype(float)
+               for knob in (low, high) for k in (1, 2)]
+    m_low1, m_low2, m_high1, m_high2 = corners
+    span = np.maximum(high - low, 1).astype(float)
+    picked_rows, picked_ckpt = [], []
+    for k in range(1, int(sub.max_inflight.max()) + 1):
+        active = sub.max_inflight >= k
+        m_low = m_low1 + (k - 1) * (m_low2 - m_low1)
+        m_high = m_high1 + (k - 1) * (m_high2 - m_high1)
+        if space.ckpt == "tune":
+            saving_per_layer = (m_low - m_high) / span
+            with np.errstate(divide="ignore", invalid="ignore"):
+                needed = np.where(saving_per_layer > 0, (m_low - limit) / saving_per_layer, np.inf)
+            ckpt = np.where(_fits(m_low, limit), 0.0, np.ceil(needed - 1e-9))
+        else:
+            ckpt = np.where(_fits(m_low, limit), 0.0, np.where(_fits(m_high, limit), (high - low).astype(float), np.inf))
+        ok = active & np.isfinite(ckpt) & (ckpt <= high - low) & _fits(m_high, limit)
+        cost = np.where(ok, ckpt, np.inf).reshape((n,) + grid_shape)
+        minimal = np.isfinite(cost)
+        for axis in range(1, 5):
+            if cost.shape[axis] < 2:
+                continue
+            lower = np.take(cost, np.arange(cost.shape[axis] - 1), axis=axis)
+            upper = np.take(cost, np.arange(1, cost.shape[axis]), axis=axis)
+            beaten = np.concatenate([np.zeros_like(np.take(minimal, [0], axis=axis)), lower <= upper], axis=axis)
+            minimal &= ~beaten
+        keep = np.flatnonzero(minimal.ravel())
+        picked_rows.append(keep)
+        picked_ckpt.append((low[keep] + ckpt[keep]).astype(int))
+    rows = np.concatenate(picked_rows)
+    ckpts = np.concatenate(picked_ckpt)
+    key = rows.astype(np.int64) * (int(sub.layers.max()) + 2) + ckpts
+    _, first = np.unique(key, return_index=True)
+    rows, ckpts = rows[first], ckpts[first]
+    return rows // c, ckpts, rows % c
+
+
+def pareto_mask(group: np.ndarray, stable: np.ndarray, delta: np.ndarray, tiebreak: np.ndarray) -> np.ndarray:
+    """Vectorised per-group Pareto filter on (stable, delta), lower is better; one point per tie."""
+    if len(group) == 0:
+        return np.zeros(0, dtype=bool)
+    order = np.lexsort((tiebreak, delta, stable, group))
+    keep = np.zeros(len(group), dtype=bool)
+    keep[order[_pareto_sorted(group[order], delta[order])]] = True
+    return keep
+
+
+def _pareto_sorted(group: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """Pareto mask for points already sorted by (group, stable, delta): keep strict new delta minima."""
+    if len(group) == 0:
+        return np.zeros(0, dtype=bool)
+    new_group = np.ones(len(group), dtype=bool)
+    new_group[1:] = group[1:] != group[:-1]
+    # running minimum of delta restarting at each group: offset groups so later ones lie far below
+    span = float(np.ptp(delta)) + 1.0
+    shifted = delta - (np.cumsum(new_group) - 1) * span * 4
+    running = np.minimum.accumulate(shifted)
+    previous = np.empty_like(running)
+    previous[0] = np.inf
+    previous[1:] = running[:-1]
+    return new_group | (shifted < previous - 1e-15 * span)
+
+
+def _thin(indices: np.ndarray, stable: np.ndarray, limit: int) -> np.ndarray:
+    """At most ``limit`` points of one frontier (sorted by stable), spread along it, both ends kept."""
+    ordered = indices[np.argsort(stable[indices], kind="stable")]
+    if len(ordered) <= limit:
+        return ordered
+    picks = np.unique(np.round(np.linspace(0, len(ordered) - 1, limit)).astype(int))
+    return ordered[picks]
+
+
+@dataclass
+class IncumbentBound:
+    """The best iteration time found so far, used to drop configurations that cannot beat it."""
+
+    grad_accum: int
+    incumbent: float
+    total_layers: int
+    world: int
+
+    def work_bound(self, bases: Bases, fastest: np.ndarray, alive: np.ndarray, shapes: list[DeviceShape]) -> float:
+        """``G * L * min(device-seconds per layer) / world``: every plan of this G takes at least this."""
+        if not alive.any():
+            return math.inf
+        counts = np.array([s.count for s in shapes])[bases.shape]
+        per_layer = fastest * counts / np.maximum(bases.layers, 1)
+        return float(self.grad_accum * self.total_layers * per_layer[alive].min() / self.world)
+
+
+def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, space: SearchSpace,
+                    grad_accum: int, max_stages: int, incumbent: float = math.inf) -> FrontierTable:
+    """Evaluate every stage configuration for this G and keep each cell's Pareto frontier."""
+    stats: dict = {"grad_accum": grad_accum}
+    bound = IncumbentBound(grad_accum, incumbent, work.num_layers, cluster.world)
+    limit = float(model.device_memory_bytes)
+    bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
+    combos = space.offload_combos()
+    rows, ckpt, combo = _candidate_knobs(model, bases, shapes, space, limit, stats, bound) if len(bases) else (
+        np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros(0, dtype=int))
+    table_bases = bases.take(rows)
+    offload = combos[combo] if len(combo) else np.zeros((0, 4))
+    ckpt = ckpt.copy()
+    # exact evaluation at k = 1 and 2, raising the checkpoint count where a prediction fell short
+    first = evaluate(model, table_bases, shapes, ckpt, offload, 1)
+    second = evaluate(model, table_bases, shapes, ckpt, offload, 2)
+    mem1, mem2 = first.peak_memory_bytes.astype(float), second.peak_memory_bytes.astype(float)
+    _, high = _knob_limits(space, table_bases.layers)
+    for _ in range(3):
+        short = ~_fits(mem1, limit) & (ckpt < high) if space.ckpt == "tune" else np.zeros(len(ckpt), bool)
+        if not short.any():
+            break
+        ckpt[short] += 1
+        part = table_bases.take(np.flatnonzero(short))
+        redo1 = evaluate(model, part, shapes, ckpt[short], offload[short], 1)
+        redo2 = evaluate(model, part, shapes, ckpt[short], offload[short], 2)
+        for target, source in ((first, redo1), (second, redo2)):
+            target.stable_s[short] = source.stable_s
+            target.delta_s[short] = source.delta_s
+        mem1[short], mem2[short] = redo1.peak_memory_bytes, redo2.peak_memory_bytes
+    slope = np.maximum(mem2 - mem1, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fit_k = np.where(slope > 0, np.floor((limit * (1 + MEMORY_TOLERANCE) - mem1) / slope) + 1, np.inf)
+    fit_k = np.where(_fits(mem1, limit), np.minimum(fit_k, table_bases.max_inflight), 0).astype(int)
+    stable, delta = first.stable_s.astype(float), first.delta_s.astype(float)
+    stats["candidates_exact"] = len(rows)
+    cells = _frontier_cells(table_bases, fit_k, stable, delta, mem1, space.max_frontier_points, stats)
+    keep = np.unique(np.concatenate(list(cells.values()))) if cells else np.zeros(0, dtype=int)
+    remap = np.full(len(rows), -1)
+    remap[keep] = np.arange(len(keep))
+    cells = {key: remap[value] for key, value in cells.items()}
+    kept = table_bases.take(keep)
+    nodes = np.array([s.nodes for s in shapes], dtype=int)
+    gpus = np.array([s.gpus for s in shapes], dtype=int)
+    configs = StageCandidates(
+        num_layers=kept.layers, has_pre=(kept.pp & 1).astype(bool), has_post=kept.pp >= PP_POST,
+        nodes=nodes[kept.shape] if len(keep) else np.zeros(0, int), gpus_per_node=gpus[kept.shape] if len(keep) else np.zeros(0, int),
+        micro_batch=kept.micro_batch, dp=kept.dp, tp=kept.tp, zero=kept.zero, ckpt_layers=ckpt[keep],
+        offload_weights=offload[keep, 0], offload_grads=offload[keep, 1], offload_opt=offload[keep, 2],
+        offload_acts=offload[keep, 3], inflight=np.ones(len(keep), dtype=int),
+    ) if len(keep) else None
+    stats["frontier_points"] = len(keep)
+    stats["cells"] = len(cells)
+    return FrontierTable(
+        grad_accum=grad_accum, shapes=shapes, configs=configs, stable=stable[keep], delta=delta[keep],
+        memory_k1=mem1[keep], memory_per_inflight=slope[keep], cells=cells, stats=stats,
+    )
+
+
+def _frontier_cells(bases: Bases, fit_k: np.ndarray, stable: np.ndarray, delta: np.ndarray,
+                    memory: np.ndarray, max_points: int, stats: dict) -> dict[tuple[int, int, int, int], np.ndarray]:
+    cells: dict[tuple[int, int, int, int], np.ndarray] = {}
+    if len(fit_k) == 0:
+        return cells
+    shape_span = int(bases.shape.max()) + 1
+    group = (bases.layers.astype(np.int64) * 4 + bases.pp) * shape_span + bases.shape
+    order = np.lexsort((memory, delta, stable, group))
+    sorted_group, sorted_delta, sorted_fit = group[order], delta[order], fit_k[order]
+    thinned = 0
+    for k in range(1, int(fit_k.max()) + 1):
+        members = np.flatnonzero(sorted_fit >= k)
+        keep = order[members[_pareto_sorted(sorted_group[members], sorted_delta[members])]]
+        splits = np.flatnonzero(np.diff(group[keep])) + 1
+        for chunk in np.split(keep, splits):
+            if len(chunk) == 0:
+                continue
+            thinned += max(0, len(chunk) - max_points)
+            row = chunk[0]
+            key = (int(bases.layers[row]), int(bases.pp[row]), int(bases.shape[row]), k)
+            cells[key] = _thin(chunk, stable, max_points)
+    stats["points_thinned"] = thinned
+    return cells
+
+
+def probe_work_bound(model: StageCostModel, work: Workload, cluster: Cluster, space: SearchSpace,
+                     grad_accum: int, max_stages: int) -> float:
+    """A cheap lower bound on any plan of this G (two evaluations per base), to order and skip G values."""
+    bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
+    if len(bases) == 0:
+        return math.inf
+    combos = space.offload_combos()
+    low, high = _knob_limits(space, bases.layers)
+    most_saving = evaluate(model, bases, shapes, high, np.tile(combos.max(axis=0), (len(bases), 1)), 1)
+    alive = _fits(most_saving.peak_memory_bytes, float(model.device_memory_bytes))
+    fastest = evaluate(model, bases, shapes, low, np.zeros((len(bases), 4)), 1).stable_s.astype(float)
+    bound = IncumbentBound(grad_accum, math.inf, work.num_layers, cluster.world)
+    return bound.work_bound(bases, fastest, alive, shapes)

@@ -1,0 +1,194 @@
+"""The tuner's search logic against brute force, on an analytic test-double cost model.
+
+These tests check the Pareto filter, the intra-stage shortcuts and the inter-stage MILP: for a
+tiny problem every plan is enumerated independently and the tuner must find the best one.
+They use ``tests/test_tuner_double.py`` (a closed-form stand-in for the real cost model).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import os
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_tuner_double import AnalyticStageModel  # noqa: E402
+
+from mist_compiler.cost.stage_api import StageCandidates, pipeline_iteration_time  # noqa: E402
+from mist_compiler.tuner.api import tune  # noqa: E402
+from mist_compiler.tuner.intra_stage import pareto_mask  # noqa: E402
+from mist_compiler.tuner.space import SearchSpace, TuneError, Workload  # noqa: E402
+
+
+def naive_pareto(group, stable, delta):
+    keep = np.ones(len(group), dtype=bool)
+    for i in range(len(group)):
+        for j in range(len(group)):
+            if i == j or group[i] != group[j]:
+                continue
+            dominates = stable[j] <= stable[i] and delta[j] <= delta[i] and (stable[j] < stable[i] or delta[j] < delta[i])
+            tie_first = stable[j] == stable[i] and delta[j] == delta[i] and j < i
+            if dominates or tie_first:
+                keep[i] = False
+    return keep
+
+
+def test_pareto_mask_matches_naive():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = 60
+        group = rng.integers(0, 4, n)
+        stable = rng.integers(0, 8, n).astype(float)
+        delta = rng.integers(0, 8, n).astype(float)
+        got = pareto_mask(group, stable, delta, np.arange(n).astype(float))
+        want = naive_pareto(group, stable, delta)
+        assert (got == want).all()
+
+
+def small_model(memory: float = 1.0e8) -> AnalyticStageModel:
+    return AnalyticStageModel(hidden=256, ffn=1024, vocab=2048, seq_len=256, device_memory_bytes=memory,
+                              peak_flops=2e12, intra_bw=20e9, inter_bw=2e9, pcie_bw=8e9)
+
+
+WORK = Workload(num_layers=4, heads=4, global_batch=8, seq_len=256, model_name="toy")
+SPACE = SearchSpace(offload_grid=(0.0, 1.0))
+
+
+def brute_force_best(model, work: Workload, nodes: int, gpus: int, space: SearchSpace) -> float:
+    """Every layer split, device assignment, G and per-stage configuration; exact memory check."""
+    world = nodes * gpus
+    shapes = space.device_shapes(nodes, gpus)
+    combos = space.offload_combos()
+    best = math.inf
+    for stages in range(1, work.num_layers + 1):
+        for cuts in itertools.combinations(range(1, work.num_layers), stages - 1):
+            bounds = (0,) + cuts + (work.num_layers,)
+            layers = [bounds[i + 1] - bounds[i] for i in range(stages)]
+            for shape_pick in itertools.product(shapes, repeat=stages):
+                if sum(s.count for s in shape_pick) != world:
+                    continue
+                for g in space.grad_accum_options(work.global_batch):
+                    fronts = []
+                    for i in range(stages):
+                        fronts.append(_stage_points(model, work, space, combos, layers[i], i, stages, shape_pick[i], g))
+                        if not fronts[-1]:
+                            break
+                    else:
+                        for pick in itertools.product(*fronts):
+                            value = pipeline_iteration_time([p[0] for p in pick], [p[1] for p in pick], g)
+                            best = min(best, value)
+    return best
+
+
+def _stage_points(model, work, space, combos, layers, index, stages, shape, g):
+    rows = []
+    for tp in space.tp_options(shape, work.heads):
+        dp = shape.count // tp
+        if work.global_batch % (dp * g):
+            continue
+        for zero in space.zero_levels:
+            for ckpt in space.ckpt_options(layers):
+                for combo in combos:
+                    rows.append((tp, dp, work.global_batch // (dp * g), zero, ckpt, *combo))
+    if not rows:
+        return []
+    arr = np.array(rows, dtype=float)
+    candidates = StageCandidates(
+        num_layers=layers, has_pre=index == 0, has_post=index == stages - 1, nodes=shape.nodes,
+        gpus_per_node=shape.gpus, micro_batch=arr[:, 2].astype(int), dp=arr[:, 1].astype(int), tp=arr[:, 0].astype(int),
+        zero=arr[:, 3].astype(int), ckpt_layers=arr[:, 4].astype(int), offload_weights=arr[:, 5],
+        offload_grads=arr[:, 6], offload_opt=arr[:, 7], offload_acts=arr[:, 8], inflight=min(stages - index, g),
+    )
+    est = model.evaluate(candidates)
+    fits = est.peak_memory_bytes <= model.device_memory_bytes
+    points = sorted(set(zip(est.stable_s[fits].tolist(), est.delta_s[fits].tolist())))
+    front, best_delta = [], math.inf
+    for stable, delta in points:
+        if delta < best_delta:
+            front.append((stable, delta))
+            best_delta = delta
+    return front
+
+
+@pytest.mark.parametrize("memory", [1.0e8, 4.0e7])
+def test_tuner_finds_brute_force_optimum(memory):
+    model = small_model(memory)
+    want = brute_force_best(model, WORK, 1, 4, SPACE)
+    result = tune("toy", None, 1, 4, WORK.global_batch, seq_len=WORK.seq_len, space=SPACE, cost_model=model, workload=WORK)
+    assert result.predicted_time_s == pytest.approx(want, rel=1e-9)
+    plan = result.plan
+    assert plan.world_size == 4 and plan.num_layers == 4
+    assert all(s.micro_batch * s.dp * plan.grad_accum == WORK.global_batch for s in plan.stages)
+    assert all(report.peak_memory_bytes <= memory * (1 + 1e-9) for report in result.stages)
+
+
+def test_tuner_brute_force_two_nodes_heterogeneous():
+    model = small_model(6.0e7)
+    space = SearchSpace(offload_grid=(0.0, 1.0), zero_levels=(0, 3), offload_grads=False, offload_weights=False)
+    work = Workload(num_layers=5, heads=4, global_batch=8, seq_len=256, model_name="toy")
+    want = brute_force_best(model, work, 2, 2, space)
+    got = tune("toy", None, 2, 2, 8, seq_len=256, space=space, cost_model=model, workload=work)
+    assert got.predicted_time_s == pytest.approx(want, rel=1e-9)
+
+
+def test_tune_is_deterministic():
+    first = tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=small_model(4e7), workload=WORK)
+    second = tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=small_model(4e7), workload=WORK)
+    assert first.plan.to_dict() == second.plan.to_dict()
+    assert first.predicted_time_s == second.predicted_time_s
+
+
+def test_switches_restrict_the_plan():
+    space = SearchSpace(offload_weights=False, offload_grads=False, offload_opt=False, offload_acts=False,
+                        zero_levels=(1,), ckpt="none", stage_counts=(2,))
+    result = tune("toy", None, 1, 4, 8, seq_len=256, space=space, cost_model=small_model(1e8), workload=WORK)
+    assert result.plan.pp == 2
+    for stage in result.plan.stages:
+        assert stage.zero == 1 and stage.ckpt_layers == 0 and not stage.offload.any
+
+
+def test_restricted_space_is_never_better_than_full():
+    model = small_model(4e7)
+    full = tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=model, workload=WORK)
+    for restricted in (SPACE.restrict(zero_levels=(0,)), SPACE.restrict(ckpt="all_or_none"),
+                       SPACE.restrict(uniform_devices=True), SPACE.restrict(layer_slack=0, micro_batches=(1, 2))):
+        try:
+            other = tune("toy", None, 1, 4, 8, seq_len=256, space=restricted, cost_model=model, workload=WORK)
+        except TuneError:
+            continue
+        assert full.predicted_time_s <= other.predicted_time_s * (1 + 1e-9)
+
+
+def test_nothing_fits_names_the_memory_needed():
+    with pytest.raises(TuneError, match=r"no plan fits in 0\.00 GB per device: the smallest memory that would fit .* is \d+\.\d+ GB"):
+        tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=small_model(1e5), workload=WORK)
+
+
+def test_batch_not_divisible_names_a_batch_that_is():
+    space = SearchSpace(tp_degrees=(1,), partial_node_stages=False)
+    with pytest.raises(TuneError, match=r"global batch 7 cannot be split.*multiple of 2, e\.g\. 8"):
+        tune("toy", None, 2, 2, 7, seq_len=256, space=space, cost_model=small_model(), workload=Workload(4, 4, 7, 256))
+
+
+def test_more_stages_than_layers_is_rejected():
+    with pytest.raises(TuneError, match=r"stage_counts \[6\] all exceed the model's 4 layers.*most stages possible is 4"):
+        tune("toy", None, 1, 8, 8, seq_len=256, space=SearchSpace(stage_counts=(6,)), cost_model=small_model(),
+             workload=WORK)
+
+
+def test_more_devices_than_usable_is_rejected():
+    work = Workload(num_layers=2, heads=1, global_batch=1, seq_len=256)
+    with pytest.raises(TuneError, match=r"8 devices are more than this model and batch can use \(2 = "):
+        tune("toy", None, 1, 8, 1, seq_len=256, cost_model=small_model(), workload=work)
+
+
+def test_bad_space_fields_are_named():
+    with pytest.raises(ValueError, match="SearchSpace.ckpt"):
+        SearchSpace(ckpt="some")
+    with pytest.raises(ValueError, match="SearchSpace.offload_grid"):
+        SearchSpace(offload_grid=(0.5,))
+    with pytest.raises(ValueError, match="SearchSpace.zero_levels"):
+        SearchSpace(zero_levels=(4,))
