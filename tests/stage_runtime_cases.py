@@ -135,6 +135,8 @@ def train_with_runtime(rank: int, world: int, case: Case, batches, adamw: AdamWC
             loss.backward()
         runtime.finish_gradients()
         memory = runtime.memory_report()
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for _, m in units for p in m.parameters()}
+        memory["param_storage_bytes"] = sum(storages.values())
         runtime.step()
     weights = runtime.named_full_parameters()
     runtime.remove_hooks()
