@@ -97,6 +97,7 @@ class Case:
     grad_accum: int = 2
     model: str = "gpt-tiny"
     tied: bool = False
+    param_dtype: torch.dtype = torch.float32
     transform: bool = False  # register an identity-preserving grad transform (x2 then /2 on one param)
 
     @property
@@ -111,7 +112,8 @@ def train_with_runtime(rank: int, world: int, case: Case, batches, adamw: AdamWC
         model.head.weight = model.embed.weight
     units = make_units(model)
     runtime = StageRuntime(units, dp_group=dist.group.WORLD if world > 1 else None, zero=case.zero,
-                           offload=case.offload, optimizer=adamw, device=torch.device("cpu"))
+                           offload=case.offload, optimizer=adamw, device=torch.device("cpu"),
+                           param_dtype=case.param_dtype)
     if case.transform:
         name = "blocks.0.attn.q.weight"
         runtime.register_grad_transform(name, lambda g: g.mul_(2.0))
@@ -137,6 +139,8 @@ def train_with_runtime(rank: int, world: int, case: Case, batches, adamw: AdamWC
         memory = runtime.memory_report()
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for _, m in units for p in m.parameters()}
         memory["param_storage_bytes"] = sum(storages.values())
+        memory["acts_offloaded"] = sum(o.offloaded_bytes for o in runtime.activations.values())
+        memory["acts_kept"] = sum(o.kept_bytes for o in runtime.activations.values())
         runtime.step()
     weights = runtime.named_full_parameters()
     runtime.remove_hooks()

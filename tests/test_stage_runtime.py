@@ -68,6 +68,23 @@ def test_single_rank_without_group_matches_adamw():
     _check(compare_cases_worker(0, 1, [Case(zero=3, offload=Offload(weights=0.5, acts=0.5))], 2, 4))
 
 
+def test_bf16_compute_with_fp32_master_is_the_same_for_every_zero_level_and_offload():
+    from stage_runtime_cases import make_batches, max_relative_error, reference_training, train_with_runtime
+
+    adamw = AdamWConfig(lr=1e-3)
+    batches = make_batches(2, 4, 16, 512)
+    reference = reference_training("gpt-tiny", batches, adamw)
+    results = []
+    for case in (Case(zero=0, param_dtype=torch.bfloat16),
+                 Case(zero=3, param_dtype=torch.bfloat16, offload=Offload(weights=0.5, grads=0.5, opt=0.5, acts=0.5))):
+        weights, memory = train_with_runtime(0, 1, case, batches, adamw)
+        assert all(w.dtype == torch.bfloat16 for w in weights.values())
+        results.append({k: v.float() for k, v in weights.items()})
+        error, where = max_relative_error(results[-1], reference)
+        assert error < 2e-2, (case.label, error, where)  # bf16 rounding of the compute weights
+    assert max_relative_error(results[0], results[1])[0] == 0.0
+
+
 def _units():
     return make_units(build_model("gpt-tiny", seed=0))
 

@@ -17,11 +17,11 @@ from mist_compiler.models import build_model
 @pytest.mark.distributed
 def test_zero3_halves_weights_and_offload_moves_half_to_host():
     cases = [Case(zero=0), Case(zero=3), Case(zero=0, offload=Offload(weights=0.5)),
-             Case(zero=2, offload=Offload(grads=0.5, opt=0.5))]
+             Case(zero=2, offload=Offload(grads=0.5, opt=0.5)), Case(zero=1, offload=Offload(acts=0.5))]
     reports = run_ranks(memory_worker, world=2, args=(cases,), timeout_s=150)
     params = sum(p.numel() for p in build_model("gpt-tiny").parameters())
     for rank_reports in reports:
-        zero0, zero3, offloaded, zero2_off = rank_reports
+        zero0, zero3, offloaded, zero2_off, acts = rank_reports
         assert zero0["device"]["weights"] >= params * 4
         assert zero0["device"]["weights"] < params * 4 * 1.01
         # ZeRO-3: only this rank's shard stays resident once the step's backward is done
@@ -35,3 +35,7 @@ def test_zero3_halves_weights_and_offload_moves_half_to_host():
         # ZeRO-2 with grads and opt offload 0.5: half of the sharded accumulator / Adam state on the host
         assert abs(zero2_off["host"]["grads"] - params * 4 / 2 / 2) / (params * 4) < 0.01
         assert abs(zero2_off["host"]["opt"] - 3 * params * 4 / 2 / 2) / (params * 4) < 0.01
+        # activations offload 0.5: about half of the saved activation bytes went to the host
+        assert zero0["acts_offloaded"] == 0
+        share = acts["acts_offloaded"] / (acts["acts_offloaded"] + acts["acts_kept"])
+        assert 0.35 < share <= 0.5, share
