@@ -153,3 +153,31 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
         raise TensorParallelError(f"vocab-parallel cross-entropy supports reduction='mean' only, got {reduction!r}")
     start = rank * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits, target, group, start, ignore_index)
+
+
+def shard_dims(module: nn.Module, prefix: str = "") -> dict[str, int | None]:
+    """``{parameter name: dimension split over the TP group, or None if replicated}``."""
+    dims: dict[str, int | None] = {}
+    for module_name, sub in module.named_modules():
+        base = ".".join(p for p in (prefix, module_name) if p)
+        for name, _param in sub.named_parameters(recurse=False):
+            dim: int | None = None
+            if isinstance(sub, (ColumnParallelLinear, VocabParallelEmbedding)):
+                dim = 0
+            elif isinstance(sub, RowParallelLinear) and name == "weight":
+                dim = 1
+            dims[f"{base}.{name}" if base else name] = dim
+    return dims
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """``F.cross_entropy`` replacement for vocabulary-split logits (holds the group, no parameters)."""
+
+    def __init__(self, group, rank: int, world: int, ignore_index: int = -100, reduction: str = "mean") -> None:
+        super().__init__()
+        self.group, self.rank, self.world = group, rank, world
+        self.ignore_index, self.reduction = ignore_index, reduction
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, target, group=self.group, rank=self.rank, world=self.world,
+                                            ignore_index=self.ignore_index, reduction=self.reduction)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mist_compiler.backends.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, TensorParallelError, VocabParallelEmbedding, vocab_parallel_cross_entropy,
+    ColumnParallelLinear, RowParallelLinear, TensorParallelError, VocabParallelCrossEntropy, VocabParallelEmbedding,
 )
 
 from .manager import PassResult
@@ -192,7 +192,7 @@ class TensorParallel:
         for node in graph.nodes:
             if node.op == "get_attr":
                 modules[node.target] = _resolve(gm, node.target)
-            if node.op != "call_module":
+            if node.op != "call_module" or node.target in modules:
                 continue
             module = gm.get_submodule(node.target)
             if node.target in blocks:
@@ -202,7 +202,9 @@ class TensorParallel:
                 modules[node.target] = VocabParallelEmbedding(module, self.group, self.rank, self.world, node.target)
             elif isinstance(module, nn.Linear) and (loss := _flows_only_to_cross_entropy(node)) is not None:
                 modules[node.target] = ColumnParallelLinear(module, self.group, self.rank, self.world, node.target)
-                self._rewrite_loss(graph, loss)
+                loss_name = f"{loss.name}_vocab_parallel"
+                modules[loss_name] = self._loss_module(loss)
+                loss.op, loss.target, loss.args, loss.kwargs = "call_module", loss_name, loss.args[:2], {}
             else:
                 modules[node.target] = module
         sharded = fx.GraphModule(modules, graph, class_name=type(gm).__name__)
@@ -210,15 +212,16 @@ class TensorParallel:
         sharded.meta["mist_tp"] = (self.rank, self.world)
         return PassResult(sharded, True)
 
-    def _rewrite_loss(self, graph: fx.Graph, loss: fx.Node) -> None:
+    def _loss_module(self, loss: fx.Node) -> VocabParallelCrossEntropy:
         kwargs = dict(loss.kwargs)
         if kwargs.get("weight") is not None or kwargs.get("label_smoothing", 0.0) != 0.0:
             raise TensorParallelError(f"{loss.name}: vocab-parallel cross-entropy supports no class weights and no label smoothing")
         if kwargs.get("size_average") is not None or kwargs.get("reduce") is not None:
             raise TensorParallelError(f"{loss.name}: legacy size_average/reduce arguments are not supported")
-        loss.target = vocab_parallel_cross_entropy
-        loss.kwargs = {"group": self.group, "rank": self.rank, "world": self.world,
-                       "ignore_index": kwargs.get("ignore_index", -100), "reduction": kwargs.get("reduction", "mean")}
+        if len(loss.args) > 2:
+            raise TensorParallelError(f"{loss.name}: pass cross_entropy options as keywords to shard it")
+        return VocabParallelCrossEntropy(self.group, self.rank, self.world, kwargs.get("ignore_index", -100),
+                                         kwargs.get("reduction", "mean"))
 
 
 def _is_input_ids(arg: Any) -> bool:
