@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from mist_compiler.ir.plan import Plan
 
 SEQ = 16
-LR = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+LR = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": float(os.environ.get("MIST_TEST_EPS", "1e-6")), "weight_decay": 0.1}
 
 
 class LocalRuntime:
@@ -117,5 +117,31 @@ def test_pipeline_and_tensor_parallel_two_ranks():
     ]
     results = run_plans(2, plans)
     for r in results:
-        print(r["plan"]["stages"], r["worst"], r["where"])
+        print(r["plan"]["stages"], r["worst"], r["where"], r["losses"], r["ref"])
+    assert_all_match(results)
+
+
+def tied_gpt():
+    """gpt-tiny with the head tied to the token embedding (for the tied-weights plans)."""
+    from dataclasses import replace
+
+    from mist_compiler.models import TransformerLM, zoo_config
+
+    torch.manual_seed(0)
+    return TransformerLM(replace(zoo_config("gpt-tiny"), tied_head=True))
+
+
+@pytest.mark.distributed
+def test_heterogeneous_stages_four_ranks():
+    plans = [
+        # stages differ in dp, tp and micro_batch
+        plan_dict("llama-tiny", 8, 2, [stage((0, 1), dp=2, tp=1), stage((1, 4), dp=1, tp=2)]),
+        plan_dict("gpt-tiny", 8, 2, [stage((0, 3), dp=1, tp=2), stage((3, 4), dp=2, tp=1)]),
+        # tied embedding/head across stages
+        plan_dict("tests.test_backend_engine:tied_gpt", 8, 2, [stage((0, 2), dp=2), stage((2, 4), dp=2)]),
+        plan_dict("gpt-tiny", 8, 2, [stage((0, 1)), stage((1, 2)), stage((2, 3)), stage((3, 4))]),
+    ]
+    results = run_plans(4, plans)
+    for r in results:
+        print(r["plan"]["stages"], r["worst"], r["where"], r["losses"], r["ref"])
     assert_all_match(results)

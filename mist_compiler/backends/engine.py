@@ -167,6 +167,10 @@ class Engine:
         self.p2p = P2P(build_links(self.topology, self.rank), self.interface.inputs, self.interface.outputs,
                        self.stage_plan.micro_batch, self.device, timeout_s)
         self.schedule = one_f_one_b(plan.pp, self.coord.stage, plan.grad_accum)
+        # The next stage sends dp_next * dL/dx (its loss share is averaged over its own dp ranks);
+        # this stage's data-parallel mean needs dp_here * dL/dx.
+        is_last = self.coord.stage == plan.pp - 1
+        self.grad_scale = 1.0 if is_last else self.stage_plan.dp / plan.stages[self.coord.stage + 1].dp
 
     # ----------------------------------------------------------------- set-up helpers
     def _tie_gradients(self) -> None:
@@ -243,6 +247,8 @@ class Engine:
             (outputs / grad_accum).backward()
         else:
             grads = self.p2p.recv_backward(micro)
+            if self.grad_scale != 1.0:
+                grads = [g.mul_(self.grad_scale) if g is not None else None for g in grads]
             pairs = [(o, g) for o, g, v in zip(outputs, grads, self.interface.outputs)
                      if v.needs_grad and g is not None and o.requires_grad]
             if pairs:
