@@ -1,0 +1,215 @@
+"""Fractional offload: flat state split between device and host, and activation offload hooks.
+
+``SplitBuffer`` holds one flat tensor of ``numel`` elements whose first ``boundary`` elements
+live on the device and the rest (the offloaded fraction, rounded to whole elements) in host
+memory. Every host tensor the runtime allocates is entered in a ``HostMemory`` registry, so the
+bytes kept on the host can be measured even on CPU, where "host" and "device" are the same memory.
+
+``ActivationOffloader`` is a ``saved_tensors_hooks`` pair per unit: during forward it moves a
+fraction of the unit's saved activations to host memory, and during backward the runtime
+prefetches them back one unit ahead. Rule (documented for the cost model): tensors are offloaded
+in the order they are saved while the offloaded bytes stay within ``fraction`` of the bytes the
+unit has saved so far, so the offloaded share ends within one tensor of ``fraction``; parameters
+(tensors whose storage is a weight buffer) are never offloaded, and neither are tensors already on
+the host.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .streams import HOST, Streams, host_empty
+
+
+@dataclass
+class HostMemory:
+    """Registry of the host tensors the runtime keeps (for offload accounting and tests)."""
+
+    _tensors: list = field(default_factory=list)
+
+    def register(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        self._tensors.append((weakref.ref(tensor), kind))
+        return tensor
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        alive = []
+        for ref, kind in self._tensors:
+            tensor = ref()
+            if tensor is None:
+                continue
+            alive.append((ref, kind))
+            totals[kind] = totals.get(kind, 0) + tensor.numel() * tensor.element_size()
+        self._tensors = alive
+        return totals
+
+
+def split_boundary(numel: int, host_fraction: float) -> int:
+    """Number of leading elements kept on the device when ``host_fraction`` is offloaded."""
+    if not 0.0 <= host_fraction <= 1.0:
+        raise ValueError(f"offload fraction must be in [0, 1], got {host_fraction}")
+    return numel - int(round(host_fraction * numel))
+
+
+class SplitBuffer:
+    """A flat tensor split into a device part ``[0, boundary)`` and a host part ``[boundary, numel)``."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, host_fraction: float,
+                 host_memory: HostMemory, kind: str, device_part: torch.Tensor | None = None) -> None:
+        self.numel = numel
+        self.dtype = dtype
+        self.device = device
+        self.boundary = split_boundary(numel, host_fraction)
+        if device_part is not None and device_part.numel() != self.boundary:
+            raise ValueError(f"SplitBuffer({kind}): device part has {device_part.numel()} elements, "
+                             f"expected {self.boundary}")
+        self.device_part = device_part if device_part is not None else torch.zeros(self.boundary, dtype=dtype, device=device)
+        host = host_empty(numel - self.boundary, dtype).zero_() if numel > self.boundary else torch.empty(0, dtype=dtype)
+        self.host_part = host_memory.register(host, kind) if host.numel() else host
+
+    @property
+    def offloaded(self) -> bool:
+        return self.host_part.numel() > 0
+
+    def parts(self) -> list[tuple[int, torch.Tensor]]:
+        """``(start offset, tensor)`` of the non-empty parts."""
+        return [(start, part) for start, part in ((0, self.device_part), (self.boundary, self.host_part)) if part.numel()]
+
+    def zero_(self) -> None:
+        self.device_part.zero_()
+        self.host_part.zero_()
+
+    def read_into(self, dst: torch.Tensor, streams: Streams, start: int = 0):
+        """Copy elements ``[start, start + dst.numel())`` into ``dst``; returns the last copy's event."""
+        event = None
+        end = start + dst.numel()
+        for offset, part in self.parts():
+            lo, hi = max(start, offset), min(end, offset + part.numel())
+            if lo >= hi:
+                continue
+            src = part[lo - offset:hi - offset]
+            out = dst[lo - start:hi - start]
+            if src.device == out.device:
+                out.copy_(src)
+            else:
+                event = streams.copy_async(out, src, "h2d" if out.device.type != "cpu" else "d2h")
+        return event
+
+    def read(self, start: int, end: int, device: torch.device, streams: Streams) -> torch.Tensor:
+        """Elements ``[start, end)`` as one tensor on ``device`` (a view when no copy is needed)."""
+        for offset, part in self.parts():
+            if offset <= start and end <= offset + part.numel() and part.device == device:
+                return part[start - offset:end - offset]
+        out = torch.empty(end - start, dtype=self.dtype, device=device)
+        streams.synchronize(self.read_into(out, streams, start))
+        return out
+
+    def write(self, start: int, values: torch.Tensor, accumulate: bool = False) -> None:
+        """``self[start:start+n] = values`` (or ``+=``), copying across devices as needed (synchronous)."""
+        end = start + values.numel()
+        for offset, part in self.parts():
+            lo, hi = max(start, offset), min(end, offset + part.numel())
+            if lo >= hi:
+                continue
+            src = values[lo - start:hi - start]
+            dst = part[lo - offset:hi - offset]
+            if accumulate:
+                dst.add_(src.to(dst.device))
+            else:
+                dst.copy_(src)
+
+
+class ActivationOffloader:
+    """Saved-tensor hooks moving a fraction of each unit's saved activations to host memory."""
+
+    @dataclass
+    class Saved:
+        host: torch.Tensor
+        device: torch.device
+        shape: torch.Size
+        d2h_event: object = None
+        prefetched: torch.Tensor | None = None
+        h2d_event: object = None
+
+    def __init__(self, fraction: float, streams: Streams, host_memory: HostMemory,
+                 weight_storage_ptrs: Callable[[], set[int]]) -> None:
+        self.fraction = fraction
+        self.streams = streams
+        self.host_memory = host_memory
+        self.weight_storage_ptrs = weight_storage_ptrs  # current storages of weight buffers: never offloaded
+        self.pending: dict[str, deque[list["ActivationOffloader.Saved"]]] = {}
+        self.offloaded_bytes = 0
+        self.kept_bytes = 0
+
+    @contextlib.contextmanager
+    def context(self, unit: str) -> Iterator[None]:
+        if self.fraction <= 0.0:
+            yield
+            return
+        records: list[ActivationOffloader.Saved] = []
+        self.pending.setdefault(unit, deque()).append(records)
+        budget = {"saved": 0, "offloaded": 0}
+
+        def pack(tensor: torch.Tensor):
+            nbytes = tensor.numel() * tensor.element_size()
+            budget["saved"] += nbytes
+            if not self._offloadable(tensor) or budget["offloaded"] + nbytes > self.fraction * budget["saved"]:
+                self.kept_bytes += nbytes
+                return tensor
+            budget["offloaded"] += nbytes
+            self.offloaded_bytes += nbytes
+            host = self.host_memory.register(host_empty(tensor.numel(), tensor.dtype), "acts")
+            event = self.streams.copy_async(host, tensor.detach().view(-1), "d2h")
+            record = ActivationOffloader.Saved(host, tensor.device, tensor.shape, event)
+            records.append(record)
+            return record
+
+        def unpack(packed):
+            if not isinstance(packed, ActivationOffloader.Saved):
+                return packed
+            if packed.prefetched is None:
+                self._prefetch_one(packed)
+            self.streams.wait(packed.h2d_event)
+            tensor, packed.prefetched, packed.h2d_event = packed.prefetched, None, None
+            return tensor.view(packed.shape)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def _offloadable(self, tensor: torch.Tensor) -> bool:
+        """Contiguous, non-weight tensors with data (host tensors too when host == device, i.e. CPU)."""
+        if not tensor.is_contiguous() or tensor.numel() == 0 or tensor.is_sparse:
+            return False
+        if tensor.device.type == "cpu" and self.streams.asynchronous:
+            return False
+        return tensor.untyped_storage().data_ptr() not in self.weight_storage_ptrs()
+
+    def _prefetch_one(self, record: "ActivationOffloader.Saved") -> None:
+        self.streams.synchronize(record.d2h_event)  # long finished by backward time
+        record.d2h_event = None
+        device_copy = torch.empty(record.host.numel(), dtype=record.host.dtype, device=record.device)
+        record.h2d_event = self.streams.copy_async(device_copy, record.host, "h2d")
+        record.prefetched = device_copy
+
+    def prefetch(self, unit: str) -> None:
+        """Start copying back the oldest un-consumed forward's offloaded activations of ``unit``."""
+        queue = self.pending.get(unit)
+        if not queue:
+            return
+        for record in queue[0]:
+            if record.prefetched is None:
+                self._prefetch_one(record)
+
+    def backward_done(self, unit: str) -> None:
+        """The oldest forward of ``unit`` has been consumed by its backward: drop its records."""
+        queue = self.pending.get(unit)
+        if queue:
+            queue.popleft()
+
+    def clear(self) -> None:
+        self.pending.clear()

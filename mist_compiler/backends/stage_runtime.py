@@ -1,0 +1,324 @@
+"""The data-parallel memory machinery of one pipeline stage: ZeRO 0-3, offload, AdamW.
+
+``StageRuntime`` takes the stage's units (name, module) in execution order, turns each unit's
+parameters into one flat bucket (``zero.UnitBucket``) and installs hooks on the unit modules:
+
+- forward pre-hook: make the unit's weights resident (ZeRO-3 all-gather / offloaded part copied
+  in), then prefetch the next unit's;
+- forward hook: free transient weights, and hook the unit's outputs so that the moment their
+  gradient arrives (the unit's backward begins) the weights are made resident again, the
+  gradient views are zeroed, the previous unit's weights and this unit's offloaded activations
+  are prefetched;
+- post-accumulate-grad hooks: when all of a unit's gradients are complete, its bucket is scaled
+  and reduced asynchronously (overlapping the rest of the backward), and its weights are freed.
+
+Typical use by the pipeline engine, per training step::
+
+    runtime.begin_iteration()
+    for each micro-batch m (in whatever schedule order):
+        with runtime.activation_offload(name) per unit: forward the units
+        runtime.set_last_microbatch(m is the last one); backward (loss already scaled by 1/G)
+    runtime.finish_gradients(); runtime.step()
+
+The units' ``.grad`` tensors are views into the runtime's gradient buckets: do not call
+``zero_grad`` on them or replace them.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ir.plan import Offload
+from ..passes.offload_insertion import unit_offload_table
+from .dist_compat import group_rank, group_size
+from .offload import ActivationOffloader, HostMemory
+from .optimizer import AdamWConfig, FlatAdamW
+from .streams import Streams
+from .zero import BucketContext, UnitBucket, UnitOffload
+
+__all__ = ["AdamWConfig", "StageRuntime", "StageRuntimeError", "UnitOffload"]
+
+
+class StageRuntimeError(ValueError):
+    """Bad arguments to the stage runtime; the message names the argument."""
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs (e.g. a checkpointed forward being recomputed)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class StageRuntime:
+    """ZeRO 0-3 over flat per-unit buckets, fractional offload and AdamW for one pipeline stage."""
+
+    def __init__(self, units: list[tuple[str, nn.Module]], *, dp_group: dist.ProcessGroup | None,
+                 zero: int, offload: Offload | dict[str, UnitOffload], optimizer: AdamWConfig,
+                 device: torch.device, param_dtype: torch.dtype = torch.float32,
+                 timeout_s: float = 300.0) -> None:
+        self._validate(units, zero, param_dtype, timeout_s)
+        self.unit_names = [name for name, _ in units]
+        self.modules = [module for _, module in units]
+        self.device = torch.device(device)
+        self.zero = zero
+        self.streams = Streams(self.device)
+        self.host_memory = HostMemory()
+        self.ctx = BucketContext(zero, dp_group, group_rank(dp_group), group_size(dp_group), self.device,
+                                 param_dtype, self.streams, self.host_memory, timeout_s)
+        owned, self._needs = self._assign_parameters(units)
+        table = self._offload_table(offload, owned)
+        self.unit_offload = table
+        self.buckets = [UnitBucket(name, owned[name], table[name], self.ctx) for name in self.unit_names]
+        self._param_index = {name: (bucket, i) for bucket in self.buckets for i, name in enumerate(bucket.names)}
+        self.optimizer = FlatAdamW(optimizer)
+        acts = {name: table[name].acts for name in self.unit_names}
+        self.activations = {
+            name: ActivationOffloader(fraction, self.streams, self.host_memory, self._weight_storage_ptrs)
+            for name, fraction in acts.items()
+        }
+        self._last = True
+        self._handles: list = []
+        self._install_hooks()
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    @staticmethod
+    def _validate(units, zero, param_dtype, timeout_s) -> None:
+        if not isinstance(units, (list, tuple)) or not units:
+            raise StageRuntimeError("StageRuntime: units must be a non-empty list of (name, nn.Module)")
+        names = set()
+        for index, unit in enumerate(units):
+            if not (isinstance(unit, tuple) and len(unit) == 2 and isinstance(unit[0], str)
+                    and isinstance(unit[1], nn.Module)):
+                raise StageRuntimeError(f"StageRuntime: units[{index}] must be (name, nn.Module), got {unit!r}")
+            if unit[0] in names:
+                raise StageRuntimeError(f"StageRuntime: units[{index}] repeats the unit name {unit[0]!r}")
+            names.add(unit[0])
+        if zero not in (0, 1, 2, 3):
+            raise StageRuntimeError(f"StageRuntime: zero must be 0, 1, 2 or 3, got {zero!r}")
+        if param_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise StageRuntimeError(f"StageRuntime: param_dtype must be float32, float16 or bfloat16, got {param_dtype}")
+        if not timeout_s > 0:
+            raise StageRuntimeError(f"StageRuntime: timeout_s must be > 0, got {timeout_s}")
+
+    def _assign_parameters(self, units):
+        """Each trainable parameter belongs to the first unit that has it; later users 'need' that bucket."""
+        owner_of: dict[int, str] = {}
+        owned: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        needs: dict[str, list[str]] = {}
+        for unit, module in units:
+            owned[unit], needs[unit] = [], [unit]
+            for name, param in module.named_parameters(remove_duplicate=True):
+                if not param.requires_grad:
+                    continue
+                if id(param) in owner_of:
+                    if owner_of[id(param)] not in needs[unit]:
+                        needs[unit].append(owner_of[id(param)])
+                    continue
+                owner_of[id(param)] = unit
+                owned[unit].append((f"{unit}.{name}", param))
+        return owned, needs
+
+    def _offload_table(self, offload, owned) -> dict[str, UnitOffload]:
+        if isinstance(offload, Offload):
+            sizes = [(name, sum(p.numel() for _, p in owned[name])) for name in self.unit_names]
+            return unit_offload_table(sizes, offload)
+        if isinstance(offload, dict):
+            missing = [name for name in self.unit_names if name not in offload]
+            if missing:
+                raise StageRuntimeError(f"StageRuntime: offload table lacks unit(s) {missing}")
+            return {name: offload[name] for name in self.unit_names}
+        raise StageRuntimeError(f"StageRuntime: offload must be a plan Offload or {{unit: UnitOffload}}, got {offload!r}")
+
+    def _install_hooks(self) -> None:
+        by_name = {bucket.unit: bucket for bucket in self.buckets}
+        self._need_buckets = [[by_name[n] for n in self._needs[name]] for name in self.unit_names]
+        for index, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_pre_hook(self._make_forward_pre(index)))
+            self._handles.append(module.register_forward_hook(self._make_forward_post(index)))
+        for index, bucket in enumerate(self.buckets):
+            for param in bucket.params:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_ready(index)))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _weight_storage_ptrs(self) -> set[int]:
+        return {b.full.tensor.untyped_storage().data_ptr() for b in self.buckets if b.full.allocated}
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def _make_forward_pre(self, index: int):
+        def hook(module, args):
+            buckets = self._need_buckets[index]
+            for bucket in buckets:
+                bucket.fetch_weights()
+            for bucket in buckets:
+                bucket.wait_weights()
+                bucket.fwd_holds += 1
+            if index + 1 < len(self.buckets) and not _in_backward():
+                for bucket in self._need_buckets[index + 1]:
+                    bucket.fetch_weights()
+        return hook
+
+    def _make_forward_post(self, index: int):
+        def hook(module, args, output):
+            for bucket in self._need_buckets[index]:
+                bucket.fwd_holds -= 1
+                bucket.maybe_release_weights()
+            if not torch.is_grad_enabled() or _in_backward():
+                return output
+            tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads: self._backward_begin(index), mode="any")
+            return output
+        return hook
+
+    def _backward_begin(self, index: int) -> None:
+        for bucket in self._need_buckets[index]:
+            bucket.fetch_weights()
+        self.activations[self.unit_names[index]].prefetch(self.unit_names[index])
+        for bucket in self._need_buckets[index]:
+            bucket.wait_weights()
+            bucket.bwd_holds += 1
+            bucket.begin_grads()
+        if index > 0:
+            for bucket in self._need_buckets[index - 1]:
+                bucket.fetch_weights()
+            previous = self.unit_names[index - 1]
+            self.activations[previous].prefetch(previous)
+
+    def _make_grad_ready(self, index: int):
+        def hook(param):
+            bucket = self.buckets[index]
+            if bucket.note_grad_ready():
+                self._unit_backward_done(index)
+        return hook
+
+    def _unit_backward_done(self, index: int) -> None:
+        bucket = self.buckets[index]
+        bucket.reduce(self._last)
+        for needed in self._need_buckets[index]:
+            needed.bwd_holds = max(0, needed.bwd_holds - 1)
+            needed.maybe_release_weights()
+        self.activations[self.unit_names[index]].backward_done(self.unit_names[index])
+        for other in self.buckets:
+            other.drain(block=False)
+
+    def _flush_incomplete(self) -> None:
+        """Units whose backward began but some parameter got no gradient: reduce what they have."""
+        for index, bucket in enumerate(self.buckets):
+            if bucket.in_backward:
+                self._unit_backward_done(index)
+
+    # ---- the per-step API -------------------------------------------------------------------
+    def begin_iteration(self) -> None:
+        """Before the first micro-batch of a training step."""
+        for bucket in self.buckets:
+            bucket.drain(block=True)
+        for offloader in self.activations.values():
+            offloader.clear()
+        self._last = True
+
+    def set_last_microbatch(self, last: bool) -> None:
+        """Call before each micro-batch's backward; ZeRO 0/1 reduce only when ``last``."""
+        self._flush_incomplete()
+        self._last = bool(last)
+
+    def finish_gradients(self) -> None:
+        """Wait for every outstanding gradient reduction (after the last micro-batch's backward)."""
+        self._flush_incomplete()
+        for bucket in self.buckets:
+            bucket.drain(block=True)
+
+    def step(self) -> None:
+        """AdamW on the local fp32 master shards, then write the param-dtype weights back."""
+        self.finish_gradients()
+        states = [bucket.opt_state for bucket in self.buckets]
+        readers = [bucket.reduced_grad for bucket in self.buckets]
+        self.optimizer.step(states, readers)
+        pendings = [bucket.write_back() for bucket in self.buckets]
+        for pending in pendings:
+            if pending is not None:
+                pending.wait(self.ctx.timeout_s)
+        for bucket in self.buckets:
+            bucket.maybe_release_weights()
+
+    def register_grad_transform(self, param_name: str, fn: Callable[[torch.Tensor], None]) -> None:
+        """Apply ``fn`` in place to ``param_name``'s local gradient of every micro-batch, before reduction."""
+        if param_name not in self._param_index:
+            raise StageRuntimeError(f"register_grad_transform: unknown parameter {param_name!r}; "
+                                    f"known: {sorted(self._param_index)[:8]}...")
+        bucket, index = self._param_index[param_name]
+        bucket.transforms.setdefault(index, []).append(fn)
+
+    def activation_offload(self, unit_name: str) -> ContextManager:
+        """Saved-tensor hooks offloading the plan's ``acts`` fraction of this unit's activations."""
+        if unit_name not in self.activations:
+            raise StageRuntimeError(f"activation_offload: unknown unit {unit_name!r}; units: {self.unit_names}")
+        offloader = self.activations[unit_name]
+        if offloader.fraction <= 0.0:
+            return contextlib.nullcontext()
+        return offloader.context(unit_name)
+
+    def named_full_parameters(self) -> dict[str, torch.Tensor]:
+        """Current full weights by qualified name (a collective under ZeRO-3: call on every dp rank)."""
+        result: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets:
+            flat = bucket.full_weights()
+            for slot in bucket.layout.slots:
+                result[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        return result
+
+    def state_dict(self) -> dict:
+        """Full fp32 master weights and Adam moments of this rank's shards, plus the step count."""
+        return {
+            "step": self.optimizer.step_count,
+            "units": {
+                b.unit: {kind: buffer.read(0, buffer.numel, torch.device("cpu"), self.streams).clone()
+                         for kind, buffer in (("master", b.master), ("exp_avg", b.opt_state.exp_avg),
+                                              ("exp_avg_sq", b.opt_state.exp_avg_sq))}
+                for b in self.buckets
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        units = state.get("units", {})
+        missing = [b.unit for b in self.buckets if b.unit not in units]
+        if missing:
+            raise StageRuntimeError(f"load_state_dict: state lacks unit(s) {missing}")
+        for bucket in self.buckets:
+            for kind, buffer in (("master", bucket.master), ("exp_avg", bucket.opt_state.exp_avg),
+                                 ("exp_avg_sq", bucket.opt_state.exp_avg_sq)):
+                values = units[bucket.unit][kind]
+                if values.numel() != buffer.numel:
+                    raise StageRuntimeError(f"load_state_dict: unit {bucket.unit!r} {kind} has {values.numel()} "
+                                            f"elements, expected {buffer.numel} (same dp and ZeRO level?)")
+                buffer.write(0, values)
+        self.optimizer.step_count = int(state["step"])
+        pendings = [bucket.write_back() for bucket in self.buckets]
+        for pending in pendings:
+            if pending is not None:
+                pending.wait(self.ctx.timeout_s)
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Device-resident bytes by kind (weights, grads, opt) and host bytes by kind, right now."""
+        device: dict[str, int] = {}
+        for bucket in self.buckets:
+            for kind, nbytes in bucket.memory().items():
+                device[kind] = device.get(kind, 0) + nbytes
+        return {"device": device, "host": self.host_memory.bytes_by_kind()}
+
+
+def _flatten_tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _flatten_tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _flatten_tensors(item)]
+    return []

@@ -1,0 +1,294 @@
+"""One unit's flat bucket under ZeRO 0-3: where its weights, gradients and optimizer state live.
+
+Per unit (``UnitBucket``), with N = the padded flat size and S = N / dp the local shard:
+
+| state | ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 |
+| --- | --- | --- | --- | --- |
+| compute weights (param dtype) | N, persistent | N, persistent | N, persistent | N, gathered before use, freed after |
+| weight source | the compute buffer | same | same | S (this rank's shard) |
+| per-micro-batch grads (param dtype) | N while the unit's backward runs | same | same | same |
+| fp32 grad accumulator | N | N | S | S |
+| fp32 master + Adam moments | N | S | S | S |
+
+Weights offload (fraction w) keeps the weight source split device/host; the compute buffer then
+becomes transient for ZeRO 0-2 as well and is refilled (host part copied in) before each use.
+Grads / opt offload split the accumulator / master+moments the same way (``SplitBuffer``).
+With fp32 parameters and no conflicting offload the master aliases the weights (no extra copy).
+
+Gradient semantics: every micro-batch's gradient is scaled by 1/dp while it is cast into the fp32
+reduction buffer and reduced with SUM, so the reduced gradient is that of the mean loss over the
+data-parallel group (the caller scales each micro-batch's loss by 1/grad_accum). ZeRO 0/1
+accumulate locally and reduce once on the last micro-batch (all-reduce / reduce-scatter); ZeRO 2/3
+reduce-scatter every micro-batch into the sharded accumulator. Reductions run in fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import kernels
+from .dist_compat import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
+from .flat_buffer import FlatLayout, FreeableBuffer, bind_grads, bind_params
+from .offload import HostMemory, SplitBuffer
+from .optimizer import ShardState
+from .streams import Streams
+
+
+@dataclass(frozen=True)
+class UnitOffload:
+    """Fractions of one unit's weights / grads / optimizer state / activations kept on the host."""
+
+    weights: float = 0.0
+    grads: float = 0.0
+    opt: float = 0.0
+    acts: float = 0.0
+
+    def __post_init__(self) -> None:
+        for kind in ("weights", "grads", "opt", "acts"):
+            value = getattr(self, kind)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"UnitOffload.{kind} must be in [0, 1], got {value}")
+
+
+@dataclass
+class BucketContext:
+    """What every bucket of a stage shares."""
+
+    zero: int
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    device: torch.device
+    param_dtype: torch.dtype
+    streams: Streams
+    host_memory: HostMemory
+    timeout_s: float
+
+
+class UnitBucket:
+    """The flat weights, gradients and optimizer shard of one unit's parameters."""
+
+    def __init__(self, unit: str, named_params: list[tuple[str, nn.Parameter]], offload: UnitOffload,
+                 ctx: BucketContext) -> None:
+        self.unit = unit
+        self.ctx = ctx
+        self.offload = offload
+        self.names = [name for name, _ in named_params]
+        self.params = [param for _, param in named_params]
+        self.layout = FlatLayout.build(named_params, ctx.world)
+        zero, n, s = ctx.zero, self.layout.padded_numel, self.layout.shard_numel
+        self.shard_lo, self.shard_hi = self.layout.shard_range(ctx.rank)
+        self.persistent_full = zero < 3 and offload.weights == 0.0
+
+        initial = self._initial_fp32()  # N fp32, identical on every dp rank
+        self.full = FreeableBuffer(n, ctx.param_dtype, ctx.device)
+        bind_params(self.params, self.full, self.layout)
+        self.full.tensor.copy_(initial.to(ctx.device))
+
+        local = initial if zero == 0 else initial[self.shard_lo:self.shard_hi]
+        self.source: SplitBuffer | None = None
+        if not self.persistent_full:
+            source_values = initial if zero < 3 else local
+            self.source = SplitBuffer(source_values.numel(), ctx.param_dtype, ctx.device, offload.weights,
+                                      ctx.host_memory, "weights")
+            self.source.write(0, source_values.to(ctx.param_dtype))
+        self.master, self.master_aliases_weights = self._make_master(local)
+        self.opt_state = ShardState(self.master, ctx.host_memory, offload.opt)
+
+        self.grads = FreeableBuffer(n, ctx.param_dtype, ctx.device, allocated=False)
+        bind_grads(self.params, self.grads, self.layout)
+        acc_numel = n if zero <= 1 else s
+        self.grad_acc = SplitBuffer(acc_numel, torch.float32, ctx.device, offload.grads, ctx.host_memory, "grads")
+        self.reduced: torch.Tensor | None = None  # ZeRO 0/1: the reduced grads after the last micro-batch
+        self.pending: list[Pending] = []
+        self.weights_pending: Pending | None = None
+        self.weights_event = None
+        self.weights_state = "ready" if self.persistent_full else "free"
+        self.grads_ready = 0
+        self.in_backward = False
+        self.fwd_holds = 0
+        self.bwd_holds = 0
+        self.transforms: dict[int, list[Callable[[torch.Tensor], None]]] = {}
+        if not self.persistent_full:
+            self.full.free()
+
+    # ---- construction helpers -------------------------------------------------------------
+    def _initial_fp32(self) -> torch.Tensor:
+        flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.ctx.device)
+        for slot, param in zip(self.layout.slots, self.params):
+            flat[slot.offset:slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+        if self.ctx.world > 1:  # every rank starts from rank 0's weights
+            src = dist.get_global_rank(self.ctx.group, 0) if self.ctx.group is not None else 0
+            dist.broadcast(flat, src=src, group=self.ctx.group)
+        return flat
+
+    def _make_master(self, local: torch.Tensor) -> tuple[SplitBuffer, bool]:
+        ctx, off = self.ctx, self.offload
+        fp32 = ctx.param_dtype == torch.float32
+        if fp32 and self.persistent_full and off.opt == 0.0:
+            view = self.full.tensor if ctx.zero == 0 else self.full.tensor[self.shard_lo:self.shard_hi]
+            return SplitBuffer(view.numel(), torch.float32, ctx.device, 0.0, ctx.host_memory, "opt", view), True
+        if fp32 and ctx.zero == 3 and off.opt == off.weights:
+            return self.source, True
+        master = SplitBuffer(local.numel(), torch.float32, ctx.device, off.opt, ctx.host_memory, "opt")
+        master.write(0, local)
+        return master, False
+
+    # ---- weights ------------------------------------------------------------------------------
+    def fetch_weights(self) -> None:
+        """Start materialising the full compute weights (no-op when resident or already started)."""
+        if self.weights_state != "free":
+            return
+        ctx = self.ctx
+        self.full.allocate()
+        what = f"all_gather of unit {self.unit!r} weights"
+        if ctx.zero < 3:
+            self.weights_event = self.source.read_into(self.full.tensor, ctx.streams)
+        elif self.source.offloaded:
+            staging = torch.empty(self.source.numel, dtype=ctx.param_dtype, device=ctx.device)
+            ctx.streams.wait(self.source.read_into(staging, ctx.streams))
+            self.weights_pending = all_gather_flat(self.full.tensor, staging, ctx.group, what)
+        else:
+            self.weights_pending = all_gather_flat(self.full.tensor, self.source.device_part, ctx.group, what)
+        self.weights_state = "fetching"
+
+    def wait_weights(self) -> None:
+        self.fetch_weights()
+        if self.weights_state == "fetching":
+            if self.weights_pending is not None:
+                self.weights_pending.wait(self.ctx.timeout_s)
+            self.ctx.streams.wait(self.weights_event)
+            self.weights_pending, self.weights_event = None, None
+            self.weights_state = "ready"
+
+    def maybe_release_weights(self) -> None:
+        """Free the transient compute weights when no forward or backward holds them."""
+        if self.persistent_full or self.fwd_holds or self.bwd_holds or self.weights_state == "free":
+            return
+        self.wait_weights()  # never free a buffer a collective or copy is still writing
+        self.full.free()
+        self.weights_state = "free"
+
+    # ---- gradients ----------------------------------------------------------------------------
+    def begin_grads(self) -> None:
+        """Make the gradient views usable (zeroed) before autograd accumulates into them."""
+        if not self.in_backward:
+            self.grads.allocate(zero=True)
+            self.grads_ready = 0
+            self.in_backward = True
+
+    def note_grad_ready(self) -> bool:
+        """Count one parameter's gradient as complete; True when the whole bucket is."""
+        self.grads_ready += 1
+        return self.grads_ready == len(self.params)
+
+    def reduce(self, last: bool) -> None:
+        """The unit's micro-batch gradients are complete: transform, scale and reduce them."""
+        ctx = self.ctx
+        grads = self.grads.tensor
+        for index, functions in self.transforms.items():
+            view = self.params[index].grad
+            for fn in functions:
+                fn(view)
+        scale = 1.0 / ctx.world
+        reuse = grads.dtype == torch.float32
+        comm = grads if reuse else torch.empty_like(grads, dtype=torch.float32)
+        kernels.scale_accumulate(comm, grads, scale, accumulate=False)
+        if not reuse:
+            self.grads.free()
+        self.in_backward = False
+        release_grads = self.grads.free if reuse else (lambda: None)
+        if ctx.zero <= 1 and not last:
+            self.grad_acc.write(0, comm, accumulate=True)
+            release_grads()
+            return
+        if ctx.zero <= 1:
+            for start, part in self.grad_acc.parts():
+                comm[start:start + part.numel()].add_(part.to(comm.device, non_blocking=True))
+            if ctx.zero == 0:
+                pending = all_reduce_flat(comm, ctx.group, f"all_reduce of unit {self.unit!r} grads")
+                self.reduced = comm  # released after the optimizer step
+            else:
+                out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=ctx.device)
+                pending = reduce_scatter_flat(out, comm, ctx.group, f"reduce_scatter of unit {self.unit!r} grads")
+                self.reduced = out
+                pending.then.append(release_grads)
+        else:
+            out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=ctx.device)
+            pending = reduce_scatter_flat(out, comm, ctx.group, f"reduce_scatter of unit {self.unit!r} grads")
+            pending.then.append(lambda: self.grad_acc.write(0, out, accumulate=True))
+            pending.then.append(release_grads)
+        self.pending.append(pending)
+
+    def drain(self, block: bool) -> None:
+        """Finish completed reductions (all of them when ``block``)."""
+        while self.pending and (block or self.pending[0].is_completed()):
+            self.pending.pop(0).wait(self.ctx.timeout_s)
+
+    def reduced_grad(self, start: int, end: int, device: torch.device) -> torch.Tensor:
+        """This rank's reduced fp32 gradient over its master range ``[start, end)``."""
+        if self.ctx.zero <= 1:
+            if self.reduced is None:
+                raise RuntimeError(f"unit {self.unit!r}: no reduced gradients; was the last micro-batch's "
+                                   f"backward run with set_last_microbatch(True) and finish_gradients()?")
+            return self.reduced[start:end].to(device)
+        return self.grad_acc.read(start, end, device, self.ctx.streams)
+
+    # ---- after the optimizer ---------------------------------------------------------------
+    def write_back(self) -> Pending | None:
+        """Copy the updated fp32 master into the param-dtype weights; returns an all-gather to wait on."""
+        ctx = self.ctx
+        self.reduced = None
+        self.grad_acc.zero_()
+        if self.grads.tensor.dtype == torch.float32:
+            self.grads.free()
+        if self.master_aliases_weights and ctx.zero in (0, 3):
+            return None
+        new = torch.empty(self.master.numel, dtype=ctx.param_dtype, device=ctx.device)
+        for start, part in self.master.parts():
+            target = new[start:start + part.numel()]
+            kernels.cast_copy(target, part) if part.device == target.device else target.copy_(part)
+        if ctx.zero == 0:
+            (self.full.tensor.copy_(new) if self.persistent_full else self.source.write(0, new))
+            return None
+        if ctx.zero == 3:
+            self.source.write(0, new)
+            return None
+        out = self.full.tensor if self.persistent_full else torch.empty(self.layout.padded_numel, dtype=ctx.param_dtype,
+                                                                      device=ctx.device)
+        pending = all_gather_flat(out, new, ctx.group, f"all_gather of unit {self.unit!r} updated weights")
+        if not self.persistent_full:
+            pending.then.append(lambda: self.source.write(0, out))
+        return pending
+
+    def full_weights(self) -> torch.Tensor:
+        """The unit's full flat weights (a collective under ZeRO-3: every rank must call)."""
+        if self.persistent_full:
+            return self.full.tensor.clone()
+        if self.ctx.zero < 3:
+            return self.source.read(0, self.source.numel, self.ctx.device, self.ctx.streams).clone()
+        out = torch.empty(self.layout.padded_numel, dtype=self.ctx.param_dtype, device=self.ctx.device)
+        shard = self.source.read(0, self.source.numel, self.ctx.device, self.ctx.streams)
+        all_gather_flat(out, shard.contiguous(), self.ctx.group, f"all_gather of unit {self.unit!r} weights").wait(
+            self.ctx.timeout_s)
+        return out
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of this bucket's device-resident state right now, by kind."""
+        def nbytes(tensor: torch.Tensor | None) -> int:
+            return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+        weights = self.full.tensor.untyped_storage().nbytes()
+        if self.source is not None:
+            weights += nbytes(self.source.device_part)
+        opt = sum(b.device_part.numel() * b.device_part.element_size()
+                  for b in (self.opt_state.exp_avg, self.opt_state.exp_avg_sq))
+        if not self.master_aliases_weights:
+            opt += nbytes(self.master.device_part)
+        grads = self.grads.tensor.untyped_storage().nbytes() + nbytes(self.grad_acc.device_part) + (
+            0 if self.reduced is self.grads.tensor else nbytes(self.reduced))
+        return {"weights": weights, "grads": grads, "opt": opt}
