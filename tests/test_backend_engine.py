@@ -1,53 +1,16 @@
 """End-to-end: plans executed on gloo ranks give the losses and weights of one-process training."""
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from mist_compiler.ir.plan import Plan
+from tests.dist_utils import run_ranks
 
 SEQ = 16
 LR = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": float(os.environ.get("MIST_TEST_EPS", "1e-6")), "weight_decay": 0.1}
-
-
-class LocalRuntime:
-    """Test stand-in for StageRuntime (plain DP all-reduce + torch AdamW), until backend-a lands."""
-
-    def __init__(self, units, *, dp_group, zero, offload, optimizer, device, param_dtype, timeout_s):
-        self.params = [(f"{u}.{n}", p) for u, m in units for n, p in m.named_parameters()]
-        self.opt = torch.optim.AdamW([p for _, p in self.params], **optimizer)
-        self.dp_group = dp_group
-        self.transforms = {}
-
-    def begin_iteration(self):
-        for _, p in self.params:
-            p.grad = None
-
-    def set_last_microbatch(self, last):
-        pass
-
-    def register_grad_transform(self, name, fn):
-        self.transforms[name] = fn
-
-    def finish_gradients(self):
-        size = dist.get_world_size(self.dp_group)
-        for name, p in self.params:
-            if name in self.transforms:
-                self.transforms[name](p.grad)
-            dist.all_reduce(p.grad, group=self.dp_group)
-            p.grad.div_(size)
-
-    def step(self):
-        self.opt.step()
-
-    def named_full_parameters(self):
-        return [(n, p.detach()) for n, p in self.params]
 
 
 def stage(layers, dp=1, tp=1, micro_batch=None, **extra):
@@ -63,44 +26,31 @@ def plan_dict(model, global_batch, grad_accum, stages):
             "grad_accum": grad_accum, "stages": stages}
 
 
-def _worker(rank, world, port, plans, out_dir, use_local_runtime):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    import datetime
-
+def _train_plans(rank, world, plans):
+    """On every rank: compile and train each plan 3 steps; rank 0 compares with one process."""
     from mist_compiler.backends.engine import compile as compile_plan
+    from mist_compiler.backends.optimizer import AdamWConfig
     from mist_compiler.backends.worker import compare, model_vocab, reference_training, synthetic_batch
     from mist_compiler.models import build_model
 
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     results = []
     for data in plans:
         plan = Plan.from_dict(data)
         model = build_model(plan.model, seq_len=plan.seq_len)
-        engine = compile_plan(model, plan, optimizer=LR, timeout_s=60,
-                              runtime_factory=LocalRuntime if use_local_runtime else None)
+        engine = compile_plan(model, plan, optimizer=AdamWConfig(**LR), timeout_s=60)
         vocab = model_vocab(model)
         losses = [engine.step(synthetic_batch(vocab, plan.global_batch, plan.seq_len, s)) for s in range(3)]
         state = engine.gather_full_state()
+        engine.close()
         if rank == 0:
             ref_losses, ref_state = reference_training(build_model(plan.model, seq_len=plan.seq_len), plan, 3, LR)
             worst, where = compare(losses, state, ref_losses, ref_state)
             results.append({"plan": data, "worst": worst, "where": where, "losses": losses, "ref": ref_losses})
-        engine.close()
-    if rank == 0:
-        with open(os.path.join(out_dir, "results.json"), "w") as handle:
-            json.dump(results, handle)
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
-def run_plans(world, plans, use_local_runtime=True):
-    port = 29500 + (os.getpid() % 2000)
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, port, plans, out_dir, use_local_runtime), nprocs=world, join=True)
-        with open(os.path.join(out_dir, "results.json")) as handle:
-            return json.load(handle)
+def run_plans(world, plans, timeout_s=240):
+    return run_ranks(_train_plans, world=world, args=(plans,), timeout_s=timeout_s)[0]
 
 
 def assert_all_match(results, tolerance=1e-5):

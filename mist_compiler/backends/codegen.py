@@ -32,6 +32,8 @@ class StageProgram:
     module: fx.GraphModule
     interface: StageInterface
     units: list[tuple[str, nn.Module]]
+    offload: dict[str, Any]  # unit name -> UnitOffload (from the offload-insertion pass)
+    checkpointed: set[str]  # units run under activation checkpointing
 
 
 def check_plan_against_model(plan: Plan, model: nn.Module) -> None:
@@ -45,13 +47,26 @@ def check_plan_against_model(plan: Plan, model: nn.Module) -> None:
             check_heads_divisible(config, stage.tp, where=f"plan field stages[{index}].tp")
 
 
-def _offload_pass(plan: Plan, coord: RankCoord) -> Callable | None:
-    """backend-a's activation-offload insertion, when that pass is available."""
-    try:
-        from mist_compiler.passes.offload_insertion import OffloadInsertion
-    except ImportError:
-        return None
-    return OffloadInsertion(plan.stages[coord.stage].offload.acts)
+@dataclass
+class OffloadPoints:
+    """Runs the offload-insertion pass on the program's units and records the per-unit table
+    (``meta["mist_offload"]``) from which the runtime offloads weights, gradients, optimizer
+    state and activations."""
+
+    offload: Any
+    name: str = "offload_insertion"
+
+    def __call__(self, gm: fx.GraphModule):
+        from mist_compiler.passes.manager import PassResult
+        from mist_compiler.passes.offload_insertion import OffloadInput, offload_insertion
+
+        units = program_units(gm)
+        sizes = tuple((unit, sum(p.numel() for p in module.parameters())) for unit, module in units)
+        result = offload_insertion(OffloadInput(sizes, self.offload))
+        marked = fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
+        marked.meta.update(gm.meta)
+        marked.meta["mist_offload"] = result.program.per_unit
+        return PassResult(marked, result.modified)
 
 
 def lowering_passes(plan: Plan, coord: RankCoord, tp_group: Any) -> list[Callable]:
@@ -61,10 +76,8 @@ def lowering_passes(plan: Plan, coord: RankCoord, tp_group: Any) -> list[Callabl
         Partition(plan, coord.stage),
         TensorParallel(tp_group, coord.tp_index, stage.tp),
         ActivationCheckpoint(stage.ckpt_layers),
+        OffloadPoints(stage.offload),
     ]
-    offload = _offload_pass(plan, coord)
-    if offload is not None:
-        passes.append(offload)
     return passes
 
 
@@ -100,7 +113,8 @@ def lower(model: nn.Module, plan: Plan, coord: RankCoord, tp_group: Any, *,
     check_plan_against_model(plan, model)
     manager = PassManager(lowering_passes(plan, coord, tp_group), print_after=print_after, on_dump=on_dump)
     gm = manager(trace_model(model)).program
-    return StageProgram(gm, stage_interface(gm), program_units(gm))
+    return StageProgram(gm, stage_interface(gm), program_units(gm), gm.meta["mist_offload"],
+                        set(gm.meta.get("mist_checkpointed", ())))
 
 
 def lowering_pass_names() -> list[str]:
@@ -144,7 +158,9 @@ def _describe(name: str, program: Any) -> str:
         lines.append(f"# receives {[v.name for v in interface.inputs]} + batch {interface.batch_inputs}; "
                      f"sends {[v.name for v in interface.outputs]}")
     lines.append(program.code.strip())
+    offload = program.meta.get("mist_offload", {})
     for target, module in program_units(program):
         shapes = ", ".join(f"{n}{list(p.shape)}" for n, p in module.named_parameters())
-        lines.append(f"#   unit {target}: {type(module).__name__} {shapes}")
+        extra = f"  offload {offload[target]}" if target in offload else ""
+        lines.append(f"#   unit {target}: {type(module).__name__} {shapes}{extra}")
     return "\n".join(lines) + "\n\n"

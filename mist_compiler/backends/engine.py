@@ -156,13 +156,19 @@ class Engine:
         self.groups: ProcessGroups = build_groups(self.topology, self.rank, tied=bool(self.tied_names), timeout=timeout)
         self.program: StageProgram = lower(model, plan, self.coord, self.groups.tp)
         self.program.module.to(self.device)
+        self.tied = TiedWeights.create(self, model) if self.tied_names and plan.pp > 1 else None
+        units = [u for u in self.program.units if self.tied is None or u[0] not in self.tied.excluded_units]
+        self.offload_table = {name: self.program.offload[name] for name, _ in units}
         factory = runtime_factory or _default_runtime_factory()
         self.runtime = factory(
-            self.program.units, dp_group=self.groups.dp, zero=self.stage_plan.zero, offload=self.stage_plan.offload,
+            units, dp_group=self.groups.dp, zero=self.stage_plan.zero, offload=self.offload_table,
             optimizer=optimizer if optimizer is not None else _default_optimizer(), device=self.device,
             param_dtype=DTYPES[plan.dtype], timeout_s=timeout_s,
         )
-        self._tie_gradients()
+        self._offload_hooks = install_activation_offload(self.runtime, units, self.offload_table,
+                                                         checkpointed=self.program.checkpointed)
+        if self.tied is not None:
+            self.tied.attach(self.runtime)
         self.interface = self.program.interface
         self.p2p = P2P(build_links(self.topology, self.rank), self.interface.inputs, self.interface.outputs,
                        self.stage_plan.micro_batch, self.device, timeout_s)
@@ -171,21 +177,6 @@ class Engine:
         # this stage's data-parallel mean needs dp_here * dL/dx.
         is_last = self.coord.stage == plan.pp - 1
         self.grad_scale = 1.0 if is_last else self.stage_plan.dp / plan.stages[self.coord.stage + 1].dp
-
-    # ----------------------------------------------------------------- set-up helpers
-    def _tie_gradients(self) -> None:
-        """Sum each tied weight's gradient over the first and last stage (same vocab shard)."""
-        if self.plan.pp == 1 or not self.tied_names or self.groups.tied is None:
-            return
-        local = {name for name, _ in _unit_parameters(self.program.units)}
-        group, dp = self.groups.tied, self.stage_plan.dp
-        for name in sorted(local & self.tied_names):
-            def transform(grad: torch.Tensor, group=group, dp=dp) -> None:
-                # every rank ends with sum(first-stage grads)/dp_first + sum(last-stage grads)/dp_last,
-                # which the data-parallel mean then leaves unchanged
-                grad.div_(dp)
-                dist.all_reduce(grad, group=group)
-            self.runtime.register_grad_transform(name, transform)
 
     # ----------------------------------------------------------------- the step
     def step(self, batch: dict[str, torch.Tensor]) -> float:
@@ -216,16 +207,25 @@ class Engine:
         grad_accum = self.plan.grad_accum
         state = StepState({}, {}, torch.zeros((), dtype=torch.float64))
         self.runtime.begin_iteration()
+        if self.tied is not None:
+            self.tied.begin_iteration()
         backward_done = 0
         for kind, micro in self.schedule:
             if kind == FORWARD:
                 self._forward(batch, micro, state)
             else:
                 backward_done += 1
-                self.runtime.set_last_microbatch(backward_done == grad_accum)
+                last = backward_done == grad_accum
+                self.runtime.set_last_microbatch(last)
+                if self.tied is not None:
+                    self.tied.last_backward = last
                 self._backward(micro, state, grad_accum)
+        if self.tied is not None:
+            self.tied.after_backward()
         self.runtime.finish_gradients()
         self.runtime.step()
+        if self.tied is not None:
+            self.tied.after_step()
         self.p2p.wait_sends()
         return self._mean_loss(state.loss_sum)
 
@@ -271,7 +271,10 @@ class Engine:
     # ----------------------------------------------------------------- checks
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, unsharded over data parallelism (names as in the stage program)."""
-        return dict(self.runtime.named_full_parameters())
+        params = dict(self.runtime.named_full_parameters())
+        if self.tied is not None:
+            params.update(self.tied.local_parameters())
+        return params
 
     def gather_full_state(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The whole model's parameters (unsharded, CPU) on rank ``dst``; None elsewhere.
@@ -283,8 +286,9 @@ class Engine:
         for unit_name, module in self.program.units:
             dims.update(shard_dims(module, unit_name))
         mine = None
+        full = self.named_full_parameters()  # a collective under ZeRO-3: every rank takes part
         if self.coord.dp_index == 0:
-            params = {name: tensor.detach().float().cpu() for name, tensor in self.named_full_parameters().items()}
+            params = {name: tensor.detach().float().cpu() for name, tensor in full.items()}
             mine = (self.coord.tp_index, {name: (tensor, dims.get(name)) for name, tensor in params.items()})
         gathered: list[Any] = [None] * self.world if self.rank == dst else None
         if self.world > 1:
@@ -309,6 +313,123 @@ class Engine:
 
     def close(self) -> None:
         self.monitor.stop()
+        for handle in self._offload_hooks:
+            handle.remove()
+        remove = getattr(self.runtime, "remove_hooks", None)
+        if remove is not None:
+            remove()
+
+
+def install_activation_offload(runtime: Any, units: list[tuple[str, nn.Module]], table: dict[str, Any],
+                               checkpointed: set[str]) -> list[Any]:
+    """Enter ``runtime.activation_offload(unit)`` around each offloading unit's forward.
+
+    Checkpointed units keep only their inputs (saved by the checkpoint outside the unit), so they
+    have nothing to offload and are skipped.
+    """
+    handles = []
+    for name, module in units:
+        if table[name].acts <= 0.0 or name in checkpointed:
+            continue
+        active: list[Any] = []
+
+        def enter(module, args, name=name, active=active):
+            if torch.is_grad_enabled():
+                context = runtime.activation_offload(name)
+                context.__enter__()
+                active.append(context)
+
+        def leave(module, args, output, active=active):
+            if active:
+                active.pop().__exit__(None, None, None)
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave))
+    return handles
+
+
+class TiedWeights:
+    """A weight shared by the first stage (embedding) and the last (head) of a pipeline.
+
+    The first stage owns it (its runtime shards and updates it); the last stage keeps a plain
+    copy outside its runtime. Gradients: the last stage accumulates its share over the
+    micro-batches and, after its schedule, all-reduces ``sum(h_r) / dp_last`` over the tied group;
+    the first stage takes part in that all-reduce from the gradient transform of its *last*
+    micro-batch (the last stage is then done with backward, so nobody waits on anybody) and adds
+    it to its own gradient. After the step the first stage broadcasts the updated weight.
+    """
+
+    def __init__(self, engine: "Engine", names: list[str]) -> None:
+        self.engine = engine
+        self.names = names  # tied parameter names present in this stage program
+        self.is_first = engine.coord.stage == 0
+        self.group = engine.groups.tied
+        self.source = engine.topology.rank_of(0, 0, engine.coord.tp_index)
+        self.last_backward = False
+        self.excluded_units: set[str] = set()
+        self.params: dict[str, nn.Parameter] = {}
+        if not self.is_first:
+            for unit_name, module in engine.program.units:
+                owned = {f"{unit_name}.{n}" for n, _ in module.named_parameters()}
+                tied_here = owned & set(names)
+                if tied_here and tied_here != owned:
+                    raise PlanError(f"unit {unit_name} mixes tied and untied parameters; cannot pipeline it")
+                if tied_here:
+                    self.excluded_units.add(unit_name)
+                    for n, p in module.named_parameters():
+                        self.params[f"{unit_name}.{n}"] = p
+
+    @classmethod
+    def create(cls, engine: "Engine", model: nn.Module) -> "TiedWeights | None":
+        if engine.coord.stage not in (0, engine.plan.pp - 1):
+            return None
+        local = {name for name, _ in _unit_parameters(engine.program.units)}
+        names = sorted(local & engine.tied_names)
+        return cls(engine, names) if names else None
+
+    def attach(self, runtime: Any) -> None:
+        if self.is_first:
+            for name in self.names:
+                runtime.register_grad_transform(name, self._add_last_stage_share)
+        else:
+            dtype = DTYPES[self.engine.plan.dtype]
+            for param in self.params.values():
+                param.data = param.data.to(self.engine.device, dtype)
+
+    def begin_iteration(self) -> None:
+        for param in self.params.values():
+            param.grad = None
+
+    def _add_last_stage_share(self, grad: torch.Tensor) -> None:
+        if not self.last_backward:
+            return
+        share = torch.zeros_like(grad, dtype=torch.float32)
+        dist.all_reduce(share, group=self.group)
+        grad.add_(share.to(grad.dtype))
+
+    def after_backward(self) -> None:
+        if self.is_first:
+            return
+        dp = self.engine.stage_plan.dp
+        for param in self.params.values():
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            share = grad.float() / dp
+            dist.all_reduce(share, group=self.group)
+
+    def after_step(self) -> None:
+        if self.is_first:
+            full = self.engine.runtime.named_full_parameters()
+            for name in self.names:
+                weight = full[name].contiguous()
+                dist.broadcast(weight, src=self.source, group=self.group)
+        else:
+            for param in self.params.values():
+                weight = torch.empty_like(param.data)
+                dist.broadcast(weight, src=self.source, group=self.group)
+                param.data.copy_(weight)
+
+    def local_parameters(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in self.params.items()}
 
 
 def _unit_parameters(units: list[tuple[str, nn.Module]]):

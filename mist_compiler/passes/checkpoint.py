@@ -48,4 +48,5 @@ class ActivationCheckpoint:
                 node.args = (module, *node.args)
         rewritten = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
         rewritten.meta.update(gm.meta)
+        rewritten.meta["mist_checkpointed"] = sorted(chosen)
         return PassResult(rewritten, True)
