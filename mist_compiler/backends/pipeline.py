@@ -1,0 +1,193 @@
+"""The pipeline: the 1F1B schedule and point-to-point transfers between stages.
+
+Global micro-batch ``m`` holds ``global_batch / G`` samples; on stage ``s`` data-parallel rank
+``d`` owns rows ``[d * mb_s, (d + 1) * mb_s)`` of it. Stages may differ in dp, micro_batch and
+tp, so each rank sends every next-stage rank the rows their shares have in common. The ranks of
+a tensor-parallel group hold the same boundary activations: a receiver with tp index ``t``
+takes its rows from the sender with tp index ``t % tp_sender`` (forward and backward alike).
+Values without a batch dimension are sent whole by the receiver's first sender.
+Sends are asynchronous and waited for at the end of the step; receives block with a timeout.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mist_compiler.passes.partition import BoundaryValue
+
+from .topology import Topology
+
+FORWARD, BACKWARD = 0, 1
+
+
+class PipelineTimeout(RuntimeError):
+    """A pipeline transfer did not complete within the timeout."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, end)`` of this rank's share exchanged with ``peer``."""
+
+    peer: int
+    start: int
+    end: int
+    whole: bool  # also carries the values without a batch dimension
+
+
+@dataclass
+class Links:
+    recv_forward: list[Piece] = field(default_factory=list)
+    send_forward: list[Piece] = field(default_factory=list)
+    recv_backward: list[Piece] = field(default_factory=list)
+    send_backward: list[Piece] = field(default_factory=list)
+
+
+def _overlaps(topology: Topology, stage: int, dp_index: int, other_stage: int) -> list[tuple[int, int, int]]:
+    """(other dp index, start, end) of the rows ``stage``'s rank shares with ``other_stage``'s ranks,
+    relative to this rank's first row."""
+    plan = topology.plan
+    mb, other_mb = plan.stages[stage].micro_batch, plan.stages[other_stage].micro_batch
+    lo, hi = dp_index * mb, (dp_index + 1) * mb
+    result = []
+    for other in range(plan.stages[other_stage].dp):
+        start, end = max(lo, other * other_mb), min(hi, (other + 1) * other_mb)
+        if start < end:
+            result.append((other, start - lo, end - lo))
+    return result
+
+
+def _receive_pieces(topology: Topology, rank: int, source_stage: int) -> list[Piece]:
+    coord = topology.coord(rank)
+    source_tp = coord.tp_index % topology.plan.stages[source_stage].tp
+    pieces = []
+    for index, (other, start, end) in enumerate(_overlaps(topology, coord.stage, coord.dp_index, source_stage)):
+        pieces.append(Piece(topology.rank_of(source_stage, other, source_tp), start, end, whole=index == 0))
+    return pieces
+
+
+def _send_pieces(topology: Topology, rank: int, target_stage: int) -> list[Piece]:
+    coord = topology.coord(rank)
+    target = topology.plan.stages[target_stage]
+    pieces = []
+    for other, start, end in _overlaps(topology, coord.stage, coord.dp_index, target_stage):
+        for t in range(target.tp):
+            peer = topology.rank_of(target_stage, other, t)
+            if t % topology.plan.stages[coord.stage].tp != coord.tp_index:
+                continue
+            first_sender = _receive_pieces(topology, peer, coord.stage)[0].peer == rank
+            pieces.append(Piece(peer, start, end, whole=first_sender))
+    return pieces
+
+
+def build_links(topology: Topology, rank: int) -> Links:
+    stage = topology.coord(rank).stage
+    links = Links()
+    if stage > 0:
+        links.recv_forward = _receive_pieces(topology, rank, stage - 1)
+        links.send_backward = _send_pieces(topology, rank, stage - 1)
+    if stage < topology.plan.pp - 1:
+        links.send_forward = _send_pieces(topology, rank, stage + 1)
+        links.recv_backward = _receive_pieces(topology, rank, stage + 1)
+    return links
+
+
+def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> list[tuple[int, int]]:
+    """The 1F1B order of (FORWARD | BACKWARD, micro-batch) for one stage."""
+    warmup = min(num_stages - stage - 1, num_micro)
+    order = [(FORWARD, m) for m in range(warmup)]
+    forward, backward = warmup, 0
+    while forward < num_micro:
+        order += [(FORWARD, forward), (BACKWARD, backward)]
+        forward, backward = forward + 1, backward + 1
+    order += [(BACKWARD, m) for m in range(backward, num_micro)]
+    return order
+
+
+class P2P:
+    """Point-to-point transfers of one rank's boundary values (and their gradients)."""
+
+    def __init__(self, links: Links, inputs: list[BoundaryValue], outputs: list[BoundaryValue],
+                 micro_batch: int, device: torch.device, timeout_s: float) -> None:
+        self.links = links
+        self.inputs, self.outputs = inputs, outputs
+        self.micro_batch = micro_batch
+        self.device = device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.pending: list[tuple[dist.Work, torch.Tensor, int]] = []
+
+    @staticmethod
+    def _tag(micro: int, direction: int, index: int, count: int) -> int:
+        return (micro * 2 + direction) * max(count, 1) + index
+
+    def _wait(self, work: dist.Work, peer: int, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as error:
+            raise PipelineTimeout(f"{what} with rank {peer} failed: {error}") from error
+        if ok is False:
+            raise PipelineTimeout(f"{what} with rank {peer} timed out after {self.timeout.total_seconds():.0f} s")
+
+    def _receive(self, values: list[BoundaryValue], pieces: list[Piece], micro: int, direction: int,
+                 batched_only: bool) -> list[torch.Tensor | None]:
+        tensors: list[torch.Tensor | None] = []
+        works = []
+        for index, value in enumerate(values):
+            if batched_only and not value.needs_grad:
+                tensors.append(None)
+                continue
+            buffer = torch.empty(value.shape(self.micro_batch), dtype=value.dtype, device=self.device)
+            tensors.append(buffer)
+            for piece in pieces:
+                if value.batched:
+                    target = buffer[piece.start:piece.end]
+                elif piece.whole:
+                    target = buffer
+                else:
+                    continue
+                tag = self._tag(micro, direction, index, len(values))
+                works.append((dist.irecv(target, src=piece.peer, tag=tag), piece.peer))
+        what = "receiving activations" if direction == FORWARD else "receiving gradients"
+        for work, peer in works:
+            self._wait(work, peer, f"{what} of micro-batch {micro}")
+        return tensors
+
+    def _send(self, values: list[BoundaryValue], tensors: list[torch.Tensor | None], pieces: list[Piece],
+              micro: int, direction: int) -> None:
+        for index, (value, tensor) in enumerate(zip(values, tensors)):
+            if tensor is None:
+                continue
+            for piece in pieces:
+                if value.batched:
+                    part = tensor[piece.start:piece.end]
+                elif piece.whole:
+                    part = tensor
+                else:
+                    continue
+                part = part.detach().contiguous()
+                tag = self._tag(micro, direction, index, len(values))
+                self.pending.append((dist.isend(part, dst=piece.peer, tag=tag), part, piece.peer))
+
+    def recv_forward(self, micro: int) -> list[torch.Tensor]:
+        tensors = self._receive(self.inputs, self.links.recv_forward, micro, FORWARD, batched_only=False)
+        for value, tensor in zip(self.inputs, tensors):
+            if value.needs_grad:
+                tensor.requires_grad_(True)
+        return tensors
+
+    def send_forward(self, outputs: list[torch.Tensor], micro: int) -> None:
+        self._send(self.outputs, outputs, self.links.send_forward, micro, FORWARD)
+
+    def recv_backward(self, micro: int) -> list[torch.Tensor | None]:
+        return self._receive(self.outputs, self.links.recv_backward, micro, BACKWARD, batched_only=True)
+
+    def send_backward(self, grads: list[torch.Tensor | None], micro: int) -> None:
+        grads = [g if value.needs_grad else None for value, g in zip(self.inputs, grads)]
+        self._send(self.inputs, grads, self.links.send_backward, micro, BACKWARD)
+
+    def wait_sends(self) -> None:
+        for work, _part, peer in self.pending:
+            self._wait(work, peer, "sending to the next/previous stage")
+        self.pending.clear()

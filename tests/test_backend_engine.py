@@ -1,0 +1,97 @@
+"""End-to-end: plans executed on gloo ranks give the losses and weights of one-process training."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mist_compiler.ir.plan import Plan
+from tests.dist_utils import run_ranks
+
+SEQ = 16
+LR = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": float(os.environ.get("MIST_TEST_EPS", "1e-6")), "weight_decay": 0.1}
+
+
+def stage(layers, dp=1, tp=1, micro_batch=None, **extra):
+    return {"layers": list(layers), "nodes": 1, "gpus_per_node": dp * tp, "micro_batch": micro_batch, "dp": dp,
+            "tp": tp, **extra}
+
+
+def plan_dict(model, global_batch, grad_accum, stages):
+    for s in stages:
+        if s["micro_batch"] is None:
+            s["micro_batch"] = global_batch // (grad_accum * s["dp"])
+    return {"model": model, "seq_len": SEQ, "global_batch": global_batch, "dtype": "float32",
+            "grad_accum": grad_accum, "stages": stages}
+
+
+def _train_plans(rank, world, plans):
+    """On every rank: compile and train each plan 3 steps; rank 0 compares with one process."""
+    from mist_compiler.backends.engine import compile as compile_plan
+    from mist_compiler.backends.optimizer import AdamWConfig
+    from mist_compiler.backends.worker import compare, model_vocab, reference_training, synthetic_batch
+    from mist_compiler.models import build_model
+
+    results = []
+    for data in plans:
+        plan = Plan.from_dict(data)
+        model = build_model(plan.model, seq_len=plan.seq_len)
+        engine = compile_plan(model, plan, optimizer=AdamWConfig(**LR), timeout_s=60)
+        vocab = model_vocab(model)
+        losses = [engine.step(synthetic_batch(vocab, plan.global_batch, plan.seq_len, s)) for s in range(3)]
+        state = engine.gather_full_state()
+        engine.close()
+        if rank == 0:
+            ref_losses, ref_state = reference_training(build_model(plan.model, seq_len=plan.seq_len), plan, 3, LR)
+            worst, where = compare(losses, state, ref_losses, ref_state)
+            results.append({"plan": data, "worst": worst, "where": where, "losses": losses, "ref": ref_losses})
+    return results
+
+
+def run_plans(world, plans, timeout_s=240):
+    return run_ranks(_train_plans, world=world, args=(plans,), timeout_s=timeout_s)[0]
+
+
+def assert_all_match(results, tolerance=1e-5):
+    bad = [(r["plan"]["stages"], r["worst"], r["where"]) for r in results if not r["worst"] <= tolerance]
+    assert not bad, f"plans differ from single-process training: {bad}"
+
+
+@pytest.mark.distributed
+def test_pipeline_and_tensor_parallel_two_ranks():
+    plans = [
+        plan_dict("gpt-tiny", 8, 4, [stage((0, 2)), stage((2, 4))]),
+        plan_dict("llama-tiny", 4, 1, [stage((0, 4), tp=2)]),
+        plan_dict("gpt-tiny", 8, 2, [stage((0, 4), dp=2)]),
+    ]
+    results = run_plans(2, plans)
+    for r in results:
+        print(r["plan"]["stages"], r["worst"], r["where"], r["losses"], r["ref"])
+    assert_all_match(results)
+
+
+def tied_gpt():
+    """gpt-tiny with the head tied to the token embedding (for the tied-weights plans)."""
+    from dataclasses import replace
+
+    from mist_compiler.models import TransformerLM, zoo_config
+
+    torch.manual_seed(0)
+    return TransformerLM(replace(zoo_config("gpt-tiny"), tied_head=True))
+
+
+@pytest.mark.distributed
+def test_heterogeneous_stages_four_ranks():
+    plans = [
+        # stages differ in dp, tp and micro_batch
+        plan_dict("llama-tiny", 8, 2, [stage((0, 1), dp=2, tp=1), stage((1, 4), dp=1, tp=2)]),
+        plan_dict("gpt-tiny", 8, 2, [stage((0, 3), dp=1, tp=2), stage((3, 4), dp=2, tp=1)]),
+        # tied embedding/head across stages
+        plan_dict("tests.test_backend_engine:tied_gpt", 8, 2, [stage((0, 2), dp=2), stage((2, 4), dp=2)]),
+        plan_dict("gpt-tiny", 8, 2, [stage((0, 1)), stage((1, 2)), stage((2, 3)), stage((3, 4))]),
+    ]
+    results = run_plans(4, plans)
+    for r in results:
+        print(r["plan"]["stages"], r["worst"], r["where"], r["losses"], r["ref"])
+    assert_all_match(results)
