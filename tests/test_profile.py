@@ -163,3 +163,43 @@ def test_torchrun_over_two_simulated_nodes_measures_the_inter_node_shape(tmp_pat
     assert profile.name == "two-nodes" and profile.gpus_per_node == 1
     assert set(profile.links) == {(2, 1)} and profile.links[(2, 1)].bandwidth > 0
     assert "torchrun over 2 node(s)" in profile.description
+
+
+@pytest.mark.heavy
+def test_overlap_model_predicts_three_cpu_channels_run_together():
+    """Pairwise factors measured here, combined by overlap.py, against compute + h2d + d2h run at once."""
+    import threading
+    import time
+
+    import torch
+
+    from mist_compiler.cost.hardware import HardwareProfile
+    from mist_compiler.cost.overlap import overlap
+    from mist_compiler.cost.profiler import _Channel, measure_slowdowns
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        factors = measure_slowdowns("cpu", ProfilerOptions(log=lambda m: None), distributed=False)
+        data = load_profile("cpu").to_dict()
+        data["slowdown"] = factors
+        profile = HardwareProfile.from_dict(data)
+        channels = {name: _Channel(name, "cpu", False) for name in ("compute", "h2d", "d2h")}
+        steps = {"compute": 400, "h2d": 60, "d2h": 60}
+        alone = {name: min(channels[name].run(steps[name]) for _ in range(2)) for name in channels}
+        finished: dict[str, float] = {}
+        start = time.perf_counter()
+
+        def run(name: str) -> None:
+            channels[name].run(steps[name])
+            finished[name] = time.perf_counter() - start
+
+        workers = [threading.Thread(target=run, args=(name,)) for name in channels]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    predicted = float(overlap(profile, alone["compute"], 0.0, alone["h2d"], alone["d2h"]).total_s)
+    assert predicted == pytest.approx(max(finished.values()), rel=0.35)

@@ -212,6 +212,8 @@ class _Channel:
         self.name, self.device = name, device
         on_gpu = device == "cuda"
         self.stream = torch.cuda.Stream() if on_gpu else None
+        # OpenMP thread counts are per thread: a channel on a fresh thread would otherwise use every core
+        self.threads = torch.get_num_threads()
         if name == "compute":
             n = 4096 if on_gpu else 256
             dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -234,6 +236,8 @@ class _Channel:
         """Run ``steps`` units; seconds elapsed on this thread until they are done."""
         import torch
 
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         start = time.perf_counter()
         if self.stream is None:
             for _ in range(steps):
