@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from mist_compiler.cost.hardware import CHANNELS, HardwareProfile
 
@@ -58,14 +59,15 @@ def _slowdown_table(profile: HardwareProfile) -> np.ndarray:
     return np.exp(log_slowdown @ active)
 
 
-def _work(value, name: str) -> np.ndarray:
+def _work(value: ArrayLike, name: str) -> np.ndarray:
     array = np.asarray(value, dtype=float)
     if np.any(~np.isfinite(array)) or np.any(array < 0):
         raise OverlapError(f"{name} must be finite and >= 0 seconds, got {value!r}")
     return array
 
 
-def overlap(profile: HardwareProfile, compute_s, collective_s=0.0, h2d_s=0.0, d2h_s=0.0) -> OverlapResult:
+def overlap(profile: HardwareProfile, compute_s: ArrayLike, collective_s: ArrayLike = 0.0,
+            h2d_s: ArrayLike = 0.0, d2h_s: ArrayLike = 0.0) -> OverlapResult:
     """Simulate channels running together; each argument is that channel's time alone (broadcast)."""
     named = {"compute": compute_s, "collective": collective_s, "h2d": h2d_s, "d2h": d2h_s}
     work = np.stack(np.broadcast_arrays(*(_work(named[c], f"{c}_s") for c in CHANNELS)))  # (4, ...)
@@ -97,6 +99,7 @@ def overlap(profile: HardwareProfile, compute_s, collective_s=0.0, h2d_s=0.0, d2
     )
 
 
-def overlapped_time(profile: HardwareProfile, compute_s, collective_s=0.0, h2d_s=0.0, d2h_s=0.0) -> np.ndarray:
+def overlapped_time(profile: HardwareProfile, compute_s: ArrayLike, collective_s: ArrayLike = 0.0,
+                    h2d_s: ArrayLike = 0.0, d2h_s: ArrayLike = 0.0) -> np.ndarray:
     """Duration of a phase whose channels run concurrently (see :func:`overlap`)."""
     return overlap(profile, compute_s, collective_s, h2d_s, d2h_s).total_s
