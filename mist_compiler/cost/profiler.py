@@ -401,10 +401,10 @@ def _time_collective(call, sync, target_s: float, group=None) -> float:
 
 
 def time_group_collectives(device: str, quick: bool, bench_s: float, members: list[int], group, log) -> dict:
-    """``{kind: [(nbytes, seconds), ...]}`` for every collective (and p2p) in one group; members call it."""
+    """``{kind: [(nbytes, seconds), ...]}`` for every collective in one group (p2p in pairs); members call it."""
     sync = _sync_for(device)
     times: dict[str, list[tuple[int, float]]] = {}
-    for kind in KINDS + ("p2p",):
+    for kind in KINDS + (("p2p",) if len(members) == 2 else ()):
         for nbytes in _message_sizes(device, quick):
             seconds = _time_collective(_collective_call(kind, nbytes, device, members, group), sync, bench_s, group)
             times.setdefault(kind, []).append((nbytes, seconds))
