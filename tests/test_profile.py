@@ -77,6 +77,18 @@ def test_single_device_profile_borrows_links(monkeypatch):
                                   "norm": 0.6, "softmax": 0.7, "default": 0.75}
 
 
+def test_recalibrate_compute_keeps_links_and_replaces_compute(monkeypatch):
+    from mist_compiler.cost.profiler import recalibrate_compute
+
+    monkeypatch.setattr("mist_compiler.cost.profiler.measure_compute", _fake_compute)
+    l4 = load_profile("l4")
+    profile = recalibrate_compute(l4, ProfilerOptions(device="cpu", log=lambda m: None))
+    assert profile.links == l4.links and profile.slowdown == l4.slowdown and profile.h2d_bandwidth == l4.h2d_bandwidth
+    assert profile.peak_flops["float32"] == pytest.approx(5e10) and profile.peak_flops["bfloat16"] == l4.peak_flops["bfloat16"]
+    assert profile.memory_bandwidth == pytest.approx(2e10) and profile.op_overhead == pytest.approx(4e-6)
+    assert profile.efficiency["matmul"] == pytest.approx(0.8) and "re-measured" in profile.description
+
+
 def test_no_collective_group_without_links_from_is_an_error():
     with pytest.raises(ProfileError, match="links_from"):
         profile_machine(ProfilerOptions(quick=True, world_sizes=(), log=lambda m: None))

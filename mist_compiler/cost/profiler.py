@@ -693,6 +693,33 @@ def profile_machine(options: ProfilerOptions) -> HardwareProfile:
                      gpus_per_node=max(per_node, base.gpus_per_node) if base else per_node)
 
 
+def recalibrate_compute(base: HardwareProfile, options: ProfilerOptions | None = None) -> HardwareProfile:
+    """``base`` with its compute side (peaks, efficiencies, memory bandwidth, op overhead) measured here.
+
+    Links, copies and slowdowns stay as ``base`` has them: a quick way to re-anchor a shipped or
+    older profile to the machine's current speed (seconds, no ranks spawned).
+    """
+    import dataclasses
+
+    import torch
+
+    options = options or ProfilerOptions()
+    device = _resolve_device(options)
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)  # as the CPU backend runs its ranks
+    try:
+        measured = measure_compute(device, options)
+    finally:
+        torch.set_num_threads(threads)
+    peaks, peak_note = _peaks(device, measured)
+    profile = dataclasses.replace(
+        base, peak_flops={**base.peak_flops, **peaks}, efficiency=_efficiencies(measured, peaks),
+        memory_bandwidth=measured.copy_bytes_per_s, op_overhead=measured.op_overhead_s,
+        description=f"{base.description} Compute side re-measured by recalibrate_compute ({peak_note}; {_load_note()}).")
+    return HardwareProfile.from_dict(profile.to_dict(), source="recalibrated profile")
+
+
 # --------------------------------------------------------------------------- a cluster, under torchrun
 
 def launched_by_torchrun() -> bool:
