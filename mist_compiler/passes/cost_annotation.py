@@ -331,7 +331,7 @@ def recognise_sharding(graph: fx.Graph, params: set[str]) -> Sharding:
         sharding.message = "column-parallel linears found but no row-parallel linear closes them"
         return sharding
     leftovers = [mm.name for mm in weight_mms if mm not in column and mm not in row and mm.name not in sharding.vocab_head]
-    if attentions and leftovers:
+    if leftovers:
         sharding.supported = False
         sharding.message = f"linear layers {leftovers} fit no column/row-parallel pair"
         return sharding
