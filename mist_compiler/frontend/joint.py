@@ -11,6 +11,8 @@ FakeTensors, with the input's batch and sequence dimensions marked dynamic.
 """
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -125,6 +127,11 @@ class ModelOutputError(ValueError):
     """A model whose forward returns neither a scalar loss nor logits."""
 
 
+def _logging_functions() -> set:
+    names = [n for n in dir(logging.Logger) if n in ("debug", "info", "warning", "warn", "error") or n.endswith("_once")]
+    return set(torch._dynamo.config.ignore_logging_functions) | {getattr(logging.Logger, n) for n in names}
+
+
 def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> JointCapture:
     """Trace ``model(input_ids=, labels=) -> loss`` (FakeTensor weights) into a joint graph."""
     captured: list[JointCapture] = []
@@ -142,7 +149,8 @@ def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
     try:
         # module float attributes (eps) stay constants: otherwise dynamo lifts them to inputs,
         # fails in aot_autograd and traces everything a second time
-        with torch._dynamo.config.patch(specialize_float=True):
+        # logging calls in model code (Hugging Face's warning_once) are dropped, not graph breaks
+        with torch._dynamo.config.patch(specialize_float=True, ignore_logging_functions=_logging_functions()):
             compiled(model, input_ids, labels)
     finally:
         torch._dynamo.reset_code(run.__code__)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import warnings
 from dataclasses import dataclass, field, replace
 
 import networkx as nx
@@ -178,9 +179,18 @@ def _op_label(node: torch.fx.Node) -> str:
         shape = getattr(value, "shape", None)
         static = shape is not None and all(isinstance(d, int) for d in shape)
         return f"param{tuple(shape)}:{dtype}" if static else f"input:{dtype}"
+    if node.op == "get_attr":  # constants: named by position (_tensor_constant3), labelled by shape
+        return f"constant{tuple(getattr(value, 'shape', ()))}:{dtype}"
     target = node.target
     name = getattr(target, "__qualname__", None) if callable(target) and not hasattr(target, "_schema") else str(target)
     return f"{node.op}:{name or target}:{dtype}"
+
+
+def wl_hash(graph: nx.Graph, iterations: int = 3) -> str:
+    """networkx's Weisfeiler-Lehman hash over the ``label`` node attribute (its version note silenced)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The hashes produced for directed graphs changed")
+        return nx.weisfeiler_lehman_graph_hash(graph, node_attr="label", iterations=iterations)
 
 
 def structural_hash(graph: torch.fx.Graph, members: set[str]) -> str:
@@ -196,7 +206,7 @@ def structural_hash(graph: torch.fx.Graph, members: set[str]) -> str:
                 digraph.add_edge(f"external:{argument.name}", name)
             else:
                 digraph.add_edge(argument.name, name)
-    wl = nx.weisfeiler_lehman_graph_hash(digraph, node_attr="label", iterations=3)
+    wl = wl_hash(digraph)
     params = sorted(_op_label(by_name[n]) for n in members if by_name[n].op == "placeholder")
     return hashlib.sha1((wl + "|" + ";".join(params)).encode()).hexdigest()[:16]
 
