@@ -81,25 +81,20 @@ def _pool(table: FrontierTable, pp: int, inflight_needed: int, stages: int, work
           cluster: Cluster, space: SearchSpace) -> ChoicePool:
     """Union of the frontier points of every allowed cell of one role, fitting >= inflight_needed."""
     max_layers = work.num_layers - (stages - 1)
-    uniform_devices = cluster.world // stages if space.uniform_devices else None
-    rows, fits = [], []
-    for (layers, cell_pp, shape, k), members in table.cells.items():
-        if cell_pp != pp or k < inflight_needed or layers > max_layers:
-            continue
-        if not space.layers_allowed(layers, stages, work.num_layers):
-            continue
-        count = table.shapes[shape].count
-        if uniform_devices is not None and count != uniform_devices:
-            continue
-        if count > cluster.world - (stages - 1):
-            continue
-        rows.append(members)
-        fits.append(np.full(len(members), k))
-    if not rows:
+    entries = table.entries()
+    counts = np.array([shape.count for shape in table.shapes], dtype=int)[entries["shape"]] if len(entries["row"]) else np.zeros(0, int)
+    mask = (entries["pp"] == pp) & (entries["k"] >= inflight_needed) & (entries["layers"] <= max_layers)
+    mask &= counts <= cluster.world - (stages - 1)
+    if space.uniform_devices:
+        mask &= counts == cluster.world // stages
+    if space.layer_slack is not None:
+        allowed = np.array([space.layers_allowed(l, stages, work.num_layers) for l in range(work.num_layers + 1)])
+        mask &= allowed[entries["layers"]]
+    if not mask.any():
         empty = np.zeros(0, dtype=int)
         return ChoicePool(empty, empty, empty, np.zeros(0), np.zeros(0), empty)
-    rows_all = np.concatenate(rows)
-    fit_all = np.concatenate(fits)
+    rows_all = entries["row"][mask]
+    fit_all = entries["k"][mask]
     # a row appears in the cells of every k it is on the frontier of; keep it once with its largest k
     order = np.lexsort((-fit_all, rows_all))
     rows_all, fit_all = rows_all[order], fit_all[order]
