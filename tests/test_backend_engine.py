@@ -58,16 +58,70 @@ def assert_all_match(results, tolerance=1e-5):
     assert not bad, f"plans differ from single-process training: {bad}"
 
 
-@pytest.mark.distributed
-def test_pipeline_and_tensor_parallel_two_ranks():
+def offload(**ratios):
+    return {"weights": 0.0, "grads": 0.0, "opt": 0.0, "acts": 0.0, **ratios}
+
+
+def matrix_plans(world):
+    """One plan per feature the backend implements, on ``world`` ranks (gpt-tiny / llama-tiny)."""
+    dp = world
     plans = [
-        plan_dict("gpt-tiny", 8, 4, [stage((0, 2)), stage((2, 4))]),
-        plan_dict("llama-tiny", 4, 1, [stage((0, 4), tp=2)]),
-        plan_dict("gpt-tiny", 8, 2, [stage((0, 4), dp=2)]),
+        plan_dict("gpt-tiny", 8, 2, [stage((0, 4), dp=dp)]),                                    # DP
+        plan_dict("gpt-tiny", 8, 2, [stage((0, 4), dp=dp, zero=1)]),                            # ZeRO-1
+        plan_dict("llama-tiny", 8, 2, [stage((0, 4), dp=dp, zero=2)]),                          # ZeRO-2
+        plan_dict("gpt-tiny", 8, 2, [stage((0, 4), dp=dp, zero=3)]),                            # ZeRO-3
+        plan_dict("llama-tiny", 8, 2, [stage((0, 4), dp=world // 2, tp=2)]),                    # TP=2
+        plan_dict("gpt-tiny", 8, 4, [stage((0, 2), dp=world // 2), stage((2, 4), dp=world // 2)]),  # PP=2
+        plan_dict("gpt-tiny", 8, 2, [stage((0, 4), dp=dp, ckpt_layers=3)]),                     # checkpointing
     ]
-    results = run_plans(2, plans)
+    for kind in ("weights", "grads", "opt", "acts"):                                             # each offload kind
+        plans.append(plan_dict("gpt-tiny", 8, 2, [stage((0, 4), dp=dp, zero=2, offload=offload(**{kind: 0.5}))]))
+    return plans
+
+
+def mixed_plan():
+    """PP=2 x DP=2 with ZeRO-2, some checkpointed layers and partial offload (4 ranks)."""
+    return plan_dict("llama-tiny", 8, 2, [
+        stage((0, 2), dp=2, zero=2, ckpt_layers=1, offload=offload(weights=0.5, opt=0.25, acts=0.5)),
+        stage((2, 4), dp=2, zero=2, ckpt_layers=2, offload=offload(grads=0.5)),
+    ])
+
+
+def report(results):
     for r in results:
-        print(r["plan"]["stages"], r["worst"], r["where"], r["losses"], r["ref"])
+        print(f"{r['worst']:.2e} {r['where']:<28} {r['plan']['model']} {r['plan']['stages']}")
+
+
+@pytest.mark.distributed
+def test_every_plan_kind_matches_single_process_on_two_ranks():
+    results = run_plans(2, matrix_plans(2))
+    report(results)
+    assert_all_match(results)
+
+
+@pytest.mark.distributed
+def test_mixed_and_heterogeneous_plans_match_single_process_on_four_ranks():
+    plans = [
+        mixed_plan(),
+        # stages differ in dp, tp and micro_batch
+        plan_dict("llama-tiny", 8, 2, [stage((0, 1), dp=2, tp=1), stage((1, 4), dp=1, tp=2)]),
+        # tied embedding/head across stages
+        plan_dict("tests.test_backend_engine:tied_gpt", 8, 2, [stage((0, 2), dp=2), stage((2, 4), dp=2)]),
+    ]
+    results = run_plans(4, plans)
+    report(results)
+    assert_all_match(results)
+
+
+@pytest.mark.distributed
+@pytest.mark.heavy
+def test_every_plan_kind_matches_single_process_on_four_ranks():
+    plans = matrix_plans(4) + [
+        plan_dict("gpt-tiny", 8, 2, [stage((0, 3), dp=1, tp=2), stage((3, 4), dp=2, tp=1)]),
+        plan_dict("gpt-tiny", 8, 2, [stage((0, 1)), stage((1, 2)), stage((2, 3)), stage((3, 4))]),
+    ]
+    results = run_plans(4, plans, timeout_s=600)
+    report(results)
     assert_all_match(results)
 
 
@@ -81,17 +135,3 @@ def tied_gpt():
     return TransformerLM(replace(zoo_config("gpt-tiny"), tied_head=True))
 
 
-@pytest.mark.distributed
-def test_heterogeneous_stages_four_ranks():
-    plans = [
-        # stages differ in dp, tp and micro_batch
-        plan_dict("llama-tiny", 8, 2, [stage((0, 1), dp=2, tp=1), stage((1, 4), dp=1, tp=2)]),
-        plan_dict("gpt-tiny", 8, 2, [stage((0, 3), dp=1, tp=2), stage((3, 4), dp=2, tp=1)]),
-        # tied embedding/head across stages
-        plan_dict("tests.test_backend_engine:tied_gpt", 8, 2, [stage((0, 2), dp=2), stage((2, 4), dp=2)]),
-        plan_dict("gpt-tiny", 8, 2, [stage((0, 1)), stage((1, 2)), stage((2, 3)), stage((3, 4))]),
-    ]
-    results = run_plans(4, plans)
-    for r in results:
-        print(r["plan"]["stages"], r["worst"], r["where"], r["losses"], r["ref"])
-    assert_all_match(results)

@@ -47,6 +47,10 @@ def test_zero_levels_and_offload_match_adamw_on_2_ranks():
         Case(zero=1, offload=Offload(acts=half)),
         Case(zero=3, offload=Offload(weights=0.3, grads=0.7, opt=0.6, acts=0.5), model="llama-tiny"),
         Case(zero=2, offload=Offload(weights=1.0, grads=1.0, opt=1.0, acts=1.0), tied=True, transform=True),
+        # GPipe order (all forwards, then all backwards), checkpoint recompute, tied weights under ZeRO-3
+        Case(zero=3, offload=Offload(weights=0.5, grads=0.5, opt=0.5, acts=0.5), schedule="gpipe"),
+        Case(zero=3, tied=True, schedule="gpipe", checkpoint=True),
+        Case(zero=2, offload=Offload(weights=0.5), checkpoint=True, reduce_scatter_fallback=True),
     ]
     results = run_ranks(compare_cases_worker, world=2, args=(cases, 3, 8), timeout_s=200)
     for rank_results in results:

@@ -153,23 +153,28 @@ class StageRuntime:
     # ---- hooks ----------------------------------------------------------------------------------
     def _make_forward_pre(self, index: int):
         def hook(module, args):
+            # a forward inside backward is a checkpoint recompute: the unit's backward already holds
+            # its weights, and the recompute may stop early (no post-hook), so it takes no hold
+            recompute = _in_backward()
             buckets = self._need_buckets[index]
             for bucket in buckets:
                 bucket.fetch_weights()
             for bucket in buckets:
                 bucket.wait_weights()
-                bucket.fwd_holds += 1
-            if index + 1 < len(self.buckets) and not _in_backward():
+                bucket.fwd_holds += 0 if recompute else 1
+            if index + 1 < len(self.buckets) and not recompute:
                 for bucket in self._need_buckets[index + 1]:
                     bucket.fetch_weights()
         return hook
 
     def _make_forward_post(self, index: int):
         def hook(module, args, output):
+            if _in_backward():
+                return output
             for bucket in self._need_buckets[index]:
                 bucket.fwd_holds -= 1
                 bucket.maybe_release_weights()
-            if not torch.is_grad_enabled() or _in_backward():
+            if not torch.is_grad_enabled():
                 return output
             tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
             if tensors:
@@ -220,6 +225,7 @@ class StageRuntime:
         """Before the first micro-batch of a training step."""
         for bucket in self.buckets:
             bucket.drain(block=True)
+            bucket.reset_holds()
         for offloader in self.activations.values():
             offloader.clear()
         self._last = True
@@ -245,8 +251,8 @@ class StageRuntime:
         for pending in pendings:
             if pending is not None:
                 pending.wait(self.ctx.timeout_s)
-        for bucket in self.buckets:
-            bucket.maybe_release_weights()
+        for bucket in self.buckets:  # no forward/backward is in flight: drop every transient weight copy
+            bucket.reset_holds()
 
     def register_grad_transform(self, param_name: str, fn: Callable[[torch.Tensor], None]) -> None:
         """Apply ``fn`` in place to ``param_name``'s local gradient of every micro-batch, before reduction."""

@@ -173,10 +173,17 @@ class UnitBucket:
         self.full.free()
         self.weights_state = "free"
 
+    def reset_holds(self) -> None:
+        """Between training steps: nothing holds the weights; free transient copies (they may be stale)."""
+        self.fwd_holds = self.bwd_holds = 0
+        self.maybe_release_weights()
+
     # ---- gradients ----------------------------------------------------------------------------
     def begin_grads(self) -> None:
         """Make the gradient views usable (zeroed) before autograd accumulates into them."""
         if not self.in_backward:
+            # the previous micro-batch's reduction may still read (and then free) this buffer
+            self.drain(block=True)
             self.grads.allocate(zero=True)
             self.grads_ready = 0
             self.in_backward = True

@@ -8,6 +8,8 @@ traces one layer per layer class between the pre and post blocks) and returns, p
 """
 from __future__ import annotations
 
+import functools
+
 import sympy
 import torch
 import torch.fx as fx
@@ -24,6 +26,14 @@ def capture_program(model, *, seq_len: int, dtype: str):
     from mist_compiler import capture
 
     return capture(model, seq_len=seq_len, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def analyse_named_model(name: str, seq_len: int, dtype: str) -> tuple[dict[str, BlockAnalysis], int, str]:
+    """Capture and analyse a model by name once per process (the tuner and analyze reuse it)."""
+    program = capture_program(name, seq_len=seq_len, dtype=dtype)
+    blocks, num_layers = analyse_program(program)
+    return blocks, num_layers, program.model_name
 
 
 def parameter_placeholders(forward: fx.GraphModule, backward: fx.GraphModule) -> set[str]:

@@ -337,7 +337,7 @@ def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float
     ``model``: a model name (zoo, ``hf:``, ``module:function``) or a captured ``MistProgram``;
     ``hardware``: a profile name/path or a :class:`HardwareProfile`.
     """
-    from .analysis import analyse_program, capture_program  # noqa: circular at import time
+    from .analysis import analyse_named_model, analyse_program  # noqa: circular at import time
 
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise StageModelError(f"seq_len must be a positive integer, got {seq_len!r}")
@@ -345,7 +345,8 @@ def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float
         raise StageModelError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
     state_bytes_per_param(dtype)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    program = capture_program(model, seq_len=seq_len, dtype=dtype)
-    blocks, num_layers = analyse_program(program)
-    return StageCostModel(blocks, profile, seq_len, dtype, attention,
-                          model_name=getattr(program, "model_name", str(model)), num_layers=num_layers)
+    if isinstance(model, str):
+        blocks, num_layers, name = analyse_named_model(model, seq_len, dtype)
+    else:
+        (blocks, num_layers), name = analyse_program(model), model.model_name
+    return StageCostModel(blocks, profile, seq_len, dtype, attention, model_name=name, num_layers=num_layers)

@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..ir.program import ATTENTION_KERNELS, IRError, MistProgram
 from ..models import resolve_model
-from ..passes.block_discovery import BlockPartition, block_discovery
+from ..passes.block_discovery import BlockPartition, block_discovery, wl_hash
 from ..passes.manager import PassManager
 from ..passes.shape_prop import shape_prop
 from .joint import JointCapture, loss_of, trace_joint
@@ -115,7 +115,7 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
 
     def fake(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in memo:
-            value = fake_mode.from_tensor(tensor.detach())
+            value = fake_mode.from_tensor(tensor.detach(), static_shapes=True)
             memo[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
         return memo[id(tensor)]
 
@@ -211,7 +211,7 @@ def module_signature(module: nn.Module) -> str:
         tree.add_node(name, label=f"{type(sub).__qualname__}|{forward}|{tensors}")
         if name:
             tree.add_edge(name.rpartition(".")[0], name)
-    return hashlib.sha1(nx.weisfeiler_lehman_graph_hash(tree, node_attr="label").encode()).hexdigest()[:16]
+    return hashlib.sha1(wl_hash(tree).encode()).hexdigest()[:16]
 
 
 def group_layers(state: CaptureState) -> CaptureState:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import warnings
 from dataclasses import dataclass, field, replace
 
 import networkx as nx
@@ -185,6 +186,13 @@ def _op_label(node: torch.fx.Node) -> str:
     return f"{node.op}:{name or target}:{dtype}"
 
 
+def wl_hash(graph: nx.Graph, iterations: int = 3) -> str:
+    """networkx's Weisfeiler-Lehman hash over the ``label`` node attribute (its version note silenced)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The hashes produced for directed graphs changed")
+        return nx.weisfeiler_lehman_graph_hash(graph, node_attr="label", iterations=iterations)
+
+
 def structural_hash(graph: torch.fx.Graph, members: set[str]) -> str:
     """Weisfeiler-Lehman hash of the op graph induced by ``members`` (external inputs collapsed)."""
     digraph = nx.DiGraph()
@@ -198,7 +206,7 @@ def structural_hash(graph: torch.fx.Graph, members: set[str]) -> str:
                 digraph.add_edge(f"external:{argument.name}", name)
             else:
                 digraph.add_edge(argument.name, name)
-    wl = nx.weisfeiler_lehman_graph_hash(digraph, node_attr="label", iterations=3)
+    wl = wl_hash(digraph)
     params = sorted(_op_label(by_name[n]) for n in members if by_name[n].op == "placeholder")
     return hashlib.sha1((wl + "|" + ";".join(params)).encode()).hexdigest()[:16]
 

@@ -10,7 +10,7 @@ import copy
 from dataclasses import dataclass
 
 import torch.fx as fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from .manager import PassResult
 from .partition import stage_interface
@@ -21,8 +21,13 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_block(block, *args, **kwargs):
-    """Run ``block`` under non-reentrant activation checkpointing."""
-    return checkpoint(block, *args, use_reentrant=False, **kwargs)
+    """Run ``block`` under non-reentrant activation checkpointing.
+
+    Early stopping is off: the recomputation runs the block's forward to its end, so module
+    hooks (the runtime's weight gathering and release) always fire in pairs.
+    """
+    with set_checkpoint_early_stop(False):
+        return checkpoint(block, *args, use_reentrant=False, **kwargs)
 
 
 @dataclass

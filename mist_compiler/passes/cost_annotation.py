@@ -220,8 +220,10 @@ def _depends_on_input(node: fx.Node, memo: dict[fx.Node, bool], params: set[str]
     """Whether a node depends on an activation input (else it is a constant such as rotary tables)."""
     if node in memo:
         return memo[node]
-    if node.op == "placeholder":
-        memo[node] = isinstance(node.meta.get("val"), torch.Tensor) and node.name not in params
+    if node.op == "placeholder":  # activations have symbolic sizes; parameters and buffers do not
+        value = node.meta.get("val")
+        memo[node] = (isinstance(value, torch.Tensor) and node.name not in params
+                      and any(isinstance(size, torch.SymInt) for size in value.shape))
         return memo[node]
     memo[node] = False
     result = any(_depends_on_input(arg, memo, params) for arg in node.all_input_nodes)
@@ -331,7 +333,7 @@ def recognise_sharding(graph: fx.Graph, params: set[str]) -> Sharding:
         sharding.message = "column-parallel linears found but no row-parallel linear closes them"
         return sharding
     leftovers = [mm.name for mm in weight_mms if mm not in column and mm not in row and mm.name not in sharding.vocab_head]
-    if attentions and leftovers:
+    if leftovers:
         sharding.supported = False
         sharding.message = f"linear layers {leftovers} fit no column/row-parallel pair"
         return sharding

@@ -18,7 +18,8 @@ import numpy as np
 
 from ..cost.stage_api import StageCandidates, StageCostModel, StageEstimates, pipeline_iteration_time
 from ..ir.plan import Offload, Plan, StagePlan
-from .inter_stage import lower_bound, role_pools, solve_stages, solver_name, sum_time_bounds, uniform_solution
+from .inter_stage import (StageSumBounds, lower_bound, role_pools, solve_stages, solver_name, uniform_solution,
+                          work_slowest_bound)
 from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable, build_frontiers, probe_work_bound
 from .space import Cluster, SearchSpace, TuneError, Workload, divisors
 
@@ -234,19 +235,27 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
     stats["frontier_s"] = time.perf_counter() - started
     # phase 2: MILPs in order of their lower bound, skipping those that cannot beat the incumbent
     bounds = []
+    sum_bounds = {}
     for g, table in tables.items():
-        least_sums = sum_time_bounds(table, work, cluster, space, stage_options)
+        sum_bounds[g] = StageSumBounds(table, work, cluster, space)
         for stages in stage_options:
             pools = role_pools(table, stages, work, cluster, space)
-            bound = lower_bound(pools, stages, g, work.num_layers, cluster.world, least_sums.get(stages, 0.0))
+            bound = lower_bound(pools, stages, g, work.num_layers, cluster.world, sum_bounds[g].total(stages),
+                                sum_bounds[g].slowest(stages))
             if math.isfinite(bound):
                 bounds.append((bound, stages, g, pools))
     for bound, stages, g, pools in sorted(bounds, key=lambda item: (item[0], item[1], item[2])):
         if bound >= incumbent * (1 - 1e-9):
             stats["milps_skipped"] += 1
             continue
+        slowest = max(work_slowest_bound(pools, work.num_layers, cluster.world), sum_bounds[g].slowest(stages))
+        pools = sum_bounds[g].prune(pools, stages, incumbent, slowest)
+        clock = time.perf_counter()
         solution = solve_stages(tables[g], stages, work, cluster, space, incumbent, pools)
         stats["milps"] += 1
+        stats.setdefault("milp_log", []).append(
+            (stages, g, {role: len(pool) for role, pool in pools.items()}, round(time.perf_counter() - clock, 3),
+             None if solution is None else solution.status))
         if solution is None:
             continue
         stats["max_gap"] = max(stats["max_gap"], solution.gap)

@@ -81,25 +81,20 @@ def _pool(table: FrontierTable, pp: int, inflight_needed: int, stages: int, work
           cluster: Cluster, space: SearchSpace) -> ChoicePool:
     """Union of the frontier points of every allowed cell of one role, fitting >= inflight_needed."""
     max_layers = work.num_layers - (stages - 1)
-    uniform_devices = cluster.world // stages if space.uniform_devices else None
-    rows, fits = [], []
-    for (layers, cell_pp, shape, k), members in table.cells.items():
-        if cell_pp != pp or k < inflight_needed or layers > max_layers:
-            continue
-        if not space.layers_allowed(layers, stages, work.num_layers):
-            continue
-        count = table.shapes[shape].count
-        if uniform_devices is not None and count != uniform_devices:
-            continue
-        if count > cluster.world - (stages - 1):
-            continue
-        rows.append(members)
-        fits.append(np.full(len(members), k))
-    if not rows:
+    entries = table.entries()
+    counts = np.array([shape.count for shape in table.shapes], dtype=int)[entries["shape"]] if len(entries["row"]) else np.zeros(0, int)
+    mask = (entries["pp"] == pp) & (entries["k"] >= inflight_needed) & (entries["layers"] <= max_layers)
+    mask &= counts <= cluster.world - (stages - 1)
+    if space.uniform_devices:
+        mask &= counts == cluster.world // stages
+    if space.layer_slack is not None:
+        allowed = np.array([space.layers_allowed(l, stages, work.num_layers) for l in range(work.num_layers + 1)])
+        mask &= allowed[entries["layers"]]
+    if not mask.any():
         empty = np.zeros(0, dtype=int)
         return ChoicePool(empty, empty, empty, np.zeros(0), np.zeros(0), empty)
-    rows_all = np.concatenate(rows)
-    fit_all = np.concatenate(fits)
+    rows_all = entries["row"][mask]
+    fit_all = entries["k"][mask]
     # a row appears in the cells of every k it is on the frontier of; keep it once with its largest k
     order = np.lexsort((-fit_all, rows_all))
     rows_all, fit_all = rows_all[order], fit_all[order]
@@ -129,7 +124,7 @@ def role_pools(table: FrontierTable, stages: int, work: Workload, cluster: Clust
 
 
 def lower_bound(pools: dict[str, ChoicePool], stages: int, grad_accum: int, total_layers: int, world: int,
-                least_sum: float = 0.0) -> float:
+                least_sum: float = 0.0, least_slowest: float = 0.0) -> float:
     """A bound no plan of this (S, G) beats: stage minima, work over the cluster, the stage with >= L/S
     layers, and ``least_sum`` (a bound on sum_i T_i, see :func:`sum_time_bounds`)."""
     if any(len(pool) == 0 for pool in pools.values()):
@@ -138,7 +133,7 @@ def lower_bound(pools: dict[str, ChoicePool], stages: int, grad_accum: int, tota
     if "middle" in pools:
         minima += [pools["middle"].min_stable()] * (stages - 2)
     per_layer = min(float((p.stable * p.devices / np.maximum(p.layers, 1)).min()) for p in pools.values())
-    slowest = max(max(minima), total_layers * per_layer / world, least_sum / stages)
+    slowest = max(max(minima), total_layers * per_layer / world, least_sum / stages, least_slowest)
     bound = (grad_accum - 1) * slowest + max(sum(minima), least_sum)
     big = math.ceil(total_layers / stages)
     heaviest = min((float(p.stable[p.layers >= big].min()) for p in pools.values() if (p.layers >= big).any()),
@@ -362,38 +357,118 @@ def _min_table(pool: ChoicePool, total_layers: int, world: int) -> np.ndarray:
     return table
 
 
-def _min_plus(left: np.ndarray, right: np.ndarray) -> np.ndarray:
-    """(left (+) right)[l, d] = min over splits of left[l1, d1] + right[l - l1, d - d1]."""
+def _min_plus(left: np.ndarray, right: np.ndarray, combine=np.add) -> np.ndarray:
+    """(left (+) right)[l, d] = min over splits of combine(left[l1, d1], right[l - l1, d - d1]).
+
+    ``combine=np.add`` gives the least sum, ``np.maximum`` the least bottleneck."""
     result = np.full_like(left, np.inf)
     layers, devices = left.shape
     for l, d in zip(*np.nonzero(np.isfinite(right))):
-        np.minimum(result[l:, d:], left[:layers - l, :devices - d] + right[l, d], out=result[l:, d:])
+        np.minimum(result[l:, d:], combine(left[:layers - l, :devices - d], right[l, d]), out=result[l:, d:])
     return result
 
 
-def sum_time_bounds(table: FrontierTable, work: Workload, cluster: Cluster, space: SearchSpace,
-                    stage_options: list[int]) -> dict[int, float]:
-    """For each S, the least ``sum_i T_i`` of any S stages covering all layers and devices (a DP over
-    (layers, devices) with relaxed filters, so it is a valid lower bound for the MILP)."""
-    total, world = work.num_layers, cluster.world
-    if (total + 1) * (world + 1) > 200_000:
-        return {}
-    g = table.grad_accum
-    relaxed = space.restrict(layer_slack=None, uniform_devices=False)
-    middle = _min_table(_pool(table, PP_NONE, min(2, g), 3, work, cluster, relaxed), total, world)
-    last = _min_table(_pool(table, PP_POST, 1, 2, work, cluster, relaxed), total, world)
-    only = _min_table(_pool(table, PP_BOTH, 1, 1, work, cluster, relaxed), total, world)
-    bounds: dict[int, float] = {}
-    chain = np.full_like(middle, np.inf)
-    chain[0, 0] = 0.0
-    chains = {0: chain}
-    for stages in sorted(stage_options):
+class StageSumBounds:
+    """Lower bounds on ``sum_i T_i`` by a DP over (layers, devices) with relaxed filters.
+
+    ``total(S)`` bounds the sum over all S stages; ``prune(pools, S, ...)`` drops a choice when even
+    the fastest way to cover the remaining layers and devices with the other S-1 stages cannot
+    beat the incumbent. Disabled (no pruning, bound 0) when the table would be too large.
+    """
+
+    def __init__(self, table: FrontierTable, work: Workload, cluster: Cluster, space: SearchSpace) -> None:
+        self.total_layers, self.world = work.num_layers, cluster.world
+        self.grad_accum = table.grad_accum
+        self.enabled = (self.total_layers + 1) * (self.world + 1) <= 200_000
+        self._table, self._work, self._cluster = table, work, cluster
+        self._relaxed = space.restrict(layer_slack=None, uniform_devices=False)
+        self._firsts: dict[int, np.ndarray] = {}
+        self._rests: dict[tuple[str, int], np.ndarray] = {}
+        if not self.enabled:
+            return
+        g = table.grad_accum
+        self.middle = self._min(_pool(table, PP_NONE, min(2, g), 3, work, cluster, self._relaxed))
+        self.last = self._min(_pool(table, PP_POST, 1, 2, work, cluster, self._relaxed))
+        self.only = self._min(_pool(table, PP_BOTH, 1, 1, work, cluster, self._relaxed))
+        start = np.full_like(self.middle, np.inf)
+        start[0, 0] = 0.0
+        self._chains = {0: start}
+        self._bottleneck_chains = {0: start}
+
+    def _min(self, pool: ChoicePool) -> np.ndarray:
+        return _min_table(pool, self.total_layers, self.world)
+
+    def chain(self, count: int) -> np.ndarray:
+        """Fastest sum of ``count`` middle stages per (layers, devices)."""
+        while max(self._chains) < count:
+            top = max(self._chains)
+            self._chains[top + 1] = _min_plus(self._chains[top], self.middle)
+        return self._chains[count]
+
+    def bottleneck_chain(self, count: int) -> np.ndarray:
+        """Least possible slowest-stage time of ``count`` middle stages per (layers, devices)."""
+        while max(self._bottleneck_chains) < count:
+            top = max(self._bottleneck_chains)
+            self._bottleneck_chains[top + 1] = _min_plus(self._bottleneck_chains[top], self.middle, np.maximum)
+        return self._bottleneck_chains[count]
+
+    def slowest(self, stages: int) -> float:
+        """Least possible ``max_i T_i`` of any S stages covering all layers and devices."""
+        if not self.enabled:
+            return 0.0
         if stages == 1:
-            bounds[1] = float(only[total, world])
-            continue
-        while max(chains) < stages - 2:
-            chains[max(chains) + 1] = _min_plus(chains[max(chains)], middle)
-        first = _min_table(_pool(table, PP_PRE, min(stages, g), stages, work, cluster, relaxed), total, world)
-        head = _min_plus(chains[stages - 2], first) if stages > 2 else first
-        bounds[stages] = float(np.min(head[::-1, ::-1] + last) if np.isfinite(last).any() else np.inf)
-    return bounds
+            return float(self.only[self.total_layers, self.world])
+        head = self.first(stages)
+        if stages > 2:
+            head = _min_plus(self.bottleneck_chain(stages - 2), head, np.maximum)
+        return float(np.min(np.maximum(head[::-1, ::-1], self.last)))
+
+    def first(self, stages: int) -> np.ndarray:
+        if stages not in self._firsts:
+            g = self.grad_accum
+            pool = _pool(self._table, PP_PRE, min(stages, g), stages, self._work, self._cluster, self._relaxed)
+            self._firsts[stages] = self._min(pool)
+        return self._firsts[stages]
+
+    def rest(self, role: str, stages: int) -> np.ndarray:
+        """Fastest sum of the other S-1 stages per (layers, devices) they cover, for a choice of ``role``."""
+        key = (role, stages)
+        if key not in self._rests:
+            self._rests[key] = self._rest(role, stages)
+        return self._rests[key]
+
+    def _rest(self, role: str, stages: int) -> np.ndarray:
+        if role == "first":
+            return _min_plus(self.chain(stages - 2), self.last)
+        if role == "last":
+            return _min_plus(self.chain(stages - 2), self.first(stages))
+        return _min_plus(_min_plus(self.chain(stages - 3), self.first(stages)), self.last)
+
+    def total(self, stages: int) -> float:
+        if not self.enabled:
+            return 0.0
+        if stages == 1:
+            return float(self.only[self.total_layers, self.world])
+        rest = self.rest("first", stages)
+        return float(np.min(self.first(stages)[::-1, ::-1] + rest))
+
+    def prune(self, pools: dict[str, ChoicePool], stages: int, incumbent: float, work_slowest: float) -> dict[str, ChoicePool]:
+        if not self.enabled or stages == 1 or not math.isfinite(incumbent):
+            return pools
+        g = self.grad_accum
+        pruned = {}
+        for role, pool in pools.items():
+            rest = self.rest(role, stages)
+            other = rest[self.total_layers - pool.layers, self.world - pool.devices]
+            total = pool.stable + other
+            slowest = np.maximum(np.maximum(pool.stable, total / stages), work_slowest)
+            pruned[role] = pool.take((g - 1) * slowest + total < incumbent * (1 + 1e-12))
+        return pruned
+
+
+def work_slowest_bound(pools: dict[str, ChoicePool], total_layers: int, world: int) -> float:
+    """The slowest stage takes at least the cluster's best device-seconds per layer spread evenly."""
+    if any(len(pool) == 0 for pool in pools.values()):
+        return math.inf
+    per_layer = min(float((p.stable * p.devices / np.maximum(p.layers, 1)).min()) for p in pools.values())
+    return total_layers * per_layer / world

@@ -68,6 +68,17 @@ class FrontierTable:
     def memory_at(self, rows: np.ndarray, inflight: int) -> np.ndarray:
         return self.memory_k1[rows] + (inflight - 1) * self.memory_per_inflight[rows]
 
+    def entries(self) -> dict[str, np.ndarray]:
+        """The cells flattened: one entry per (cell, member row), as arrays (built once)."""
+        if "_entries" not in self.stats:
+            keys = list(self.cells)
+            sizes = np.array([len(self.cells[key]) for key in keys], dtype=int)
+            columns = np.array(keys, dtype=int).reshape(-1, 4)
+            flat = {name: np.repeat(columns[:, i], sizes) for i, name in enumerate(("layers", "pp", "shape", "k"))}
+            flat["row"] = np.concatenate([self.cells[key] for key in keys]) if keys else np.zeros(0, dtype=int)
+            self.stats["_entries"] = flat
+        return self.stats["_entries"]
+
     def cell(self, layers: int, pp: int, shape: int, inflight: int) -> np.ndarray:
         return self.cells.get((layers, pp, shape, inflight), np.zeros(0, dtype=int))
 
@@ -334,6 +345,7 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     with np.errstate(divide="ignore", invalid="ignore"):
         fit_k = np.where(slope > 0, np.floor((limit * (1 + MEMORY_TOLERANCE) - mem1) / slope) + 1, np.inf)
     fit_k = np.where(_fits(mem1, limit), np.minimum(fit_k, table_bases.max_inflight), 0).astype(int)
+    fit_k = _verify_fit(model, table_bases, shapes, ckpt, offload, fit_k, limit, stats)
     stable, delta = first.stable_s.astype(float), first.delta_s.astype(float)
     stats["candidates_exact"] = len(rows)
     cells = _frontier_cells(table_bases, fit_k, stable, delta, mem1, space.max_frontier_points, stats)
@@ -357,6 +369,30 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
         grad_accum=grad_accum, shapes=shapes, configs=configs, stable=stable[keep], delta=delta[keep],
         memory_k1=mem1[keep], memory_per_inflight=slope[keep], cells=cells, stats=stats,
     )
+
+
+def _verify_fit(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
+                offload: np.ndarray, fit_k: np.ndarray, limit: float, stats: dict) -> np.ndarray:
+    """Check the extrapolated in-flight capacity exactly at its value; where it does not fit (memory
+    convex rather than affine in k), bisect between 2 (evaluated exactly) and the failed value."""
+    fit_k = fit_k.copy()
+    claim = np.flatnonzero(fit_k >= 3)
+    if len(claim) == 0:
+        return fit_k
+    check = evaluate(model, bases.take(claim), shapes, ckpt[claim], offload[claim], fit_k[claim])
+    failed = claim[~_fits(check.peak_memory_bytes, limit)]
+    stats["fit_corrections"] = len(failed)
+    low, high = np.full(len(failed), 2), fit_k[failed].copy()
+    while len(failed) and (high - low > 1).any():
+        active = high - low > 1
+        mid = (low + high) // 2
+        rows = failed[active]
+        probe = evaluate(model, bases.take(rows), shapes, ckpt[rows], offload[rows], mid[active])
+        ok = _fits(probe.peak_memory_bytes, limit)
+        low[np.flatnonzero(active)[ok]] = mid[active][ok]
+        high[np.flatnonzero(active)[~ok]] = mid[active][~ok]
+    fit_k[failed] = low
+    return fit_k
 
 
 def _frontier_cells(bases: Bases, fit_k: np.ndarray, stable: np.ndarray, delta: np.ndarray,

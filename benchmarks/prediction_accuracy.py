@@ -1,0 +1,279 @@
+"""How well does the cost model predict real runs? Predicted vs measured step time and peak memory.
+
+Runs each configuration for real on this machine and prints, per configuration, the predicted
+and measured step time (forward + backward + AdamW step) and peak memory of live tensors, each
+error, and the Kendall tau between predicted and measured step times.
+
+Configurations are a list of dataclasses, each with a ``kind``; ``RUNNERS[kind]`` measures one
+and ``PREDICTORS[kind]`` predicts it, so multi-rank kinds (pipeline / data / tensor parallel
+through the backend) can be added as new kinds. Today there is one kind, ``single``: one
+process, one pipeline stage holding the whole model, float32 AdamW, ``torch.utils.checkpoint``
+on the first ``ckpt_layers`` blocks, torch limited to one thread (one core is one device of
+the ``cpu`` hardware profile, which ``mistc profile`` measured the same way).
+
+Measurement:
+- peak memory: ``torch.distributed._tools.mem_tracker.MemTracker`` over forward + backward,
+  with parameters, gradients (kept allocated, as gradient accumulation does: ``zero_grad(
+  set_to_none=False)``) and optimizer states tracked; the step's own temporaries are outside
+  that window. On a GPU the same runner would read ``torch.cuda.max_memory_allocated``.
+- step time: best of the timed steps after a warm-up, wall clock (the machine is shared: the
+  best step is the one least slowed by other work). Next to it, a *load* factor: the rate of a
+  reference matmul just before and after the configuration over its rate at calibration; the
+  load-normalised error rescales the measured time by it (reported besides the raw error).
+Calibration: the profile's compute rates (peak, per-class efficiencies, memory bandwidth, op
+overhead) are re-measured once at start with ``mistc profile``'s routine (``--no-calibrate``
+keeps the shipped numbers).
+Prediction: ``build_stage_cost_model`` for the same model on that profile, one stage with
+every block, ``dp = tp = 1``, ZeRO 0, no offload, one micro-batch in flight; step time is
+``pipeline_iteration_time(stable, delta, 1)``. No per-configuration adjustment.
+
+Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--hardware cpu]``
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mist_compiler.cost.hardware import HardwareProfile, load_profile
+from mist_compiler.cost.stage_api import StageCandidates, pipeline_iteration_time
+from mist_compiler.cost.stage_model import StageCostModel
+from mist_compiler.models import TransformerConfig, TransformerLM, zoo_config
+
+CUSTOM_MODELS: dict[str, TransformerConfig] = {
+    "gpt-wide": TransformerConfig(hidden=512, ffn=2048, layers=3, heads=8, vocab=8192, max_seq=512, family="gpt"),
+    "llama-deep": TransformerConfig(hidden=256, ffn=688, layers=8, heads=4, vocab=8192, max_seq=256, norm="rmsnorm",
+                                    activation="swiglu", positions="rotary", family="llama"),
+}
+
+
+def gpt_wide() -> TransformerLM:
+    """Factory for ``mist_compiler.capture("benchmarks.prediction_accuracy:gpt_wide")``."""
+    return TransformerLM(CUSTOM_MODELS["gpt-wide"])
+
+
+def llama_deep() -> TransformerLM:
+    return TransformerLM(CUSTOM_MODELS["llama-deep"])
+
+
+FACTORIES = {"gpt-wide": "benchmarks.prediction_accuracy:gpt_wide", "llama-deep": "benchmarks.prediction_accuracy:llama_deep"}
+
+
+def model_config(name: str, seq_len: int) -> TransformerConfig:
+    if name in CUSTOM_MODELS:
+        return replace(CUSTOM_MODELS[name], max_seq=max(seq_len, CUSTOM_MODELS[name].max_seq))
+    return zoo_config(name, seq_len)
+
+
+@dataclass(frozen=True)
+class SingleProcessConfig:
+    """One process, one stage with the whole model."""
+
+    model: str
+    micro_batch: int
+    seq_len: int
+    ckpt_layers: int = 0
+    kind: str = "single"
+
+    @property
+    def label(self) -> str:
+        ckpt = f" ckpt{self.ckpt_layers}" if self.ckpt_layers else ""
+        return f"{self.model} b{self.micro_batch} s{self.seq_len}{ckpt}"
+
+
+@dataclass
+class Outcome:
+    step_s: float
+    peak_bytes: float
+
+
+CONFIGS: list[SingleProcessConfig] = [
+    SingleProcessConfig("gpt-small", 2, 256),
+    SingleProcessConfig("gpt-small", 4, 256),
+    SingleProcessConfig("gpt-small", 8, 128),
+    SingleProcessConfig("gpt-small", 4, 256, ckpt_layers=2),
+    SingleProcessConfig("gpt-small", 8, 256, ckpt_layers=4),
+    SingleProcessConfig("gpt-small", 1, 64),
+    SingleProcessConfig("llama-small", 2, 256),
+    SingleProcessConfig("llama-small", 4, 256, ckpt_layers=2),
+    SingleProcessConfig("llama-small", 8, 128),
+    SingleProcessConfig("gpt-wide", 2, 512),
+    SingleProcessConfig("gpt-wide", 4, 256, ckpt_layers=3),
+    SingleProcessConfig("llama-deep", 4, 256),
+    SingleProcessConfig("llama-deep", 8, 256, ckpt_layers=4),
+    SingleProcessConfig("llama-deep", 2, 128),
+]
+QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[13]]
+
+
+class CheckpointedBlock(nn.Module):
+    """Runs a block under non-reentrant activation checkpointing (keeps only its input)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def build(config: SingleProcessConfig) -> nn.Module:
+    torch.manual_seed(0)
+    model = TransformerLM(model_config(config.model, config.seq_len))
+    for index in range(config.ckpt_layers):
+        model.blocks[index] = CheckpointedBlock(model.blocks[index])
+    return model
+
+
+def measure_single(config: SingleProcessConfig, timed_steps: int) -> Outcome:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = build(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    vocab = model.config.vocab
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (config.micro_batch, config.seq_len), generator=generator)
+    labels = torch.randint(0, vocab, (config.micro_batch, config.seq_len), generator=generator)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=False)
+        model(input_ids=ids, labels=labels).backward()
+        optimizer.step()
+
+    step()  # warm-up: allocates gradients and optimizer states
+    times = []
+    for _ in range(timed_steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    optimizer.zero_grad(set_to_none=False)
+    with tracker:
+        model(input_ids=ids, labels=labels).backward()
+    peak = sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
+    return Outcome(min(times), float(peak))
+
+
+def calibrated_profile(name: str, log: Callable[[str], None]) -> HardwareProfile:
+    """The named profile with compute rates re-measured now by ``mistc profile``'s own routine.
+
+    Peak, per-class efficiencies, memory bandwidth and per-op overhead come from
+    ``profiler.measure_compute`` on this machine (one thread); links and copies stay as shipped.
+    """
+    from mist_compiler.cost.profiler import ProfilerOptions, _efficiencies, measure_compute
+
+    measured = measure_compute("cpu", ProfilerOptions(log=log))
+    base = load_profile(name)
+    peaks = {**base.peak_flops, **measured.matmul_flops}
+    return dataclasses.replace(base, peak_flops=peaks, efficiency=_efficiencies(measured, peaks),
+                               memory_bandwidth=measured.copy_bytes_per_s, op_overhead=measured.op_overhead_s)
+
+
+def reference_rate() -> float:
+    """FLOP/s of a transformer-shaped matmul right now: how loaded the shared machine is."""
+    a, w = torch.randn(1024, 512), torch.randn(512, 2048)
+    a @ w
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ w
+        best = min(best, time.perf_counter() - start)
+    return 2 * 1024 * 512 * 2048 / best
+
+
+@lru_cache(maxsize=None)
+def _analysed(model_name: str):
+    from mist_compiler import capture
+    from mist_compiler.cost.analysis import analyse_program
+
+    program = capture(FACTORIES.get(model_name, model_name), dtype="float32")  # b and s stay symbolic
+    return analyse_program(program)
+
+
+def predict_single(config: SingleProcessConfig, hardware: HardwareProfile) -> Outcome:
+    blocks, num_layers = _analysed(config.model)
+    model = StageCostModel(blocks, hardware, config.seq_len, "float32", "flash", config.model, num_layers)
+    candidate = StageCandidates(
+        num_layers=num_layers, has_pre=True, has_post=True, nodes=1, gpus_per_node=1, micro_batch=config.micro_batch,
+        dp=1, tp=1, zero=0, ckpt_layers=config.ckpt_layers, offload_weights=0.0, offload_grads=0.0, offload_opt=0.0,
+        offload_acts=0.0, inflight=1)
+    estimate = model.evaluate(candidate)
+    step = pipeline_iteration_time(estimate.stable_s, estimate.delta_s, 1)
+    return Outcome(step, float(estimate.peak_memory_bytes[0]))
+
+
+RUNNERS: dict[str, Callable[..., Outcome]] = {"single": measure_single}
+PREDICTORS: dict[str, Callable[..., Outcome]] = {"single": predict_single}
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float:
+    concordant = discordant = 0
+    for i in range(len(xs)):
+        for j in range(i + 1, len(xs)):
+            sign = (xs[i] - xs[j]) * (ys[i] - ys[j])
+            concordant += sign > 0
+            discordant += sign < 0
+    pairs = len(xs) * (len(xs) - 1) / 2
+    return (concordant - discordant) / pairs if pairs else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, fewer timed steps")
+    parser.add_argument("--hardware", default="cpu", help="hardware profile of this machine")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="use the shipped profile as is (default: re-measure its compute rates first)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    configs = QUICK if args.quick else CONFIGS
+    steps = args.steps or (2 if args.quick else 3)
+    quiet = lambda message: None  # noqa: E731
+    profile = load_profile(args.hardware) if args.no_calibrate else calibrated_profile(args.hardware, quiet)
+    calibration_rate = reference_rate()
+    print(f"profile {profile.name}: fp32 peak {profile.peak_flops['float32'] / 1e9:.1f} GFLOP/s, "
+          f"memory {profile.memory_bandwidth / 1e9:.2f} GB/s, op overhead {profile.op_overhead * 1e6:.1f} us, "
+          f"efficiencies {profile.efficiency}")
+    print("load: reference matmul rate now / at calibration (the machine is shared; 'norm' rescales the measured "
+          "time by it)\n")
+    print(f"{'configuration':<28} {'pred s':>7} {'meas s':>7} {'err':>7} {'load':>5} {'norm err':>8}  "
+          f"{'pred MB':>8} {'meas MB':>8} {'err':>7}")
+    rows = []
+    for config in configs:
+        predicted = PREDICTORS[config.kind](config, profile)
+        before = reference_rate()
+        measured = RUNNERS[config.kind](config, steps)
+        load = (before + reference_rate()) / 2 / calibration_rate
+        rows.append((config, predicted, measured, load))
+        normalised = measured.step_s * load
+        print(f"{config.label:<28} {predicted.step_s:>7.3f} {measured.step_s:>7.3f} "
+              f"{predicted.step_s / measured.step_s - 1:>+7.1%} {load:>5.2f} {predicted.step_s / normalised - 1:>+8.1%}  "
+              f"{predicted.peak_bytes / 1e6:>8.2f} {measured.peak_bytes / 1e6:>8.2f} "
+              f"{predicted.peak_bytes / measured.peak_bytes - 1:>+7.2%}", flush=True)
+    predicted_times = [p.step_s for _, p, _, _ in rows]
+    measured_times = [m.step_s for _, _, m, _ in rows]
+    normalised_times = [m.step_s * load for _, _, m, load in rows]
+    raw = [abs(p / m - 1) for p, m in zip(predicted_times, measured_times)]
+    norm = [abs(p / m - 1) for p, m in zip(predicted_times, normalised_times)]
+    memory = [abs(p.peak_bytes / m.peak_bytes - 1) for _, p, m, _ in rows]
+    print(f"\nstep time, raw: mean |error| {statistics.mean(raw):.1%}, max {max(raw):.1%}, Kendall tau "
+          f"{kendall_tau(predicted_times, measured_times):.3f}")
+    print(f"step time, load-normalised: mean |error| {statistics.mean(norm):.1%}, max {max(norm):.1%}, Kendall tau "
+          f"{kendall_tau(predicted_times, normalised_times):.3f}")
+    print(f"peak memory: mean |error| {statistics.mean(memory):.2%}, max {max(memory):.2%} over {len(rows)} configurations")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""torch.compile(model, backend="mist"): same loss and gradients as eager, analysis kept, plan hand-over."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import mist_compiler.frontend.dynamo_backend as dynamo_backend
+from mist_compiler.models import build_model, parameter_count, zoo_config
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _loss(output):
+    return output if isinstance(output, torch.Tensor) else output.loss
+
+
+def assert_same_as_eager(model, vocab):
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, vocab, (2, 12))
+    labels = torch.randint(0, vocab, (2, 12))
+    eager = _loss(model(input_ids=input_ids, labels=labels))
+    eager.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, backend="mist")
+    loss = _loss(compiled(input_ids=input_ids, labels=labels))
+    loss.backward()
+    torch.testing.assert_close(loss, eager, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_zoo_models_match_eager_and_are_analysed(name):
+    model = build_model(name)
+    assert_same_as_eager(model, zoo_config(name).vocab)
+    program = dynamo_backend.last_program()
+    assert program is not None
+    assert program.params == parameter_count(zoo_config(name))
+    assert len(program.layers) == zoo_config(name).layers and len(program.block_classes) == 3
+    layer = next(c for c in program.block_classes.values() if c.kind == "layer")
+    assert layer.attention and layer.saved_bytes_expr("flash") > 0
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_models_match_eager(kind):
+    transformers = pytest.importorskip("transformers")
+    from conftest import tiny_hf_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind))
+    assert_same_as_eager(model, 128)
+
+
+def test_backend_is_registered_under_mist():
+    assert "mist" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_plan_option_is_handed_to_the_runtime(monkeypatch):
+    calls = []
+    runtime = types.ModuleType("fake_runtime")
+
+    def compile_with_plan(gm, example_inputs, options):
+        calls.append(options)
+        return gm.forward
+
+    runtime.compile_with_plan = compile_with_plan
+    monkeypatch.setitem(sys.modules, "fake_runtime", runtime)
+    monkeypatch.setattr(dynamo_backend, "RUNTIME_MODULE", "fake_runtime")
+    compiled = torch.compile(lambda x: (x * 2).sum(), backend="mist", options={"plan": "plan.json"})
+    assert compiled(torch.ones(3)).item() == 6.0
+    assert calls == [{"plan": "plan.json"}]
+
+
+def test_missing_runtime_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(dynamo_backend, "RUNTIME_MODULE", "mist_compiler.backends.no_such_runtime")
+    compiled = torch.compile(lambda x: (x * 2).sum(), backend="mist", options={"plan": "plan.json"})
+    with pytest.raises(Exception, match="need the distributed runtime .*no_such_runtime.*not available"):
+        compiled(torch.ones(3))
+
+
+def test_bad_attention_option():
+    compiled = torch.compile(lambda x: (x * 2).sum(), backend="mist", options={"attention": "paged"})
+    with pytest.raises(Exception, match="option 'attention' must be one of"):
+        compiled(torch.ones(3))
