@@ -19,20 +19,31 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen_command(argv: list[str]) -> str | None:
+    return next((token for token in argv if not token.startswith("-")), None)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The top-level parser; only the chosen command's module is imported (keeps --help fast)."""
     parser = argparse.ArgumentParser(prog="mistc", description="mist-compiler: automatic distributed training for LLMs")
     parser.add_argument("--debug", action="store_true", help="show full Python tracebacks on errors")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = _chosen_command(argv)
     for name, (module_name, help_text) in COMMANDS.items():
+        if name != chosen:
+            commands.add_parser(name, help=help_text)
+            continue
         module = importlib.import_module(module_name)
-        sub = commands.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        sub = commands.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
         sub.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args._module.run(args) or 0)
     except KeyboardInterrupt:
