@@ -165,6 +165,29 @@ def test_unrepresentable_op_names_op_and_user_source():
         capture(UsesCond())
 
 
+def test_every_value_a_node_reads_has_a_shape(gpt_tiny_program):
+    """Cost models need input shapes: weights, the block input and graph-computed sizes are all known."""
+    layer = _layer_class(gpt_tiny_program)
+    mm = next(n for n in layer.forward_nodes if n.op == "aten.mm.default")
+    assert [layer.tensor(name).shape[-1] for name in mm.inputs] == [64, 64]
+    assert layer.tensor(mm.inputs[0]).shape == (B * S, 64)
+    sizes = [n.attrs["value"] for n in layer.forward_nodes if "value" in n.attrs]
+    assert "b*s" in sizes
+    for node in layer.forward_nodes + layer.backward_nodes:
+        if node.op in ("aten.mm.default", "aten.addmm.default", "attention", "attention_backward"):
+            assert all(layer.tensor(name) is not None for name in node.inputs), node.name
+
+
+def test_example_inputs_fix_token_dtype_and_are_checked():
+    program = capture("gpt-tiny", (torch.zeros(4, 4, dtype=torch.int32),))
+    pre = program.block_classes[0]
+    assert any(t.tensor.dtype == "int32" for t in pre.saved)
+    with pytest.raises(ValueError, match="input_ids must be a 2-D integer tensor"):
+        capture("gpt-tiny", (torch.zeros(4, 4),))
+    with pytest.raises(ValueError, match="expected \\(input_ids,\\) or \\(input_ids, labels\\), got 3"):
+        capture("gpt-tiny", (torch.zeros(2, 2, dtype=torch.long),) * 3)
+
+
 def test_bad_options():
     with pytest.raises(ValueError, match="attention must be one of"):
         capture("gpt-tiny", attention="paged")
