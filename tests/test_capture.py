@@ -9,7 +9,7 @@ from torch import nn
 import pytest
 
 from mist_compiler.frontend.capture import capture
-from mist_compiler.frontend.joint import ModelOutputError
+from mist_compiler.frontend.joint import CaptureError, ModelOutputError
 from mist_compiler.frontend.lowering import UnsupportedOpError
 from mist_compiler.ir.program import B, S
 from mist_compiler.models import ModelSpecError, TransformerLM, parameter_count, zoo_config
@@ -186,6 +186,31 @@ def test_example_inputs_fix_token_dtype_and_are_checked():
         capture("gpt-tiny", (torch.zeros(4, 4),))
     with pytest.raises(ValueError, match="expected \\(input_ids,\\) or \\(input_ids, labels\\), got 3"):
         capture("gpt-tiny", (torch.zeros(2, 2, dtype=torch.long),) * 3)
+
+
+class DataDependentBranch(UsesCond):
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        if x.sum() > 0:  # Python control flow on a tensor value: no single graph
+            x = x * 2
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_untraceable_model_is_a_clear_error():
+    with pytest.raises(CaptureError, match=r"forward cannot run without real data .*test_capture.py:\d+ in forward"):
+        capture(DataDependentBranch())
+
+
+class GraphBreak(UsesCond):
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        torch._dynamo.graph_break()
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_graph_break_is_a_clear_error():
+    with pytest.raises(CaptureError, match=r"cannot trace the model's forward and backward into one graph: .*graph_break"):
+        capture(GraphBreak())
 
 
 def test_bad_options():

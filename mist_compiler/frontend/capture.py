@@ -17,17 +17,23 @@ from typing import Any, Callable, Sequence
 import networkx as nx
 import torch
 from torch import nn
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..ir.program import ATTENTION_KERNELS, IRError, MistProgram
 from ..models import resolve_model
 from ..passes.block_discovery import BlockPartition, block_discovery, wl_hash
 from ..passes.manager import PassManager, PassResult
 from ..passes.shape_prop import shape_prop
-from .joint import JointCapture, loss_of, trace_joint
+from .joint import CaptureError, JointCapture, loss_of, trace_joint
 from .lowering import lower_to_ir
 
+# what a forward that depends on tensor *values* raises under FakeTensorMode
+FAKE_TENSOR_LIMITS = (
+    fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+    fake_tensor.UnsupportedOperatorException, GuardOnDataDependentSymNode,
+)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 EXAMPLE_BATCH = 2
 
@@ -270,8 +276,15 @@ def _example_tokens(state: CaptureState) -> tuple[torch.Tensor, torch.Tensor]:
 def check_model_output(state: CaptureState) -> PassResult:
     """Pass (check): one eager fake forward; the output must be a scalar loss or logits."""
     input_ids, labels = _example_tokens(state)
-    with state.fake_mode, torch.no_grad():
-        output = state.model(input_ids=input_ids, labels=labels)
+    try:
+        with state.fake_mode, torch.no_grad():
+            output = state.model(input_ids=input_ids, labels=labels)
+    except FAKE_TENSOR_LIMITS as error:
+        caused = [line.strip() for line in str(error).splitlines() if "Caused by" in line]
+        raise CaptureError(
+            f"capture: {state.model_name}'s forward cannot run without real data (it depends on tensor values): "
+            f"{str(error).splitlines()[0]} {' '.join(caused)}".rstrip()
+        ) from None
     loss_of(output, state.model_name)
     return PassResult(state, modified=False)
 
