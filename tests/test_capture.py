@@ -98,6 +98,26 @@ def test_attention_output_is_not_double_counted(gpt_tiny_program):
     assert len(hidden_sized) == 8  # x, ln1, q, k, v, out, x1, ln2
 
 
+def test_different_layers_get_different_classes():
+    import dataclasses
+
+    from mist_compiler.models.transformer import Block
+
+    cfg = zoo_config("gpt-tiny")
+    model = TransformerLM(cfg)
+    model.blocks[2] = Block(dataclasses.replace(cfg, ffn=128))  # a narrower MLP in layer 2
+    program = capture(model)
+    layer_classes = [c for c in program.block_classes.values() if c.kind == "layer"]
+    assert len(layer_classes) == 2
+    by_index = {b.index: b.class_id for b in program.layers}
+    assert by_index[0] == by_index[1] == by_index[3] != by_index[2]
+    assert program.block_class(by_index[2]).representative == "blocks.2"
+    assert program.block_class(by_index[2]).param_shapes["mlp.up.weight"] == (128, 64)
+    assert program.params == sum(p.numel() for p in model.parameters())
+    narrow, wide = program.saved_bytes(by_index[2], 1, 8), program.saved_bytes(by_index[0], 1, 8)
+    assert wide - narrow == 8 * 2 * (256 - 128) * 4  # up and GELU outputs, fp32, 8 tokens
+
+
 def test_capture_of_a_module_keeps_its_real_weights_untouched():
     torch.manual_seed(0)
     model = TransformerLM(zoo_config("gpt-tiny"))

@@ -230,18 +230,21 @@ def lower_to_ir(state):
     classes[0] = pre
     class_of_hash: dict[str, int] = {}
     layer_list = state.layer_list or partition.layer_prefix or ""
-    originals = state.layer_groups or tuple((k,) for k in partition.layer_indices)
+    # traced layer number -> the original layers it stands for (capture traces one per group)
+    if state.layer_groups:
+        originals = dict(enumerate(state.layer_groups))
+    else:
+        originals = {k: (k,) for k in partition.layer_indices}
     layer_blocks: list[Block] = []
-    for position, traced in enumerate(partition.layer_indices):
+    for traced in partition.layer_indices:
         digest = partition.layer_hash[traced]
         if digest not in class_of_hash:
-            class_of_hash[digest] = len(classes)
-            path = f"{partition.layer_prefix}.{traced}" if partition.layer_prefix else str(traced)
-            classes[len(classes)] = lower_block_class(
-                len(classes), "layer", layer_label(traced), path, joint, partition, shapes, saved)
-            classes[class_of_hash[digest]].representative = f"{layer_list}.{originals[position][0]}"
+            class_id = class_of_hash[digest] = len(classes)
+            traced_path = f"{partition.layer_prefix}.{traced}" if partition.layer_prefix else str(traced)
+            cls = lower_block_class(class_id, "layer", layer_label(traced), traced_path, joint, partition, shapes, saved)
+            classes[class_id] = replace(cls, representative=f"{layer_list}.{originals[traced][0]}")
         cls = classes[class_of_hash[digest]]
-        for index in originals[position]:
+        for index in originals[traced]:
             layer_blocks.append(Block(index, "layer", f"{layer_list}.{index}", cls.class_id, cls.param_count))
     post_id = len(classes)
     classes[post_id] = lower_block_class(post_id, POST, POST, "", joint, partition, shapes, saved)
