@@ -88,6 +88,33 @@ def test_gpt_layer_saved_bytes_match_closed_form(gpt_tiny_program, dtype, elemen
     assert sympy.degree(expr, S) == 2 and sympy.degree(program.saved_bytes_expr(layer.class_id, "flash"), S) == 1
 
 
+def eager_saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    """Bytes eager autograd keeps for ``module(x)``'s backward: distinct non-parameter storages."""
+    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x).sum().backward()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("fixture, name", [("gpt_tiny_program", "gpt-tiny"), ("llama_tiny_program", "llama-tiny")])
+def test_saved_bytes_match_what_eager_autograd_keeps(request, fixture, name):
+    """The CPU run uses the flash kernel, so the flash model must equal eager, storage by storage."""
+    program = request.getfixturevalue(fixture)
+    layer = _layer_class(program)
+    block = TransformerLM(zoo_config(name)).blocks[0]
+    for b, s in [(2, 16), (3, 40)]:
+        x = torch.randn(b, s, zoo_config(name).hidden, requires_grad=True)
+        assert program.saved_bytes(layer.class_id, b, s, "flash") == eager_saved_bytes(block, x), (b, s)
+
+
 def test_attention_output_is_not_double_counted(gpt_tiny_program):
     """The o-projection's input is a view of the attention output: one storage, counted once."""
     layer = _layer_class(gpt_tiny_program)
