@@ -208,6 +208,8 @@ def lower_block_class(class_id, kind, label, representative, joint, partition, s
     own = {n.name for n in forward + backward}
     external = {a.name: shapes[a.name][0] for n in forward + backward for a in n.all_input_nodes
                 if a.name not in own and shapes.get(a.name)}
+    sizes = {a.name: to_sympy(a.meta["val"], joint.symbol_map) for n in forward + backward for a in n.all_input_nodes
+             if a.name not in own and isinstance(a.meta.get("val"), torch.SymInt)}
     return BlockClass(
         class_id, kind, partition.layer_hash.get(int(label[6:]), "") if kind == "layer" else kind,
         representative, count, param_shapes, param_dtypes[0] if param_dtypes else "float32",
@@ -216,7 +218,7 @@ def lower_block_class(class_id, kind, label, representative, joint, partition, s
         kept, [_attention_info(n, shapes) for n in forward if n.target in ATTENTION_FORWARD_OPS],
         {"joint": joint.joint_graph, "forward": joint.forward_graph, "backward": joint.backward_graph,
          "nodes": [n.name for n in nodes]},
-        external,
+        external, sizes,
     )
 
 
