@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
-from ..ir.program import AttentionInfo, Block, BlockClass, IRNode, MistProgram, SavedTensor, TensorInfo
+from ..ir.program import AttentionInfo, Block, BlockClass, IRNode, MistProgram, SavedTensor
 from ..passes.block_discovery import POST, PRE, is_backward_node, layer_label, module_paths
 from ..passes.shape_prop import to_sympy
 
