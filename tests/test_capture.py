@@ -155,12 +155,12 @@ def test_capture_of_a_module_keeps_its_real_weights_untouched():
     assert type(model.head.weight) is nn.Parameter
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_capture_hugging_face_config(hf_config_path, kind):
+@pytest.mark.parametrize("kind, as_module", [("gpt2", False), ("llama", False), ("gpt2", True)])
+def test_capture_hugging_face_config(hf_config_path, kind, as_module):
     transformers = pytest.importorskip("transformers")
     path, config = hf_config_path(kind)
-    program = capture("hf:" + path)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    program = capture(model if as_module else "hf:" + path)
     assert program.params == sum(p.numel() for p in model.parameters())  # tied weights counted once
     assert len(program.layers) == 2 and len(program.block_classes) == 3
     assert program.seq_len == 64
