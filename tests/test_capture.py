@@ -261,6 +261,9 @@ def test_graph_break_is_a_clear_error():
 
 
 def test_bad_options():
+    import mist_compiler
+
+    assert mist_compiler.capture is capture  # the package-level API name
     with pytest.raises(ValueError, match="attention must be one of"):
         capture("gpt-tiny", attention="paged")
     with pytest.raises(ValueError, match="dtype must be one of"):
