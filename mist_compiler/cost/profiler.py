@@ -377,8 +377,8 @@ def _collective_call(kind: str, nbytes: int, device: str, members: list[int], gr
     raise ValueError(f"unknown collective {kind!r}")
 
 
-def _time_collective(call, sync, target_s: float, group=None) -> float:
-    """Per-call seconds, slowest rank of ``group``, best of two rounds; iteration counts agreed."""
+def _time_collective(call, sync, target_s: float, group=None, rounds: int = 3) -> float:
+    """Per-call seconds, slowest rank of ``group``, best of ``rounds``; iteration counts agreed."""
     import torch.distributed as dist
 
     call()
@@ -388,9 +388,9 @@ def _time_collective(call, sync, target_s: float, group=None) -> float:
     call()
     sync()
     once = _agree_max(time.perf_counter() - start, True, group)
-    calls = int(max(1, min(200, target_s / 2 / max(once, 1e-6))))
+    calls = int(max(1, min(200, target_s / rounds / max(once, 1e-6))))
     best = math.inf
-    for _ in range(2):
+    for _ in range(rounds):
         dist.barrier(group=group)
         start = time.perf_counter()
         for _ in range(calls):
@@ -406,7 +406,8 @@ def time_group_collectives(device: str, quick: bool, bench_s: float, members: li
     times: dict[str, list[tuple[int, float]]] = {}
     for kind in KINDS + (("p2p",) if len(members) == 2 else ()):
         for nbytes in _message_sizes(device, quick):
-            seconds = _time_collective(_collective_call(kind, nbytes, device, members, group), sync, bench_s, group)
+            call = _collective_call(kind, nbytes, device, members, group)
+            seconds = _time_collective(call, sync, bench_s, group, rounds=2 if quick else 3)
             times.setdefault(kind, []).append((nbytes, seconds))
             log(f"{kind} {nbytes / 1e6:.3f} MB: {seconds * 1e3:.3f} ms")
     return times
