@@ -18,6 +18,7 @@ All distributed work runs in spawned processes with timeouts; nothing is left ru
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -602,6 +603,22 @@ def _resolve_device(options: ProfilerOptions) -> str:
     return device
 
 
+@contextlib.contextmanager
+def _as_one_rank(device: str):
+    """Torch limited to one thread on CPU, as the CPU backend runs its ranks; GPU memory handed back after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if device == "cuda":
+            torch.cuda.empty_cache()  # leave GPU 0's memory to the rank processes
+
+
 def _load_note() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return f"1-minute load average {load:.1f} when it started (other work on the machine slows every measurement)"
@@ -640,8 +657,6 @@ def _assemble(options: ProfilerOptions, device: str, per_node: int, measured: Co
 
 def profile_machine(options: ProfilerOptions) -> HardwareProfile:
     """Measure this machine (spawning local ranks for collectives) and return its profile."""
-    import torch
-
     started = time.perf_counter()
     notes = [_load_note()]
     device = _resolve_device(options)
@@ -653,16 +668,9 @@ def profile_machine(options: ProfilerOptions) -> HardwareProfile:
     base = load_profile(options.links_from) if options.links_from and not sizes else None
     options.log(f"profiling {device}: {per_node} {'GPUs' if device == 'cuda' else 'cores (one rank each, 1 thread)'}")
 
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)
-    try:
+    with _as_one_rank(device):
         measured = measure_compute(device, options)
         local_slowdown = measure_slowdowns(device, options, distributed=False) if not sizes else {}
-    finally:
-        torch.set_num_threads(threads)
-        if device == "cuda":
-            torch.cuda.empty_cache()  # leave GPU 0's memory to the rank processes
 
     results = []
     for index, world in enumerate(sizes):
@@ -693,17 +701,10 @@ def recalibrate_compute(base: HardwareProfile, options: ProfilerOptions | None =
     """
     import dataclasses
 
-    import torch
-
     options = options or ProfilerOptions()
     device = _resolve_device(options)
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)  # as the CPU backend runs its ranks
-    try:
+    with _as_one_rank(device):
         measured = measure_compute(device, options)
-    finally:
-        torch.set_num_threads(threads)
     peaks, peak_note = _peaks(device, measured)
     profile = dataclasses.replace(
         base, peak_flops={**base.peak_flops, **peaks}, efficiency=_efficiencies(measured, peaks),
