@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mist_compiler.cost.hardware import HardwareProfile, load_profile
 from mist_compiler.cost.stage_api import StageCandidates, pipeline_iteration_time
-from mist_compiler.cost.stage_model import StageCostModel
+from mist_compiler.cost.stage_model import TORCH_ADAMW_BYTES_PER_PARAM, StageCostModel
 from mist_compiler.models import TransformerConfig, TransformerLM, zoo_config
 
 CUSTOM_MODELS: dict[str, TransformerConfig] = {
@@ -203,7 +203,9 @@ def _analysed(model_name: str):
 
 def predict_single(config: SingleProcessConfig, hardware: HardwareProfile) -> Outcome:
     blocks, num_layers = _analysed(config.model)
-    model = StageCostModel(blocks, hardware, config.seq_len, "float32", "flash", config.model, num_layers)
+    # the runner steps torch.optim.AdamW (single-tensor loop on CPU), not a fused kernel
+    model = StageCostModel(blocks, hardware, config.seq_len, "float32", "flash", config.model, num_layers,
+                           optimizer_bytes_per_param=TORCH_ADAMW_BYTES_PER_PARAM)
     candidate = StageCandidates(
         num_layers=num_layers, has_pre=True, has_post=True, nodes=1, gpus_per_node=1, micro_batch=config.micro_batch,
         dp=1, tp=1, zero=0, ckpt_layers=config.ckpt_layers, offload_weights=0.0, offload_grads=0.0, offload_opt=0.0,

@@ -46,7 +46,12 @@ from .op_time import class_efficiency, op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
 
-OPTIMIZER_BYTES_PER_PARAM = 28.0  # Adam step traffic: read master/grad/m/v, write master/m/v (+ low-precision copy)
+# Adam step memory traffic per parameter. A fused step (the backend's flat-shard kernel) reads
+# master weight, gradient, both moments and writes them back with the low-precision copy: 28 bytes.
+# torch.optim.AdamW's single-tensor loop makes ~10 passes (mul_, lerp_, mul_+addcmul_, sqrt, div,
+# add_, addcdiv_): 80 bytes per fp32 parameter.
+FUSED_ADAM_BYTES_PER_PARAM = 28.0
+TORCH_ADAMW_BYTES_PER_PARAM = 80.0
 HOST_ADAM_PARAMS_PER_S = 1.0e9  # CPU Adam throughput for offloaded optimizer states (DeepSpeed CPU-Adam order)
 BLOCK_KINDS = ("pre", "layer", "post")
 
@@ -168,6 +173,7 @@ class StageCostModel:
     attention: str = "flash"
     model_name: str = ""
     num_layers: int = 0
+    optimizer_bytes_per_param: float = FUSED_ADAM_BYTES_PER_PARAM
     _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -289,7 +295,7 @@ class StageCostModel:
         opt_share = np.where(zero >= 1, 1.0 / dp, 1.0)
         shard_params = stage_params * opt_share
         device_step = op_class_time(self.hardware, self.dtype, "optimizer", 0.0,
-                                    (1.0 - offload_o) * shard_params * OPTIMIZER_BYTES_PER_PARAM)
+                                    (1.0 - offload_o) * shard_params * self.optimizer_bytes_per_param)
         host_step = offload_o * shard_params / HOST_ADAM_PARAMS_PER_S
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
