@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from mist_compiler.cost.hardware import HardwareProfile, load_profile
@@ -83,12 +84,14 @@ class SingleProcessConfig:
     micro_batch: int
     seq_len: int
     ckpt_layers: int = 0
+    attention: str = "flash"  # "math": SDPA's math backend (keeps the s x s probabilities)
     kind: str = "single"
 
     @property
     def label(self) -> str:
         ckpt = f" ckpt{self.ckpt_layers}" if self.ckpt_layers else ""
-        return f"{self.model} b{self.micro_batch} s{self.seq_len}{ckpt}"
+        math = " math" if self.attention == "math" else ""
+        return f"{self.model} b{self.micro_batch} s{self.seq_len}{ckpt}{math}"
 
 
 @dataclass
@@ -112,8 +115,10 @@ CONFIGS: list[SingleProcessConfig] = [
     SingleProcessConfig("llama-deep", 4, 256),
     SingleProcessConfig("llama-deep", 8, 256, ckpt_layers=4),
     SingleProcessConfig("llama-deep", 2, 128),
+    SingleProcessConfig("gpt-small", 2, 256, attention="math"),
+    SingleProcessConfig("llama-small", 2, 128, ckpt_layers=2, attention="math"),
 ]
-QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[13]]
+QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[14]]
 
 
 class CheckpointedBlock(nn.Module):
@@ -145,9 +150,13 @@ def measure_single(config: SingleProcessConfig, timed_steps: int) -> Outcome:
     ids = torch.randint(0, vocab, (config.micro_batch, config.seq_len), generator=generator)
     labels = torch.randint(0, vocab, (config.micro_batch, config.seq_len), generator=generator)
 
+    def forward_backward() -> None:
+        with sdpa_kernel(SDPBackend.MATH if config.attention == "math" else SDPBackend.FLASH_ATTENTION):
+            model(input_ids=ids, labels=labels).backward()
+
     def step() -> None:
         optimizer.zero_grad(set_to_none=False)
-        model(input_ids=ids, labels=labels).backward()
+        forward_backward()
         optimizer.step()
 
     step()  # warm-up: allocates gradients and optimizer states
@@ -160,7 +169,7 @@ def measure_single(config: SingleProcessConfig, timed_steps: int) -> Outcome:
     tracker.track_external(model, optimizer)
     optimizer.zero_grad(set_to_none=False)
     with tracker:
-        model(input_ids=ids, labels=labels).backward()
+        forward_backward()
     peak = sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
     return Outcome(min(times), float(peak))
 
@@ -181,15 +190,16 @@ def calibrated_profile(name: str, log: Callable[[str], None]) -> HardwareProfile
 
 
 def reference_rate() -> float:
-    """FLOP/s of a transformer-shaped matmul right now: how loaded the shared machine is."""
+    """FLOP/s of a transformer-shaped matmul right now (median of a ~0.2 s window): how loaded
+    the shared machine is."""
     a, w = torch.randn(1024, 512), torch.randn(512, 2048)
     a @ w
-    best = float("inf")
-    for _ in range(5):
+    times = []
+    for _ in range(11):
         start = time.perf_counter()
         a @ w
-        best = min(best, time.perf_counter() - start)
-    return 2 * 1024 * 512 * 2048 / best
+        times.append(time.perf_counter() - start)
+    return 2 * 1024 * 512 * 2048 / statistics.median(times)
 
 
 @lru_cache(maxsize=None)
@@ -204,7 +214,7 @@ def _analysed(model_name: str):
 def predict_single(config: SingleProcessConfig, hardware: HardwareProfile) -> Outcome:
     blocks, num_layers = _analysed(config.model)
     # the runner steps torch.optim.AdamW (single-tensor loop on CPU), not a fused kernel
-    model = StageCostModel(blocks, hardware, config.seq_len, "float32", "flash", config.model, num_layers,
+    model = StageCostModel(blocks, hardware, config.seq_len, "float32", config.attention, config.model, num_layers,
                            optimizer_bytes_per_param=TORCH_ADAMW_BYTES_PER_PARAM)
     candidate = StageCandidates(
         num_layers=num_layers, has_pre=True, has_post=True, nodes=1, gpus_per_node=1, micro_batch=config.micro_batch,
