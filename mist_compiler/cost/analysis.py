@@ -9,12 +9,13 @@ traces one layer per layer class between the pre and post blocks) and returns, p
 from __future__ import annotations
 
 import functools
+import math
 
 import sympy
 import torch
 import torch.fx as fx
 
-from ..passes.cost_annotation import T, annotate_graphs, program_graphs, tensor_shape
+from ..passes.cost_annotation import ATTENTION_FORWARD, T, annotate_graphs, op_name, program_graphs, tensor_shape
 from ..passes.memory_analysis import analyse_memory
 from .stage_model import BLOCK_KINDS, BlockAnalysis, StageModelError
 
@@ -52,6 +53,19 @@ def _param_elements(forward: fx.GraphModule, names: set[str], params: set[str], 
     return per_device, total
 
 
+def _tp_granularity(forward: fx.GraphModule, names: set[str], states: dict[str, str]) -> int:
+    """gcd of the block's attention head counts and the sizes of its sharded parameters' dims."""
+    sizes = []
+    for node in forward.graph.nodes:
+        if node.name not in names:
+            continue
+        if op_name(node) in ATTENTION_FORWARD:
+            sizes.append(int(node.args[0].meta["val"].shape[1]))
+        elif node.op == "placeholder" and states.get(node.name) == "S":
+            sizes.extend(int(d) for d in node.meta["val"].shape)
+    return math.gcd(*sizes) if sizes else 0
+
+
 def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
     """Per block kind (pre, layer, post) analysis of a captured program, and its layer count."""
     classes = {}
@@ -74,5 +88,6 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
     result = {}
     for kind, names in blocks.items():
         per_device, total = _param_elements(forward, names, params, costs.param_states)
-        result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total)
+        granularity = _tp_granularity(forward, names, costs.param_states)
+        result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total, granularity)
     return result, sum(1 for block in program.blocks if block.kind == "layer")

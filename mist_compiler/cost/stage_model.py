@@ -31,6 +31,7 @@ the symbolic parts run once per distinct value, then everything is array arithme
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -83,6 +84,7 @@ class BlockAnalysis:
     memory: BlockMemory
     params_per_device: sympy.Expr  # parameter elements on one device under tensor parallelism
     params: int  # parameter elements, unsharded
+    tp_granularity: int = 1  # tp must divide this (gcd of attention heads and sharded weight dims); 0: no sharding
 
     @property
     def tp_supported(self) -> bool:
@@ -108,6 +110,7 @@ class _BlockFunctions:
     params_per_device: Callable
     tp_supported: bool
     op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
+    tp_granularity: int
 
 
 def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
@@ -124,6 +127,7 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         params_per_device=_lambdify(block.params_per_device),
         tp_supported=block.tp_supported,
         op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
+        tp_granularity=block.tp_granularity,
     )
 
 
@@ -197,6 +201,11 @@ class StageCostModel:
     @property
     def tp_message(self) -> str:
         return "; ".join(f"{kind}: {block.tp_message}" for kind, block in self.blocks.items() if not block.tp_supported)
+
+    @property
+    def tp_granularity(self) -> int:
+        """Tensor-parallel degrees must divide this (attention heads, sharded weight dimensions)."""
+        return math.gcd(*(block.tp_granularity for block in self.blocks.values()))
 
     # ---- per distinct (b, t, nodes, gpus) quantities -------------------------------------------
 
@@ -304,12 +313,15 @@ class StageCostModel:
                                                            dp_nodes, dp_gpus), 0.0)
         delta = sync + step + after_step_gather + first_gather
 
-        # ---- infeasible: tensor parallelism on a structure the sharding rules do not know -------
+        # ---- infeasible: tensor parallelism on a structure the sharding rules do not know, or a
+        # degree that does not divide the heads / sharded dimensions ---------------------------
         unsupported = np.zeros(count, dtype=bool)
         for kind, functions in self._functions.items():
+            present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}[kind]
             if not functions.tp_supported:
-                present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}[kind]
                 unsupported |= present & (tp > 1)
+            elif functions.tp_granularity:
+                unsupported |= present & (functions.tp_granularity % tp != 0)
         stable = np.where(unsupported, np.inf, stable)
         peak = np.where(unsupported, np.inf, peak)
 
