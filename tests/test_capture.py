@@ -9,7 +9,7 @@ from torch import nn
 import pytest
 
 from mist_compiler.frontend.capture import capture
-from mist_compiler.frontend.joint import ModelOutputError
+from mist_compiler.frontend.joint import CaptureError, ModelOutputError
 from mist_compiler.frontend.lowering import UnsupportedOpError
 from mist_compiler.ir.program import B, S
 from mist_compiler.models import ModelSpecError, TransformerLM, parameter_count, zoo_config
@@ -163,6 +163,54 @@ class UsesCond(nn.Module):
 def test_unrepresentable_op_names_op_and_user_source():
     with pytest.raises(UnsupportedOpError, match=r"op 'torch.ops.higher_order.cond'.*test_capture.py.*line \d+"):
         capture(UsesCond())
+
+
+def test_every_value_a_node_reads_has_a_shape(gpt_tiny_program):
+    """Cost models need input shapes: weights, the block input and graph-computed sizes are all known."""
+    layer = _layer_class(gpt_tiny_program)
+    mm = next(n for n in layer.forward_nodes if n.op == "aten.mm.default")
+    assert [layer.tensor(name).shape[-1] for name in mm.inputs] == [64, 64]
+    assert layer.tensor(mm.inputs[0]).shape == (B * S, 64)
+    sizes = [n.attrs["value"] for n in layer.forward_nodes if "value" in n.attrs]
+    assert "b*s" in sizes
+    for node in layer.forward_nodes + layer.backward_nodes:
+        if node.op in ("aten.mm.default", "aten.addmm.default", "attention", "attention_backward"):
+            assert all(layer.tensor(name) is not None for name in node.inputs), node.name
+
+
+def test_example_inputs_fix_token_dtype_and_are_checked():
+    program = capture("gpt-tiny", (torch.zeros(4, 4, dtype=torch.int32),))
+    pre = program.block_classes[0]
+    assert any(t.tensor.dtype == "int32" for t in pre.saved)
+    with pytest.raises(ValueError, match="input_ids must be a 2-D integer tensor"):
+        capture("gpt-tiny", (torch.zeros(4, 4),))
+    with pytest.raises(ValueError, match="expected \\(input_ids,\\) or \\(input_ids, labels\\), got 3"):
+        capture("gpt-tiny", (torch.zeros(2, 2, dtype=torch.long),) * 3)
+
+
+class DataDependentBranch(UsesCond):
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        if x.sum() > 0:  # Python control flow on a tensor value: no single graph
+            x = x * 2
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_untraceable_model_is_a_clear_error():
+    with pytest.raises(CaptureError, match=r"forward cannot run without real data .*test_capture.py:\d+ in forward"):
+        capture(DataDependentBranch())
+
+
+class GraphBreak(UsesCond):
+    def forward(self, input_ids, labels=None):
+        x = self.embed(input_ids)
+        torch._dynamo.graph_break()
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def test_graph_break_is_a_clear_error():
+    with pytest.raises(CaptureError, match=r"cannot trace the model's forward and backward into one graph: .*graph_break"):
+        capture(GraphBreak())
 
 
 def test_bad_options():

@@ -67,7 +67,7 @@ def test_bad_arguments_are_named(capsys):
         ir_command.run(parser.parse_args(["gpt-huge"]))
 
 
-def _measure(model: str) -> tuple[float, int, dict]:
+def _measure(model: str) -> tuple[float, float, int, dict]:
     script = ("import argparse, sys; from mist_compiler.frontend import ir_command; p = argparse.ArgumentParser(); "
               "ir_command.add_arguments(p); sys.exit(ir_command.run(p.parse_args(sys.argv[1:])))")
     result = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", script, model, "--json"],
@@ -76,14 +76,18 @@ def _measure(model: str) -> tuple[float, int, dict]:
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", result.stderr)
     seconds = int(wall.group(1) or 0) * 3600 + int(wall.group(2)) * 60 + float(wall.group(3))
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr).group(1))
-    return seconds, rss_kb, json.loads(result.stdout)
+    cpu = sum(float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", result.stderr).group(1)) for kind in ("User", "System"))
+    return seconds, cpu, rss_kb, json.loads(result.stdout)
 
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("model", ["gpt2-7b", "llama-70b"])
 def test_big_models_in_under_30_s_and_2_gb(model):
-    seconds, rss_kb, document = _measure(model)
+    """Wall time is bounded where the machine is not oversubscribed; CPU time (user+sys) always."""
+    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
+    seconds, cpu, rss_kb, document = _measure(model)
     assert document["params"] == parameter_count(zoo_config(model))
     assert document["layers"] == zoo_config(model).layers and document["block_classes"] == 3
-    assert seconds < 30, f"mistc ir {model} took {seconds:.1f} s"
+    assert cpu < 30, f"mistc ir {model} used {cpu:.1f} s of CPU"
+    assert busy or seconds < 30, f"mistc ir {model} took {seconds:.1f} s on an idle machine"
     assert rss_kb < 2 * 1024 * 1024, f"mistc ir {model} used {rss_kb / 1024:.0f} MiB"

@@ -14,6 +14,7 @@ from mist_compiler.models import build_model, parameter_count, zoo_config
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     torch._dynamo.reset()
+    dynamo_backend.forget_programs()
     yield
     torch._dynamo.reset()
 
@@ -58,6 +59,10 @@ def test_hugging_face_models_match_eager(kind):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind))
     assert_same_as_eager(model, 128)
+    programs = dynamo_backend.compiled_programs()
+    assert programs and programs[-1] is dynamo_backend.last_program()
+    # Hugging Face's loss logs a warning: dynamo may split the model into several graphs
+    assert sum(p.params for p in programs) == sum(p.numel() for p in model.parameters())
 
 
 def test_backend_is_registered_under_mist():

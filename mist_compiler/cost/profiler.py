@@ -212,6 +212,8 @@ class _Channel:
         self.name, self.device = name, device
         on_gpu = device == "cuda"
         self.stream = torch.cuda.Stream() if on_gpu else None
+        # OpenMP thread counts are per thread: a channel on a fresh thread would otherwise use every core
+        self.threads = torch.get_num_threads()
         if name == "compute":
             n = 4096 if on_gpu else 256
             dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -234,6 +236,8 @@ class _Channel:
         """Run ``steps`` units; seconds elapsed on this thread until they are done."""
         import torch
 
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         start = time.perf_counter()
         if self.stream is None:
             for _ in range(steps):
@@ -373,8 +377,8 @@ def _collective_call(kind: str, nbytes: int, device: str, members: list[int], gr
     raise ValueError(f"unknown collective {kind!r}")
 
 
-def _time_collective(call, sync, target_s: float, group=None) -> float:
-    """Per-call seconds, slowest rank of ``group``, best of two rounds; iteration counts agreed."""
+def _time_collective(call, sync, target_s: float, group=None, rounds: int = 3) -> float:
+    """Per-call seconds, slowest rank of ``group``, best of ``rounds``; iteration counts agreed."""
     import torch.distributed as dist
 
     call()
@@ -384,9 +388,9 @@ def _time_collective(call, sync, target_s: float, group=None) -> float:
     call()
     sync()
     once = _agree_max(time.perf_counter() - start, True, group)
-    calls = int(max(1, min(200, target_s / 2 / max(once, 1e-6))))
+    calls = int(max(1, min(200, target_s / rounds / max(once, 1e-6))))
     best = math.inf
-    for _ in range(2):
+    for _ in range(rounds):
         dist.barrier(group=group)
         start = time.perf_counter()
         for _ in range(calls):
@@ -397,12 +401,13 @@ def _time_collective(call, sync, target_s: float, group=None) -> float:
 
 
 def time_group_collectives(device: str, quick: bool, bench_s: float, members: list[int], group, log) -> dict:
-    """``{kind: [(nbytes, seconds), ...]}`` for every collective (and p2p) in one group; members call it."""
+    """``{kind: [(nbytes, seconds), ...]}`` for every collective in one group (p2p in pairs); members call it."""
     sync = _sync_for(device)
     times: dict[str, list[tuple[int, float]]] = {}
-    for kind in KINDS + ("p2p",):
+    for kind in KINDS + (("p2p",) if len(members) == 2 else ()):
         for nbytes in _message_sizes(device, quick):
-            seconds = _time_collective(_collective_call(kind, nbytes, device, members, group), sync, bench_s, group)
+            call = _collective_call(kind, nbytes, device, members, group)
+            seconds = _time_collective(call, sync, bench_s, group, rounds=2 if quick else 3)
             times.setdefault(kind, []).append((nbytes, seconds))
             log(f"{kind} {nbytes / 1e6:.3f} MB: {seconds * 1e3:.3f} ms")
     return times
@@ -687,6 +692,33 @@ def profile_machine(options: ProfilerOptions) -> HardwareProfile:
                      f"profile {base.name!r}: no group of 2+ devices was measured here")
     return _assemble(options, device, per_node, measured, links, factors, slowdown, notes, started,
                      gpus_per_node=max(per_node, base.gpus_per_node) if base else per_node)
+
+
+def recalibrate_compute(base: HardwareProfile, options: ProfilerOptions | None = None) -> HardwareProfile:
+    """``base`` with its compute side (peaks, efficiencies, memory bandwidth, op overhead) measured here.
+
+    Links, copies and slowdowns stay as ``base`` has them: a quick way to re-anchor a shipped or
+    older profile to the machine's current speed (seconds, no ranks spawned).
+    """
+    import dataclasses
+
+    import torch
+
+    options = options or ProfilerOptions()
+    device = _resolve_device(options)
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)  # as the CPU backend runs its ranks
+    try:
+        measured = measure_compute(device, options)
+    finally:
+        torch.set_num_threads(threads)
+    peaks, peak_note = _peaks(device, measured)
+    profile = dataclasses.replace(
+        base, peak_flops={**base.peak_flops, **peaks}, efficiency=_efficiencies(measured, peaks),
+        memory_bandwidth=measured.copy_bytes_per_s, op_overhead=measured.op_overhead_s,
+        description=f"{base.description} Compute side re-measured by recalibrate_compute ({peak_note}; {_load_note()}).")
+    return HardwareProfile.from_dict(profile.to_dict(), source="recalibrated profile")
 
 
 # --------------------------------------------------------------------------- a cluster, under torchrun

@@ -21,6 +21,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from ..ir.program import AttentionInfo, Block, BlockClass, IRNode, MistProgram, SavedTensor, TensorInfo
 from ..passes.block_discovery import POST, PRE, is_backward_node, layer_label, module_paths
+from ..passes.shape_prop import to_sympy
 
 aten = torch.ops.aten
 
@@ -122,10 +123,29 @@ def _attention_attrs(node: torch.fx.Node) -> dict:
     }
 
 
-def _ir_node(node: torch.fx.Node, shapes: dict, phase: str) -> IRNode:
-    attrs = _attention_attrs(node) if node.target in ATTENTION_FORWARD_OPS else {}
-    if node.target is operator.getitem:
+def _argument(value):
+    """An op argument as plain data: other values as ``%name``, sizes as sympy strings."""
+    if isinstance(value, torch.fx.Node):
+        return f"%{value.name}"
+    if isinstance(value, (list, tuple)):
+        return [_argument(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return str(value)
+
+
+def _ir_node(node: torch.fx.Node, shapes: dict, phase: str, symbol_map: dict) -> IRNode:
+    if node.target in ATTENTION_FORWARD_OPS:
+        attrs = _attention_attrs(node)
+    elif node.target is operator.getitem:
         attrs = {"index": node.args[1]}
+    else:
+        attrs = {"args": _argument(list(node.args))}
+        if node.kwargs:
+            attrs["kwargs"] = {k: _argument(v) for k, v in node.kwargs.items()}
+    value = node.meta.get("val")
+    if isinstance(value, (torch.SymInt, int)) and not isinstance(value, bool):
+        attrs["value"] = str(to_sympy(value, symbol_map))  # a size computed in the graph, e.g. b*s
     paths = module_paths(node)
     return IRNode(node.name, op_name(node), [a.name for a in node.all_input_nodes], list(shapes.get(node.name, [])),
                   phase, attrs, paths[-1] if paths else "")
@@ -185,13 +205,18 @@ def lower_block_class(class_id, kind, label, representative, joint, partition, s
     covered = _attention_storages(forward)
     kept = [t for t in saved.get(label, []) if t.name not in covered]
     count = sum(int(shapes[n.name][0].numel()) for n in params.values())
+    own = {n.name for n in forward + backward}
+    external = {a.name: shapes[a.name][0] for n in forward + backward for a in n.all_input_nodes
+                if a.name not in own and shapes.get(a.name)}
     return BlockClass(
         class_id, kind, partition.layer_hash.get(int(label[6:]), "") if kind == "layer" else kind,
         representative, count, param_shapes, param_dtypes[0] if param_dtypes else "float32",
-        [_ir_node(n, shapes, "forward") for n in forward], [_ir_node(n, shapes, "backward") for n in backward],
+        [_ir_node(n, shapes, "forward", joint.symbol_map) for n in forward],
+        [_ir_node(n, shapes, "backward", joint.symbol_map) for n in backward],
         kept, [_attention_info(n, shapes) for n in forward if n.target in ATTENTION_FORWARD_OPS],
         {"joint": joint.joint_graph, "forward": joint.forward_graph, "backward": joint.backward_graph,
          "nodes": [n.name for n in nodes]},
+        external,
     )
 
 
