@@ -462,7 +462,9 @@ class StageSumBounds:
             other = rest[self.total_layers - pool.layers, self.world - pool.devices]
             total = pool.stable + other
             slowest = np.maximum(np.maximum(pool.stable, total / stages), work_slowest)
-            pruned[role] = pool.take((g - 1) * slowest + total < incumbent * (1 + 1e-12))
+            with np.errstate(invalid="ignore"):
+                bound = np.where(np.isfinite(total), (g - 1) * slowest + total, np.inf)
+            pruned[role] = pool.take(bound < incumbent * (1 + 1e-12))
         return pruned
 
 
