@@ -192,3 +192,28 @@ def test_bad_space_fields_are_named():
         SearchSpace(offload_grid=(0.5,))
     with pytest.raises(ValueError, match="SearchSpace.zero_levels"):
         SearchSpace(zero_levels=(4,))
+
+
+def test_full_space_never_worse_than_each_baseline():
+    from mist_compiler.tuner.baselines import tune_baseline
+
+    model = small_model(4e7)
+    work = Workload(num_layers=4, heads=4, global_batch=16, seq_len=256, model_name="toy")
+    full = tune("toy", None, 2, 2, 16, seq_len=256, cost_model=model, workload=work)
+    for name in ("megatron", "zero3", "mist-paper"):
+        try:
+            baseline = tune_baseline(name, "toy", None, 2, 2, 16, seq_len=256, cost_model=model, workload=work)
+        except TuneError:
+            continue
+        assert full.predicted_time_s <= baseline.predicted_time_s * (1 + 1e-9), name
+
+
+def test_megatron_baseline_is_uniform():
+    from mist_compiler.tuner.baselines import tune_baseline
+
+    work = Workload(num_layers=4, heads=4, global_batch=16, seq_len=256, model_name="toy")
+    result = tune_baseline("megatron", "toy", None, 1, 4, 16, seq_len=256, cost_model=small_model(1e8), workload=work)
+    stages = result.plan.stages
+    assert len({(s.dp, s.tp, s.devices, s.micro_batch) for s in stages}) == 1
+    assert all(s.zero == 1 and not s.offload.any and s.ckpt_layers in (0, s.num_layers) for s in stages)
+    assert max(s.num_layers for s in stages) - min(s.num_layers for s in stages) <= 1
