@@ -8,6 +8,7 @@ search statistics (and the frontiers it chose from, for ``mistc explain``).
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -66,17 +67,29 @@ def _stderr_progress(message: str) -> None:
 
 
 def workload_of(model: str, seq_len: int, global_batch: int, dtype: str) -> tuple[Workload, object]:
+    """Layer and head counts of a model, without allocating its weights (zoo config, HF config
+    file, or a factory built on the meta device)."""
     from ..models import resolve_model
 
     spec = resolve_model(model, seq_len)
     config = spec.config
     if config is None:
-        built = spec.build()
-        config = getattr(built, "cfg", None) or getattr(built, "config", None)
-        layers = getattr(config, "layers", None) or getattr(config, "num_hidden_layers", None)
-        heads = getattr(config, "heads", None) or getattr(config, "num_attention_heads", None)
+        if model.startswith("hf:"):
+            with open(model[3:]) as handle:
+                config = json.load(handle)
+            layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
+        else:
+            import torch
+
+            with torch.device("meta"):
+                built = spec.build()
+            config = getattr(built, "cfg", None) or getattr(built, "config", None)
+            layers = getattr(config, "layers", None) or getattr(config, "num_hidden_layers", None)
+            heads = getattr(config, "heads", None) or getattr(config, "num_attention_heads", None)
         if layers is None or heads is None:
             raise TuneError(f"model {model!r}: cannot find its layer and head counts to tune it")
+        if isinstance(config, dict):
+            config = None
     else:
         layers, heads = config.layers, config.heads
     return Workload(int(layers), int(heads), global_batch, seq_len, dtype, model), config
