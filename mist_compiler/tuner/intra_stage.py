@@ -221,18 +221,26 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
     sub = tight.take(np.repeat(np.arange(n), c))
     offload = np.tile(combos, (n, 1))
     low, high = _knob_limits(space, sub.layers)
-    corners = [evaluate(model, sub, shapes, knob, offload, k).peak_memory_bytes.astype(float)
-               for knob in (low, high) for k in (1, 2)]
-    m_low1, m_low2, m_high1, m_high2 = corners
+    # the most-saving corner first: rows that do not fit even then need no other evaluation
+    m_high1 = evaluate(model, sub, shapes, high, offload, 1).peak_memory_bytes.astype(float)
+    alive = np.flatnonzero(_fits(m_high1, limit))
+    part = sub.take(alive)
+    corners = []
+    for knob, k in ((low, 1), (low, 2), (high, 2)):
+        values = np.full(len(sub), np.inf)
+        values[alive] = evaluate(model, part, shapes, knob[alive], offload[alive], k).peak_memory_bytes
+        corners.append(values)
+    m_low1, m_low2, m_high2 = corners
     span = np.maximum(high - low, 1).astype(float)
     picked_rows, picked_ckpt = [], []
     for k in range(1, int(sub.max_inflight.max()) + 1):
         active = sub.max_inflight >= k
-        m_low = m_low1 + (k - 1) * (m_low2 - m_low1)
-        m_high = m_high1 + (k - 1) * (m_high2 - m_high1)
+        with np.errstate(invalid="ignore"):  # dead rows hold inf
+            m_low = np.where(np.isfinite(m_low2), m_low1 + (k - 1) * (m_low2 - m_low1), np.inf)
+            m_high = np.where(np.isfinite(m_high2), m_high1 + (k - 1) * (m_high2 - m_high1), np.inf)
         if space.ckpt == "tune":
-            saving_per_layer = (m_low - m_high) / span
             with np.errstate(divide="ignore", invalid="ignore"):
+                saving_per_layer = (m_low - m_high) / span
                 needed = np.where(saving_per_layer > 0, (m_low - limit) / saving_per_layer, np.inf)
             ckpt = np.where(_fits(m_low, limit), 0.0, np.ceil(needed - 1e-9))
         else:
