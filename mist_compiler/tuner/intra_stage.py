@@ -63,6 +63,7 @@ class FrontierTable:
     memory_k1: np.ndarray
     memory_per_inflight: np.ndarray
     cells: dict[tuple[int, int, int, int], np.ndarray]
+    fit_k: np.ndarray  # per row: the most in-flight micro-batches it fits (verified)
     stats: dict = field(default_factory=dict)
 
     def memory_at(self, rows: np.ndarray, inflight: int) -> np.ndarray:
@@ -76,11 +77,17 @@ class FrontierTable:
             columns = np.array(keys, dtype=int).reshape(-1, 4)
             flat = {name: np.repeat(columns[:, i], sizes) for i, name in enumerate(("layers", "pp", "shape", "k"))}
             flat["row"] = np.concatenate([self.cells[key] for key in keys]) if keys else np.zeros(0, dtype=int)
+            flat["k"] = self.fit_k[flat["row"]]  # a row's real capacity, not just its cell's
             self.stats["_entries"] = flat
         return self.stats["_entries"]
 
     def cell(self, layers: int, pp: int, shape: int, inflight: int) -> np.ndarray:
-        return self.cells.get((layers, pp, shape, inflight), np.zeros(0, dtype=int))
+        """Frontier rows of a cell that fit ``inflight`` (from the nearest sampled k at or below it)."""
+        for k in range(inflight, 0, -1):
+            members = self.cells.get((layers, pp, shape, k))
+            if members is not None:
+                return members[self.fit_k[members] >= inflight]
+        return np.zeros(0, dtype=int)
 
 
 def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
@@ -164,6 +171,20 @@ def _fits(memory: np.ndarray, limit: float) -> np.ndarray:
     return memory <= limit * (1 + MEMORY_TOLERANCE)
 
 
+def inflight_samples(largest: int) -> list[int]:
+    """In-flight counts that get their own frontier: every k up to 8, then about 25% apart.
+
+    A stage that needs an unsampled k uses the points of the sampled k below it that fit k
+    (each point's exact capacity is known), so this costs optimality at most, never validity."""
+    samples = set(range(1, min(8, largest) + 1))
+    value = 8.0
+    while value < largest:
+        value *= 1.25
+        samples.add(min(largest, int(round(value))))
+    samples.add(largest)
+    return sorted(k for k in samples if k >= 1)
+
+
 def _knob_limits(space: SearchSpace, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     low = layers if space.ckpt == "all" else np.zeros_like(layers)
     high = np.zeros_like(layers) if space.ckpt == "none" else layers
@@ -233,7 +254,7 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
     m_low1, m_low2, m_high2 = corners
     span = np.maximum(high - low, 1).astype(float)
     picked_rows, picked_ckpt = [], []
-    for k in range(1, int(sub.max_inflight.max()) + 1):
+    for k in inflight_samples(int(sub.max_inflight.max())):
         active = sub.max_inflight >= k
         with np.errstate(invalid="ignore"):  # dead rows hold inf
             m_low = np.where(np.isfinite(m_low2), m_low1 + (k - 1) * (m_low2 - m_low1), np.inf)
@@ -375,7 +396,7 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     stats["cells"] = len(cells)
     return FrontierTable(
         grad_accum=grad_accum, shapes=shapes, configs=configs, stable=stable[keep], delta=delta[keep],
-        memory_k1=mem1[keep], memory_per_inflight=slope[keep], cells=cells, stats=stats,
+        memory_k1=mem1[keep], memory_per_inflight=slope[keep], cells=cells, fit_k=fit_k[keep], stats=stats,
     )
 
 
@@ -413,7 +434,7 @@ def _frontier_cells(bases: Bases, fit_k: np.ndarray, stable: np.ndarray, delta: 
     order = np.lexsort((memory, delta, stable, group))
     sorted_group, sorted_delta, sorted_fit = group[order], delta[order], fit_k[order]
     thinned = 0
-    for k in range(1, int(fit_k.max()) + 1):
+    for k in inflight_samples(int(fit_k.max())):
         members = np.flatnonzero(sorted_fit >= k)
         keep = order[members[_pareto_sorted(sorted_group[members], sorted_delta[members])]]
         splits = np.flatnonzero(np.diff(group[keep])) + 1
