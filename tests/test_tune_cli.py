@@ -128,3 +128,48 @@ def test_space_flags_restrict(cost_model):
     space = SearchSpace(offload_weights=False, offload_grads=False, offload_opt=False, offload_acts=False)
     result = tune(MODEL, HARDWARE, 1, 2, 8, seq_len=SEQ, cost_model=cost_model, space=space)
     assert not any(stage.offload.any for stage in result.plan.stages)
+
+
+def _random_candidates(rng, count: int):
+    import numpy as np
+
+    from mist_compiler.cost.stage_api import StageCandidates
+
+    layers = rng.integers(1, 5, count)
+    tp = rng.choice([1, 2], count)
+    dp = rng.choice([1, 2], count)
+    return StageCandidates(
+        num_layers=layers, has_pre=rng.random(count) < 0.5, has_post=rng.random(count) < 0.5, nodes=1,
+        gpus_per_node=tp * dp, micro_batch=rng.choice([1, 2, 4], count), dp=dp, tp=tp, zero=rng.integers(0, 4, count),
+        ckpt_layers=(rng.random(count) * (layers + 1)).astype(int).clip(0, layers),
+        offload_weights=rng.choice([0.0, 0.5], count), offload_grads=rng.choice([0.0, 0.5], count),
+        offload_opt=rng.choice([0.0, 0.5], count), offload_acts=rng.choice([0.0, 0.5], count),
+        inflight=rng.integers(1, 4, count))
+
+
+def test_real_model_has_the_properties_the_intra_stage_shortcuts_use(cost_model):
+    """Monotone knobs (more checkpointing/offload never faster, never more memory) and in-flight
+    memory that grows with k: what intra_stage relies on (its docstring)."""
+    import dataclasses as dc
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    base = _random_candidates(rng, 400)
+    before = cost_model.evaluate(base)
+    layers = base.num_layers
+    for name, step in (("ckpt_layers", None), ("offload_weights", 0.5), ("offload_grads", 0.5),
+                       ("offload_opt", 0.5), ("offload_acts", 0.5)):
+        if step is None:
+            changed = dc.replace(base, ckpt_layers=np.minimum(base.ckpt_layers + 1, layers))
+        else:
+            changed = dc.replace(base, **{name: getattr(base, name) + step})
+        after = cost_model.evaluate(changed)
+        # checkpointing more can cut offloaded-activation traffic; the tuner offers extra points there
+        timed = base.offload_acts == 0 if name == "ckpt_layers" else np.ones(len(base), dtype=bool)
+        assert (after.stable_s >= before.stable_s * (1 - 1e-9))[timed].all(), name
+        assert (after.delta_s >= before.delta_s * (1 - 1e-9)).all(), name
+        assert (after.peak_memory_bytes <= before.peak_memory_bytes * (1 + 1e-9)).all(), name
+    more = cost_model.evaluate(dc.replace(base, inflight=base.inflight + 1))
+    assert (more.peak_memory_bytes >= before.peak_memory_bytes * (1 - 1e-9)).all()
+    assert np.allclose(more.stable_s, before.stable_s) and np.allclose(more.delta_s, before.delta_s)

@@ -7,7 +7,9 @@ ZeRO level, checkpointed layers and the four offload ratios; all are evaluated v
 
 Work is kept small by three exact-or-checked shortcuts, each relying on a property every sane
 cost model has (the tests check them on the real one):
-- *monotone knobs*: checkpointing or offloading more never makes a stage faster, so a base
+- *monotone knobs*: checkpointing or offloading more never makes a stage faster (except that
+  checkpointing more shrinks offloaded-activation traffic: with activation offload on, the
+  midpoint and all-layers checkpoint counts are candidates too), so a base
   configuration (layers, devices, TP, ZeRO) that fits with no checkpointing and no offload needs
   nothing else, and one that does not fit with every knob at its maximum is dropped;
 - *affine in-flight memory*: peak memory is affine in the in-flight micro-batch count (one more
@@ -281,6 +283,14 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
         picked_ckpt.append((low[keep] + ckpt[keep]).astype(int))
     rows = np.concatenate(picked_rows)
     ckpts = np.concatenate(picked_ckpt)
+    if space.ckpt == "tune":
+        # with activations offloaded, checkpointing more also means less to copy, so a stage can
+        # get faster with more checkpointing: offer the midpoint and all-layers points as well
+        offloading = (offload[rows, 3] > 0) & (ckpts < high[rows])
+        extra_rows = rows[offloading]
+        middle = (ckpts[offloading] + high[extra_rows] + 1) // 2
+        rows = np.concatenate([rows, extra_rows, extra_rows])
+        ckpts = np.concatenate([ckpts, middle, high[extra_rows]])
     key = rows.astype(np.int64) * (int(sub.layers.max()) + 2) + ckpts
     _, first = np.unique(key, return_index=True)
     rows, ckpts = rows[first], ckpts[first]
