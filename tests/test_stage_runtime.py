@@ -120,3 +120,14 @@ def test_bad_units_and_names_are_rejected():
         runtime.activation_offload("b")
     with pytest.raises(ValueError, match="AdamWConfig.lr"):
         AdamWConfig(lr=-1.0)
+
+
+@pytest.mark.distributed
+def test_a_missing_rank_gives_a_timeout_error_naming_unit_and_collective():
+    from stage_runtime_cases import timeout_worker
+
+    rank0, rank1 = run_ranks(timeout_worker, world=2, timeout_s=90)
+    assert rank1 == "skipped"
+    seconds, message = rank0.split(" ", 1)
+    assert "all_gather of unit 'pre' weights" in message and "2 s" in message, message
+    assert float(seconds[:-1]) < 10.0
