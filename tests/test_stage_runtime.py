@@ -131,3 +131,43 @@ def test_a_missing_rank_gives_a_timeout_error_naming_unit_and_collective():
     seconds, message = rank0.split(" ", 1)
     assert "all_gather of unit 'pre' weights" in message and "2 s" in message, message
     assert float(seconds[:-1]) < 10.0
+
+
+def test_state_dict_round_trip_resumes_training_exactly():
+    from stage_runtime_cases import make_batches, train_with_runtime, _forward, reference_name
+
+    adamw = AdamWConfig(lr=1e-3, weight_decay=0.1)
+    batches = make_batches(2, 2, 16, 512)
+    case = Case(zero=3, grad_accum=1, offload=Offload(weights=0.5, opt=0.5))
+
+    def make_runtime():
+        units = make_units(build_model("gpt-tiny", seed=1))  # different init: load_state_dict must overwrite it
+        return units, StageRuntime(units, dp_group=None, zero=3, offload=case.offload, optimizer=adamw,
+                                   device=torch.device("cpu"))
+
+    def train_step(units, runtime, batch):
+        runtime.begin_iteration()
+        runtime.set_last_microbatch(True)
+        _forward(runtime, units, batch[0], batch[1], case).backward()
+        runtime.step()
+
+    uninterrupted, _ = train_with_runtime(0, 1, case, batches, adamw)
+    units, first = make_runtime()
+    first.load_state_dict(_state_of_build(adamw, case))
+    train_step(units, first, batches[0])
+    saved = first.state_dict()
+    units, second = make_runtime()
+    second.load_state_dict(saved)
+    train_step(units, second, batches[1])
+    resumed = {reference_name(k): v for k, v in second.named_full_parameters().items()}
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0)
+    with pytest.raises(StageRuntimeError, match="lacks unit"):
+        second.load_state_dict({"step": 1, "units": {}})
+
+
+def _state_of_build(adamw: AdamWConfig, case: Case) -> dict:
+    """The state of a fresh runtime over the seed-0 model (what train_with_runtime starts from)."""
+    runtime = StageRuntime(make_units(build_model("gpt-tiny", seed=0)), dp_group=None, zero=case.zero,
+                           offload=case.offload, optimizer=adamw, device=torch.device("cpu"))
+    return runtime.state_dict()
