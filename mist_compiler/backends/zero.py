@@ -82,7 +82,8 @@ class UnitBucket:
         self.layout = FlatLayout.build(named_params, ctx.world)
         zero, n, s = ctx.zero, self.layout.padded_numel, self.layout.shard_numel
         self.shard_lo, self.shard_hi = self.layout.shard_range(ctx.rank)
-        self.persistent_full = zero < 3 and offload.weights == 0.0
+        # a unit without trainable parameters has nothing to gather, reduce or update
+        self.persistent_full = (zero < 3 and offload.weights == 0.0) or n == 0
 
         initial = self._initial_fp32()  # N fp32, identical on every dp rank
         self.full = FreeableBuffer(n, ctx.param_dtype, ctx.device)
@@ -121,7 +122,7 @@ class UnitBucket:
         flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.ctx.device)
         for slot, param in zip(self.layout.slots, self.params):
             flat[slot.offset:slot.offset + slot.numel].copy_(param.detach().reshape(-1))
-        if self.ctx.world > 1:  # every rank starts from rank 0's weights
+        if self.ctx.world > 1 and flat.numel():  # every rank starts from rank 0's weights
             src = dist.get_global_rank(self.ctx.group, 0) if self.ctx.group is not None else 0
             dist.broadcast(flat, src=src, group=self.ctx.group)
         return flat
@@ -197,6 +198,10 @@ class UnitBucket:
         """The unit's micro-batch gradients are complete: transform, scale and reduce them."""
         ctx = self.ctx
         grads = self.grads.tensor
+        if grads.numel() == 0:
+            self.in_backward = False
+            self.reduced = grads.float()
+            return
         for index, functions in self.transforms.items():
             view = self.params[index].grad
             for fn in functions:
@@ -253,7 +258,7 @@ class UnitBucket:
         self.grad_acc.zero_()
         if self.grads.tensor.dtype == torch.float32:
             self.grads.free()
-        if self.master_aliases_weights and ctx.zero in (0, 3):
+        if (self.master_aliases_weights and ctx.zero in (0, 3)) or self.master.numel == 0:
             return None
         new = torch.empty(self.master.numel, dtype=ctx.param_dtype, device=ctx.device)
         for start, part in self.master.parts():
