@@ -104,6 +104,7 @@ class UnitBucket:
         bind_grads(self.params, self.grads, self.layout)
         acc_numel = n if zero <= 1 else s
         self.grad_acc = SplitBuffer(acc_numel, torch.float32, ctx.device, offload.grads, ctx.host_memory, "grads")
+        self.acc_has_data = False  # False: the accumulator holds zeros (first write copies, no zero-fill needed)
         self.reduced: torch.Tensor | None = None  # ZeRO 0/1: the reduced grads after the last micro-batch
         self.pending: list[Pending] = []
         self.weights_pending: Pending | None = None
@@ -215,12 +216,13 @@ class UnitBucket:
         self.in_backward = False
         release_grads = self.grads.free if reuse else (lambda: None)
         if ctx.zero <= 1 and not last:
-            self.grad_acc.write(0, comm, accumulate=True)
+            self._accumulate(comm)
             release_grads()
             return
         if ctx.zero <= 1:
-            for start, part in self.grad_acc.parts():
-                comm[start:start + part.numel()].add_(part.to(comm.device, non_blocking=True))
+            if self.acc_has_data:
+                for start, part in self.grad_acc.parts():
+                    comm[start:start + part.numel()].add_(part.to(comm.device, non_blocking=True))
             if ctx.zero == 0:
                 pending = all_reduce_flat(comm, ctx.group, f"all_reduce of unit {self.unit!r} grads")
                 self.reduced = comm  # released after the optimizer step
@@ -232,9 +234,13 @@ class UnitBucket:
         else:
             out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=ctx.device)
             pending = reduce_scatter_flat(out, comm, ctx.group, f"reduce_scatter of unit {self.unit!r} grads")
-            pending.then.append(lambda: self.grad_acc.write(0, out, accumulate=True))
+            pending.then.append(lambda: self._accumulate(out))
             pending.then.append(release_grads)
         self.pending.append(pending)
+
+    def _accumulate(self, values: torch.Tensor) -> None:
+        self.grad_acc.write(0, values, accumulate=self.acc_has_data)
+        self.acc_has_data = True
 
     def drain(self, block: bool) -> None:
         """Finish completed reductions (all of them when ``block``)."""
@@ -255,7 +261,9 @@ class UnitBucket:
         """Copy the updated fp32 master into the param-dtype weights; returns an all-gather to wait on."""
         ctx = self.ctx
         self.reduced = None
-        self.grad_acc.zero_()
+        if self.acc_has_data:
+            self.grad_acc.zero_()
+            self.acc_has_data = False
         if self.grads.tensor.dtype == torch.float32:
             self.grads.free()
         if (self.master_aliases_weights and ctx.zero in (0, 3)) or self.master.numel == 0:
