@@ -171,3 +171,28 @@ def _state_of_build(adamw: AdamWConfig, case: Case) -> dict:
     runtime = StageRuntime(make_units(build_model("gpt-tiny", seed=0)), dp_group=None, zero=case.zero,
                            offload=case.offload, optimizer=adamw, device=torch.device("cpu"))
     return runtime.state_dict()
+
+
+def test_zero3_prefetches_one_unit_ahead_and_frees_after_use():
+    from stage_runtime_cases import _forward
+
+    units = make_units(build_model("gpt-tiny", seed=0))
+    units = units[:2] + units[-1:]  # pre, blocks.0, post
+    runtime = StageRuntime(units, dp_group=None, zero=3, offload=Offload(), optimizer=AdamWConfig(),
+                           device=torch.device("cpu"))
+    trace = runtime.trace_events()
+    runtime.begin_iteration()
+    runtime.set_last_microbatch(True)
+    ids = torch.randint(0, 512, (2, 8))
+    _forward(runtime, units, ids, ids, Case(zero=3, grad_accum=1)).backward()
+    runtime.step()
+    # "forward"/"backward" are recorded when the unit starts computing, with its weights resident
+    assert trace == [
+        ("fetch", "pre"), ("forward", "pre"), ("fetch", "blocks.0"), ("free", "pre"),
+        ("forward", "blocks.0"), ("fetch", "post"), ("free", "blocks.0"),
+        ("forward", "post"), ("free", "post"),
+        ("fetch", "post"), ("backward", "post"), ("fetch", "blocks.0"), ("reduce", "post"), ("free", "post"),
+        ("backward", "blocks.0"), ("fetch", "pre"), ("reduce", "blocks.0"), ("free", "blocks.0"),
+        ("backward", "pre"), ("reduce", "pre"), ("free", "pre"),
+    ]
+    assert all(not b.full.allocated for b in runtime.buckets)

@@ -142,6 +142,11 @@ class StageRuntime:
             for param in bucket.params:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_ready(index)))
 
+    def trace_events(self, enabled: bool = True) -> list:
+        """Start (or stop) recording (event, unit) pairs: forward, backward, recompute, fetch, free, reduce."""
+        self.ctx.trace = [] if enabled else None
+        return self.ctx.trace
+
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -162,6 +167,7 @@ class StageRuntime:
             for bucket in buckets:
                 bucket.wait_weights()
                 bucket.fwd_holds += 0 if recompute else 1
+            self.ctx.record("recompute" if recompute else "forward", self.unit_names[index])
             if index + 1 < len(self.buckets) and not recompute:
                 for bucket in self._need_buckets[index + 1]:
                     bucket.fetch_weights()
@@ -191,6 +197,7 @@ class StageRuntime:
             bucket.wait_weights()
             bucket.bwd_holds += 1
             bucket.begin_grads()
+        self.ctx.record("backward", self.unit_names[index])
         if index > 0:
             for bucket in self._need_buckets[index - 1]:
                 bucket.fetch_weights()

@@ -67,6 +67,11 @@ class BucketContext:
     streams: Streams
     host_memory: HostMemory
     timeout_s: float
+    trace: list | None = None  # when a list: ("fetch" | "free" | "reduce", unit) events, for tests and debugging
+
+    def record(self, event: str, unit: str) -> None:
+        if self.trace is not None:
+            self.trace.append((event, unit))
 
 
 class UnitBucket:
@@ -157,6 +162,7 @@ class UnitBucket:
         else:
             self.weights_pending = all_gather_flat(self.full.tensor, self.source.device_part, ctx.group, what)
         self.weights_state = "fetching"
+        ctx.record("fetch", self.unit)
 
     def wait_weights(self) -> None:
         self.fetch_weights()
@@ -174,6 +180,7 @@ class UnitBucket:
         self.wait_weights()  # never free a buffer a collective or copy is still writing
         self.full.free()
         self.weights_state = "free"
+        self.ctx.record("free", self.unit)
 
     def reset_holds(self) -> None:
         """Between training steps: nothing holds the weights; free transient copies (they may be stale)."""
@@ -199,6 +206,7 @@ class UnitBucket:
         """The unit's micro-batch gradients are complete: transform, scale and reduce them."""
         ctx = self.ctx
         grads = self.grads.tensor
+        ctx.record("reduce", self.unit)
         if grads.numel() == 0:
             self.in_backward = False
             self.reduced = grads.float()
