@@ -156,9 +156,12 @@ class UnitBucket:
         if ctx.zero < 3:
             self.weights_event = self.source.read_into(self.full.tensor, ctx.streams)
         elif self.source.offloaded:
+            # the shard's host part is copied in first; on CUDA the current stream waits for that copy
+            # before the all-gather is enqueued (the gather itself still overlaps later compute)
             staging = torch.empty(self.source.numel, dtype=ctx.param_dtype, device=ctx.device)
             ctx.streams.wait(self.source.read_into(staging, ctx.streams))
             self.weights_pending = all_gather_flat(self.full.tensor, staging, ctx.group, what)
+            self.weights_pending.keep_alive = staging
         else:
             self.weights_pending = all_gather_flat(self.full.tensor, self.source.device_part, ctx.group, what)
         self.weights_state = "fetching"
@@ -244,6 +247,7 @@ class UnitBucket:
             pending = reduce_scatter_flat(out, comm, ctx.group, f"reduce_scatter of unit {self.unit!r} grads")
             pending.then.append(lambda: self._accumulate(out))
             pending.then.append(release_grads)
+        pending.keep_alive = comm
         self.pending.append(pending)
 
     def _accumulate(self, values: torch.Tensor) -> None:
@@ -289,6 +293,7 @@ class UnitBucket:
         out = self.full.tensor if self.persistent_full else torch.empty(self.layout.padded_numel, dtype=ctx.param_dtype,
                                                                       device=ctx.device)
         pending = all_gather_flat(out, new, ctx.group, f"all_gather of unit {self.unit!r} updated weights")
+        pending.keep_alive = new
         if not self.persistent_full:
             pending.then.append(lambda: self.source.write(0, out))
         return pending
