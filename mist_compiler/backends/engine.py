@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -59,10 +60,20 @@ def _default_optimizer() -> Any:
 
 
 class FailureMonitor:
-    """Heartbeats in the rendezvous store, so survivors can name a rank that died or failed."""
+    """Fail fast, and say who failed, through the rendezvous store.
 
-    def __init__(self, rank: int, world: int, timeout_s: float) -> None:
+    Every rank writes a heartbeat each second. A rank whose step fails for a reason of its own
+    (not a broken transfer) writes ``mist/failed/<rank>``; every other rank's monitor sees that key
+    within a heartbeat, prints the reason and exits non-zero (``on_peer_failure``): nobody waits
+    for a collective that can never complete. A rank whose step fails because a peer vanished
+    (transfer error or timeout) looks for a rank whose heartbeat went stale and reports it on
+    that rank's behalf, so the survivors all name the dead rank.
+    """
+
+    def __init__(self, rank: int, world: int, timeout_s: float,
+                 on_peer_failure: Callable[[str], None] | None = None) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.on_peer_failure = on_peer_failure or _exit_on_peer_failure
         self.store = _default_store()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -71,50 +82,76 @@ class FailureMonitor:
             self._thread = threading.Thread(target=self._run, name="mist-heartbeat", daemon=True)
             self._thread.start()
 
+    def _key(self, kind: str, rank: int) -> str:
+        return f"mist/{kind}/{rank}"
+
     def _beat(self) -> None:
-        self.store.set(f"mist/heartbeat/{self.rank}", repr(time.time()))
+        self.store.set(self._key("heartbeat", self.rank), repr(time.time()))
 
     def _run(self) -> None:
+        others = [r for r in range(self.world) if r != self.rank]
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._beat()
-            except Exception:  # the store itself is gone: nothing left to report to
+                for rank in others:
+                    if self.store.check([self._key("failed", rank)]):
+                        reason = self.store.get(self._key("failed", rank)).decode(errors="replace")
+                        if not self._stop.is_set():
+                            self.on_peer_failure(f"mist: rank {self.rank} stops because rank {rank} failed: {reason}")
+                        return
+            except Exception:  # the store itself is gone: the main thread's timeouts take over
                 return
 
-    def report_failure(self, message: str) -> None:
-        if self.store is not None:
-            try:
-                self.store.set(f"mist/failed/{self.rank}", message[:2000])
-            except Exception:
-                pass
-
-    def describe_failed_ranks(self) -> str:
-        """Which ranks reported a failure or stopped beating (best effort, never blocks long)."""
+    def report_failure(self, message: str, rank: int | None = None) -> None:
         if self.store is None:
-            return "unknown (no rendezvous store)"
-        failed, silent = [], []
+            return
         try:
-            self.store.set_timeout(datetime.timedelta(seconds=2))
-            now = time.time()
-            for rank in range(self.world):
-                if rank == self.rank:
-                    continue
-                if self.store.check([f"mist/failed/{rank}"]):
-                    reason = self.store.get(f"mist/failed/{rank}").decode(errors="replace")
-                    failed.append(f"rank {rank} failed: {reason}")
-                elif not self.store.check([f"mist/heartbeat/{rank}"]):
-                    silent.append(rank)
-                else:
-                    last = float(self.store.get(f"mist/heartbeat/{rank}").decode())
-                    if now - last > 4 * HEARTBEAT_S:
-                        silent.append(rank)
-        except Exception as error:
-            return f"unknown (the rendezvous store is unreachable: {error})"
-        parts = failed + ([f"rank(s) {silent} stopped responding (died?)"] if silent else [])
-        return "; ".join(parts) if parts else "no rank reported a failure"
+            self.store.set(self._key("failed", self.rank if rank is None else rank), message[:2000])
+        except Exception:
+            pass
+
+    def find_failed_rank(self, patience_s: float = 6 * HEARTBEAT_S) -> tuple[int, str] | None:
+        """A rank that reported a failure or whose heartbeat went stale (waits up to ``patience_s``)."""
+        if self.store is None:
+            return None
+        deadline = time.time() + min(patience_s, self.timeout_s)
+        while True:
+            try:
+                found = self._scan()
+            except Exception:
+                return None
+            if found is not None or time.time() > deadline:
+                return found
+            time.sleep(HEARTBEAT_S / 2)
+
+    def _scan(self) -> tuple[int, str] | None:
+        now = time.time()
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            if self.store.check([self._key("failed", rank)]):
+                return rank, self.store.get(self._key("failed", rank)).decode(errors="replace")
+            if not self.store.check([self._key("heartbeat", rank)]):
+                return rank, "never started"
+            if now - float(self.store.get(self._key("heartbeat", rank)).decode()) > 4 * HEARTBEAT_S:
+                return rank, "stopped responding (process died or hung)"
+        return None
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _exit_on_peer_failure(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def is_transfer_error(error: BaseException) -> bool:
+    """A failure to talk to a peer (timeout, closed connection), as opposed to a failure of our own."""
+    text = f"{type(error).__name__}: {error}".lower()
+    markers = ("timed out", "timeout", "connection", "closed by peer", "collectiveerror", "pipelinetimeout",
+               "distbackenderror", "broken pipe", "gloo")
+    return any(marker in text for marker in markers)
 
 
 def _default_store() -> Any:
@@ -185,10 +222,30 @@ class Engine:
         except (BatchError, PlanError):
             raise
         except Exception as error:
-            self.monitor.report_failure(f"{type(error).__name__}: {error}")
-            who = self.monitor.describe_failed_ranks() if self.world > 1 else ""
-            raise RankFailure(f"rank {self.rank} (stage {self.coord.stage}) stopped the step: {type(error).__name__}: "
-                              f"{error}" + (f" | {who}" if who else "")) from error
+            raise self._failure(error) from error
+
+    def _failure(self, error: Exception) -> RankFailure:
+        """Record why this rank stops and build the message naming the rank at fault."""
+        what = f"{type(error).__name__}: {error}"
+        if self.world == 1:
+            return RankFailure(f"rank {self.rank} stopped the step: {what}")
+        if not is_transfer_error(error):
+            self.monitor.stop()
+            self.monitor.report_failure(what)
+            if self.rank == 0:  # often the rendezvous store's host: let the others read the reason
+                time.sleep(2 * HEARTBEAT_S)
+            return RankFailure(f"rank {self.rank} (stage {self.coord.stage}) failed: {what}")
+        found = self.monitor.find_failed_rank()
+        if found is None:
+            return RankFailure(f"rank {self.rank} (stage {self.coord.stage}) lost contact with its peers and no rank "
+                               f"reported a failure: {what}")
+        rank, reason = found
+        self.monitor.stop()
+        self.monitor.report_failure(reason, rank=rank)
+        if self.rank == 0:
+            time.sleep(2 * HEARTBEAT_S)
+        return RankFailure(f"rank {self.rank} (stage {self.coord.stage}) stops because rank {rank} failed: {reason} "
+                           f"(here: {what})")
 
     def _micro_inputs(self, batch: dict[str, torch.Tensor], micro: int) -> dict[str, torch.Tensor]:
         start, end = self.topology.sample_range(self.coord.stage, self.coord.dp_index, micro)
