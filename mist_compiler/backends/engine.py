@@ -73,7 +73,7 @@ class FailureMonitor:
     def __init__(self, rank: int, world: int, timeout_s: float,
                  on_peer_failure: Callable[[str], None] | None = None) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        self.on_peer_failure = on_peer_failure or _exit_on_peer_failure
+        self.on_peer_failure = on_peer_failure or (lambda message: _exit_on_peer_failure(message, rank))
         self.store = _default_store()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -141,8 +141,11 @@ class FailureMonitor:
         self._stop.set()
 
 
-def _exit_on_peer_failure(message: str) -> None:
+def _exit_on_peer_failure(message: str, rank: int) -> None:
     print(message, file=sys.stderr, flush=True)
+    if rank == 0:
+        # rank 0 often hosts the rendezvous store: keep it up a moment for the others to read
+        time.sleep(3 * HEARTBEAT_S)
     os._exit(1)
 
 
@@ -233,7 +236,7 @@ class Engine:
             self.monitor.stop()
             self.monitor.report_failure(what)
             if self.rank == 0:  # often the rendezvous store's host: let the others read the reason
-                time.sleep(2 * HEARTBEAT_S)
+                time.sleep(3 * HEARTBEAT_S)
             return RankFailure(f"rank {self.rank} (stage {self.coord.stage}) failed: {what}")
         found = self.monitor.find_failed_rank()
         if found is None:
@@ -243,7 +246,7 @@ class Engine:
         self.monitor.stop()
         self.monitor.report_failure(reason, rank=rank)
         if self.rank == 0:
-            time.sleep(2 * HEARTBEAT_S)
+            time.sleep(3 * HEARTBEAT_S)
         return RankFailure(f"rank {self.rank} (stage {self.coord.stage}) stops because rank {rank} failed: {reason} "
                            f"(here: {what})")
 
