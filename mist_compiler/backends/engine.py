@@ -182,6 +182,7 @@ class Engine:
                  timeout_s: float = DEFAULT_TIMEOUT_S, runtime_factory: Callable[..., Any] | None = None) -> None:
         self.plan = plan
         self.timeout_s = timeout_s
+        self.source_model: nn.Module | None = None  # set by the dynamo runtime
         self.topology = Topology(plan)
         _ensure_process_group(timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -220,8 +221,33 @@ class Engine:
 
     # ----------------------------------------------------------------- the step
     def step(self, batch: dict[str, torch.Tensor]) -> float:
+        """One training step (forward, backward, optimizer) on the global batch; its mean loss."""
+        loss = self.forward_backward(batch)
+        self.optimizer_step()
+        return loss
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
+        """The micro-batch schedule (forward and backward); gradients are reduced, not yet applied."""
+        self.flush_optimizer_step()
+        return self._guarded(self._forward_backward, batch)
+
+    def optimizer_step(self) -> None:
+        """Apply the reduced gradients (AdamW) and sync tied weights."""
+        self._step_pending = False
+        self._guarded(self._optimizer_step)
+
+    def request_optimizer_step(self) -> None:
+        """Apply the gradients before the next forward or weight read (used from autograd hooks,
+        where running collectives and in-place weight updates is not safe)."""
+        self._step_pending = True
+
+    def flush_optimizer_step(self) -> None:
+        if getattr(self, "_step_pending", False):
+            self.optimizer_step()
+
+    def _guarded(self, fn: Callable, *args: Any) -> Any:
         try:
-            return self._step(batch)
+            return fn(*args)
         except (BatchError, PlanError):
             raise
         except Exception as error:
@@ -262,7 +288,7 @@ class Engine:
                 raise BatchError(f"batch[{name!r}] has {batch[name].shape[0]} samples but the plan's global_batch is "
                                  f"{self.plan.global_batch}")
 
-    def _step(self, batch: dict[str, torch.Tensor]) -> float:
+    def _forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
         self._check_batch(batch)
         grad_accum = self.plan.grad_accum
         state = StepState({}, {}, torch.zeros((), dtype=torch.float64))
@@ -283,11 +309,13 @@ class Engine:
         if self.tied is not None:
             self.tied.after_backward()
         self.runtime.finish_gradients()
+        self.p2p.wait_sends()
+        return self._mean_loss(state.loss_sum)
+
+    def _optimizer_step(self) -> None:
         self.runtime.step()
         if self.tied is not None:
             self.tied.after_step()
-        self.p2p.wait_sends()
-        return self._mean_loss(state.loss_sum)
 
     def _forward(self, batch: dict[str, torch.Tensor], micro: int, state: StepState) -> None:
         received = self.p2p.recv_forward(micro) if not self.interface.is_first else []
@@ -331,6 +359,7 @@ class Engine:
     # ----------------------------------------------------------------- checks
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, unsharded over data parallelism (names as in the stage program)."""
+        self.flush_optimizer_step()
         params = dict(self.runtime.named_full_parameters())
         if self.tied is not None:
             params.update(self.tied.local_parameters())
@@ -342,6 +371,7 @@ class Engine:
         Collective: every rank must call it. Tensor-parallel slices are concatenated along their
         split dimension; data-parallel replicas are taken from dp index 0.
         """
+        self.flush_optimizer_step()
         dims: dict[str, int | None] = {}
         for unit_name, module in self.program.units:
             dims.update(shard_dims(module, unit_name))
