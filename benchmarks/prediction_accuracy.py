@@ -16,10 +16,9 @@ Measurement:
   with parameters, gradients (kept allocated, as gradient accumulation does: ``zero_grad(
   set_to_none=False)``) and optimizer states tracked; the step's own temporaries are outside
   that window. On a GPU the same runner would read ``torch.cuda.max_memory_allocated``.
-- step time: best of the timed steps after a warm-up, wall clock (the machine is shared: the
-  best step is the one least slowed by other work). Next to it, a *load* factor: the rate of a
-  reference matmul just before and after the configuration over its rate at calibration; the
-  load-normalised error rescales the measured time by it (reported besides the raw error).
+- step time: wall clock of one step after a warm-up, in interleaved rounds over all the
+  configurations, keeping each configuration's best round (the machine is shared: interleaving
+  spreads bursts of other work over every configuration, the best round is the least slowed).
 Calibration: the profile's compute rates (peak, per-class efficiencies, memory bandwidth, op
 overhead) are re-measured once at start with ``mistc profile``'s routine (``--no-calibrate``
 keeps the shipped numbers).
@@ -43,11 +42,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from mist_compiler.cost.hardware import HardwareProfile, load_profile
 from mist_compiler.cost.stage_api import StageCandidates, pipeline_iteration_time
-from mist_compiler.cost.stage_model import StageCostModel
+from mist_compiler.cost.stage_model import TORCH_ADAMW_BYTES_PER_PARAM, StageCostModel
 from mist_compiler.models import TransformerConfig, TransformerLM, zoo_config
 
 CUSTOM_MODELS: dict[str, TransformerConfig] = {
@@ -83,12 +83,14 @@ class SingleProcessConfig:
     micro_batch: int
     seq_len: int
     ckpt_layers: int = 0
+    attention: str = "flash"  # "math": SDPA's math backend (keeps the s x s probabilities)
     kind: str = "single"
 
     @property
     def label(self) -> str:
         ckpt = f" ckpt{self.ckpt_layers}" if self.ckpt_layers else ""
-        return f"{self.model} b{self.micro_batch} s{self.seq_len}{ckpt}"
+        math = " math" if self.attention == "math" else ""
+        return f"{self.model} b{self.micro_batch} s{self.seq_len}{ckpt}{math}"
 
 
 @dataclass
@@ -112,8 +114,10 @@ CONFIGS: list[SingleProcessConfig] = [
     SingleProcessConfig("llama-deep", 4, 256),
     SingleProcessConfig("llama-deep", 8, 256, ckpt_layers=4),
     SingleProcessConfig("llama-deep", 2, 128),
+    SingleProcessConfig("gpt-small", 2, 256, attention="math"),
+    SingleProcessConfig("llama-small", 2, 128, ckpt_layers=2, attention="math"),
 ]
-QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[13]]
+QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[14]]
 
 
 class CheckpointedBlock(nn.Module):
@@ -135,7 +139,8 @@ def build(config: SingleProcessConfig) -> nn.Module:
     return model
 
 
-def measure_single(config: SingleProcessConfig, timed_steps: int) -> Outcome:
+def measure_single(config: SingleProcessConfig, timed_steps: int, measure_memory: bool) -> Outcome:
+    """Best of ``timed_steps`` steps after a warm-up, and (if asked) the peak of live tensors."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     model = build(config)
@@ -145,24 +150,30 @@ def measure_single(config: SingleProcessConfig, timed_steps: int) -> Outcome:
     ids = torch.randint(0, vocab, (config.micro_batch, config.seq_len), generator=generator)
     labels = torch.randint(0, vocab, (config.micro_batch, config.seq_len), generator=generator)
 
+    def forward_backward() -> None:
+        with sdpa_kernel(SDPBackend.MATH if config.attention == "math" else SDPBackend.FLASH_ATTENTION):
+            model(input_ids=ids, labels=labels).backward()
+
     def step() -> None:
         optimizer.zero_grad(set_to_none=False)
-        model(input_ids=ids, labels=labels).backward()
+        forward_backward()
         optimizer.step()
 
     step()  # warm-up: allocates gradients and optimizer states
-    times = []
+    best = float("inf")
     for _ in range(timed_steps):
         start = time.perf_counter()
         step()
-        times.append(time.perf_counter() - start)
-    tracker = MemTracker()
-    tracker.track_external(model, optimizer)
-    optimizer.zero_grad(set_to_none=False)
-    with tracker:
-        model(input_ids=ids, labels=labels).backward()
-    peak = sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values())
-    return Outcome(min(times), float(peak))
+        best = min(best, time.perf_counter() - start)
+    peak = float("nan")
+    if measure_memory:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        optimizer.zero_grad(set_to_none=False)
+        with tracker:
+            forward_backward()
+        peak = float(sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values()))
+    return Outcome(best, peak)
 
 
 def calibrated_profile(name: str, log: Callable[[str], None]) -> HardwareProfile:
@@ -180,18 +191,6 @@ def calibrated_profile(name: str, log: Callable[[str], None]) -> HardwareProfile
                                memory_bandwidth=measured.copy_bytes_per_s, op_overhead=measured.op_overhead_s)
 
 
-def reference_rate() -> float:
-    """FLOP/s of a transformer-shaped matmul right now: how loaded the shared machine is."""
-    a, w = torch.randn(1024, 512), torch.randn(512, 2048)
-    a @ w
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        a @ w
-        best = min(best, time.perf_counter() - start)
-    return 2 * 1024 * 512 * 2048 / best
-
-
 @lru_cache(maxsize=None)
 def _analysed(model_name: str):
     from mist_compiler import capture
@@ -203,7 +202,9 @@ def _analysed(model_name: str):
 
 def predict_single(config: SingleProcessConfig, hardware: HardwareProfile) -> Outcome:
     blocks, num_layers = _analysed(config.model)
-    model = StageCostModel(blocks, hardware, config.seq_len, "float32", "flash", config.model, num_layers)
+    # the runner steps torch.optim.AdamW (single-tensor loop on CPU), not a fused kernel
+    model = StageCostModel(blocks, hardware, config.seq_len, "float32", config.attention, config.model, num_layers,
+                           optimizer_bytes_per_param=TORCH_ADAMW_BYTES_PER_PARAM)
     candidate = StageCandidates(
         num_layers=num_layers, has_pre=True, has_post=True, nodes=1, gpus_per_node=1, micro_batch=config.micro_batch,
         dp=1, tp=1, zero=0, ckpt_layers=config.ckpt_layers, offload_weights=0.0, offload_grads=0.0, offload_opt=0.0,
@@ -230,48 +231,39 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, fewer timed steps")
+    parser.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, 2 rounds")
     parser.add_argument("--hardware", default="cpu", help="hardware profile of this machine")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="use the shipped profile as is (default: re-measure its compute rates first)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     configs = QUICK if args.quick else CONFIGS
-    steps = args.steps or (2 if args.quick else 3)
-    quiet = lambda message: None  # noqa: E731
-    profile = load_profile(args.hardware) if args.no_calibrate else calibrated_profile(args.hardware, quiet)
-    calibration_rate = reference_rate()
+    rounds = args.rounds or (2 if args.quick else 3)
+    profile = load_profile(args.hardware) if args.no_calibrate else calibrated_profile(args.hardware, lambda _: None)
     print(f"profile {profile.name}: fp32 peak {profile.peak_flops['float32'] / 1e9:.1f} GFLOP/s, "
           f"memory {profile.memory_bandwidth / 1e9:.2f} GB/s, op overhead {profile.op_overhead * 1e6:.1f} us, "
           f"efficiencies {profile.efficiency}")
-    print("load: reference matmul rate now / at calibration (the machine is shared; 'norm' rescales the measured "
-          "time by it)\n")
-    print(f"{'configuration':<28} {'pred s':>7} {'meas s':>7} {'err':>7} {'load':>5} {'norm err':>8}  "
-          f"{'pred MB':>8} {'meas MB':>8} {'err':>7}")
-    rows = []
-    for config in configs:
-        predicted = PREDICTORS[config.kind](config, profile)
-        before = reference_rate()
-        measured = RUNNERS[config.kind](config, steps)
-        load = (before + reference_rate()) / 2 / calibration_rate
-        rows.append((config, predicted, measured, load))
-        normalised = measured.step_s * load
-        print(f"{config.label:<28} {predicted.step_s:>7.3f} {measured.step_s:>7.3f} "
-              f"{predicted.step_s / measured.step_s - 1:>+7.1%} {load:>5.2f} {predicted.step_s / normalised - 1:>+8.1%}  "
-              f"{predicted.peak_bytes / 1e6:>8.2f} {measured.peak_bytes / 1e6:>8.2f} "
-              f"{predicted.peak_bytes / measured.peak_bytes - 1:>+7.2%}", flush=True)
-    predicted_times = [p.step_s for _, p, _, _ in rows]
-    measured_times = [m.step_s for _, _, m, _ in rows]
-    normalised_times = [m.step_s * load for _, _, m, load in rows]
-    raw = [abs(p / m - 1) for p, m in zip(predicted_times, measured_times)]
-    norm = [abs(p / m - 1) for p, m in zip(predicted_times, normalised_times)]
-    memory = [abs(p.peak_bytes / m.peak_bytes - 1) for _, p, m, _ in rows]
-    print(f"\nstep time, raw: mean |error| {statistics.mean(raw):.1%}, max {max(raw):.1%}, Kendall tau "
-          f"{kendall_tau(predicted_times, measured_times):.3f}")
-    print(f"step time, load-normalised: mean |error| {statistics.mean(norm):.1%}, max {max(norm):.1%}, Kendall tau "
-          f"{kendall_tau(predicted_times, normalised_times):.3f}")
-    print(f"peak memory: mean |error| {statistics.mean(memory):.2%}, max {max(memory):.2%} over {len(rows)} configurations")
+    predicted = [PREDICTORS[config.kind](config, profile) for config in configs]
+    best = [float("inf")] * len(configs)
+    peaks = [float("nan")] * len(configs)
+    for round_index in range(rounds):  # interleaved: a burst of load on the shared machine hits every config alike
+        for index, config in enumerate(configs):
+            outcome = RUNNERS[config.kind](config, 1, measure_memory=round_index == 0)
+            best[index] = min(best[index], outcome.step_s)
+            if round_index == 0:
+                peaks[index] = outcome.peak_bytes
+        print(f"round {round_index + 1}/{rounds} done", flush=True)
+    print(f"\n{'configuration':<30} {'pred s':>7} {'meas s':>7} {'err':>7}  {'pred MB':>8} {'meas MB':>8} {'err':>7}")
+    for config, prediction, step_s, peak in zip(configs, predicted, best, peaks):
+        print(f"{config.label:<30} {prediction.step_s:>7.3f} {step_s:>7.3f} {prediction.step_s / step_s - 1:>+7.1%}  "
+              f"{prediction.peak_bytes / 1e6:>8.2f} {peak / 1e6:>8.2f} {prediction.peak_bytes / peak - 1:>+7.2%}")
+    predicted_times = [p.step_s for p in predicted]
+    time_errors = [abs(p / m - 1) for p, m in zip(predicted_times, best)]
+    memory_errors = [abs(p.peak_bytes / m - 1) for p, m in zip(predicted, peaks)]
+    print(f"\nstep time: mean |error| {statistics.mean(time_errors):.1%}, max {max(time_errors):.1%}; "
+          f"Kendall tau {kendall_tau(predicted_times, best):.3f} over {len(configs)} configurations")
+    print(f"peak memory: mean |error| {statistics.mean(memory_errors):.2%}, max {max(memory_errors):.2%}")
     return 0
 
 

@@ -214,3 +214,23 @@ def memory_worker(rank: int, world: int, cases: list[Case]) -> list[dict]:
         _, memory = train_with_runtime(rank, world, case, batches, adamw)
         reports.append(memory)
     return reports
+
+
+def timeout_worker(rank: int, world: int) -> str:
+    """Rank 1 skips a ZeRO-3 all-gather: rank 0 must get a CollectiveError naming unit and collective."""
+    import time
+
+    from mist_compiler.backends.dist_compat import CollectiveError
+
+    model = build_model("gpt-tiny", seed=0)
+    runtime = StageRuntime(make_units(model), dp_group=dist.group.WORLD, zero=3, offload=Offload(),
+                           optimizer=AdamWConfig(), device=torch.device("cpu"), timeout_s=2.0)
+    if rank == 1:
+        time.sleep(3.5)
+        return "skipped"
+    start = time.monotonic()
+    try:
+        runtime.named_full_parameters()
+    except CollectiveError as error:
+        return f"{time.monotonic() - start:.1f}s {error}"
+    return "no error"

@@ -45,6 +45,8 @@ def test_offload_ratios_move_state_to_host():
     assert float(half.weights) == pytest.approx(0.5 * float(full.weights))
     assert float(half.grads) == pytest.approx(0.75 * float(full.grads))
     assert float(half.opt) == 0.0
+    # two layers' offloaded weights prefetched back, one layer's offloaded gradients staged out
+    assert float(half.buffers) == pytest.approx(2 * LAYER * 2 * 0.5 + LAYER * 2 * 0.25)
 
 
 def terms(saved, inp, fwd, bwd):

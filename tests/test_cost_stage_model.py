@@ -69,6 +69,12 @@ def test_tensor_parallel_splits_compute_and_adds_all_reduces(model):
     assert tp2.breakdown["params"][0] < tp1.breakdown["params"][0]
 
 
+def test_tensor_parallel_degree_must_divide_heads(model):
+    assert model.tp_granularity == 4  # gpt-tiny: 4 heads
+    estimate = model.evaluate(one(tp=np.array([2, 3, 4, 8]), gpus_per_node=8, dp=np.array([4, 2, 2, 1])))
+    assert list(np.isfinite(estimate.stable_s)) == [True, False, True, False]
+
+
 def test_inflight_micro_batches_hold_activations(model):
     one_mb, three = model.evaluate(one(inflight=1)), model.evaluate(one(inflight=3))
     held = three.breakdown["acts"][0] - one_mb.breakdown["acts"][0]

@@ -42,6 +42,17 @@ for step in (1, 2, 7):
 out["adamw param"] = ((p - ref[0]).abs().max() / ref[0].abs().max()).item()
 out["adamw exp_avg"] = ((m - ref[2]).abs().max() / ref[2].abs().max()).item()
 out["adamw exp_avg_sq"] = ((v - ref[3]).abs().max() / ref[3].abs().max()).item()
+for dtype in (torch.float32, torch.float16):
+    tensors = [torch.randn(s).to(dtype) for s in ((3, 700), (1,), (1500,), (0,), (64, 33))]
+    total = sum(t.numel() for t in tensors)
+    flat = torch.full((total + 7,), -1.0)
+    kernels.pack(tensors, flat, 0.5)
+    want = torch.cat([t.reshape(-1).float() for t in tensors]) * 0.5
+    out[f"pack {dtype}"] = (flat[:total] - want).abs().max().item() + float(flat[total:].ne(-1.0).any())
+    back = [torch.zeros_like(t) for t in tensors]
+    kernels.unpack(flat, back, 2.0)
+    out[f"unpack {dtype}"] = max((b.float() - t.float()).abs().max().item() if t.numel() else 0.0
+                                 for b, t in zip(back, tensors))
 print("RESULT" + json.dumps(out))
 """
 
@@ -55,10 +66,10 @@ def test_triton_kernels_match_torch_under_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
     errors = json.loads(line[len("RESULT"):])
-    tolerances = {"scale_accumulate": 1e-6, "cast_copy": 0.0, "adamw": 1e-6}
+    tolerances = {"scale_accumulate": 1e-6, "cast_copy": 0.0, "adamw": 1e-6, "pack": 0.0, "unpack": 1e-3}
     bad = {k: e for k, e in errors.items() if e > next(t for p, t in tolerances.items() if k.startswith(p))}
     assert not bad, bad
-    assert len(errors) == 11
+    assert len(errors) == 15
 
 
 def test_torch_adamw_matches_torch_optim_over_steps():
@@ -89,3 +100,16 @@ def test_scale_accumulate_torch_fallback_casts_and_scales():
     assert torch.equal(dst, torch.full((6,), 1.5))
     kernels.scale_accumulate(dst, torch.full((6,), 4.0), 0.5, accumulate=False)
     assert torch.equal(dst, torch.full((6,), 2.0))
+
+
+def test_pack_and_unpack_torch_fallback_round_trip():
+    tensors = [torch.randn(4, 5), torch.randn(3), torch.randn(2, 2)]
+    flat = torch.zeros(30)
+    kernels.pack(tensors, flat, 0.25)
+    assert torch.equal(flat[:27], torch.cat([t.reshape(-1) for t in tensors]) * 0.25) and flat[27:].eq(0).all()
+    back = [torch.empty_like(t) for t in tensors]
+    kernels.unpack(flat, back, 4.0)
+    for got, want in zip(back, tensors):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="flat buffer must be 1-D contiguous with >= 27"):
+        kernels.pack(tensors, torch.zeros(10))

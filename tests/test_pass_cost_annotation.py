@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from mist_compiler.cost.analysis import analyse_named_model
+from mist_compiler.cost.analysis import analyse_named_model, captured_named_model
 from mist_compiler.models import zoo_config
-from mist_compiler.passes.cost_annotation import B, S, T, propagate_costs, recognise_sharding
+from mist_compiler.passes.cost_annotation import B, S, T, cost_annotation, propagate_costs, recognise_sharding
 
 SEQ = 128
 
@@ -104,3 +104,21 @@ def test_unknown_structure_is_reported():
     sharding = recognise_sharding(graph.graph, {"w1_1", "w2_1"})
     assert not sharding.supported
     assert "fit no column/row-parallel pair" in sharding.message and "mm" in sharding.message
+
+
+def test_pass_writes_costs_and_collectives_into_the_ir():
+    cfg = zoo_config("gpt-tiny")
+    h, f = cfg.hidden, cfg.ffn
+    program = captured_named_model("gpt-tiny", SEQ, "float32")
+    result = cost_annotation(program)
+    layer = next(c for c in result.program.block_classes.values() if c.kind == "layer")
+    original = next(c for c in program.block_classes.values() if c.kind == "layer")
+    assert all("flops" not in n.attrs for n in original.forward_nodes)  # the input program is untouched
+    flops = sum((sympy.sympify(n.attrs.get("flops", 0)) for n in layer.forward_nodes), sympy.Integer(0))
+    assert same(flops, (2 * B * S * (4 * h * h + 2 * h * f) + 4 * B * S * S * h) / T)
+    nodes = [n for c in result.program.block_classes.values() for n in c.forward_nodes + c.backward_nodes]
+    hidden = [n for n in nodes if n.op == "all_reduce" and same(n.attrs["bytes"], 4 * B * S * h)]
+    # embedding; o, down; q+k+v and up input gradients; head input gradient
+    assert len(hidden) == 6
+    assert sum(n.op == "all_reduce" for n in layer.forward_nodes) == 2
+    assert result.program.tensor_parallel["supported"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 import sympy
 import torch
 
-from mist_compiler.cost.analysis import analyse_named_model
+from mist_compiler.cost.analysis import analyse_named_model, captured_named_model
 from mist_compiler.cost.stage_api import StageCandidates
 from mist_compiler.cost.stage_model import StageCostModel
 from mist_compiler.cost.hardware import load_profile
 from mist_compiler.models import build_model, zoo_config
 from mist_compiler.passes.cost_annotation import B, S, T
-from mist_compiler.passes.memory_analysis import dominates, prune_candidates
+from mist_compiler.passes.memory_analysis import dominates, memory_analysis, prune_candidates
 
 SEQ = 128
 
@@ -44,13 +44,14 @@ def test_gpt_layer_saved_bytes_closed_form_and_capture():
     assert same(layer.input, 4 * B * S * cfg.hidden)
 
 
-def test_saved_bytes_agree_with_capture_ir():
-    from mist_compiler import capture
-
-    program = capture("gpt-tiny", dtype="float32")
+def test_saved_bytes_agree_with_capture_ir_and_the_pass():
+    program = captured_named_model("gpt-tiny", SEQ, "float32")
     blocks, _, _ = analysed("gpt-tiny")
     layer_class = next(c for c in program.block_classes.values() if c.kind == "layer")
     assert same(blocks["layer"].memory.saved["flash"].subs(T, 1), layer_class.saved_bytes_expr("flash"))
+    result = memory_analysis(program)
+    assert not result.modified and not hasattr(program, "memory")  # pure: results on a copy
+    assert same(result.program.memory[layer_class.class_id].saved["flash"], blocks["layer"].memory.saved["flash"])
 
 
 def test_peaks_cover_saved_plus_gradients():

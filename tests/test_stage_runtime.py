@@ -120,3 +120,79 @@ def test_bad_units_and_names_are_rejected():
         runtime.activation_offload("b")
     with pytest.raises(ValueError, match="AdamWConfig.lr"):
         AdamWConfig(lr=-1.0)
+
+
+@pytest.mark.distributed
+def test_a_missing_rank_gives_a_timeout_error_naming_unit_and_collective():
+    from stage_runtime_cases import timeout_worker
+
+    rank0, rank1 = run_ranks(timeout_worker, world=2, timeout_s=90)
+    assert rank1 == "skipped"
+    seconds, message = rank0.split(" ", 1)
+    assert "all_gather of unit 'pre' weights" in message and "2 s" in message, message
+    assert float(seconds[:-1]) < 10.0
+
+
+def test_state_dict_round_trip_resumes_training_exactly():
+    from stage_runtime_cases import make_batches, train_with_runtime, _forward, reference_name
+
+    adamw = AdamWConfig(lr=1e-3, weight_decay=0.1)
+    batches = make_batches(2, 2, 16, 512)
+    case = Case(zero=3, grad_accum=1, offload=Offload(weights=0.5, opt=0.5))
+
+    def make_runtime():
+        units = make_units(build_model("gpt-tiny", seed=1))  # different init: load_state_dict must overwrite it
+        return units, StageRuntime(units, dp_group=None, zero=3, offload=case.offload, optimizer=adamw,
+                                   device=torch.device("cpu"))
+
+    def train_step(units, runtime, batch):
+        runtime.begin_iteration()
+        runtime.set_last_microbatch(True)
+        _forward(runtime, units, batch[0], batch[1], case).backward()
+        runtime.step()
+
+    uninterrupted, _ = train_with_runtime(0, 1, case, batches, adamw)
+    units, first = make_runtime()
+    first.load_state_dict(_state_of_build(adamw, case))
+    train_step(units, first, batches[0])
+    saved = first.state_dict()
+    units, second = make_runtime()
+    second.load_state_dict(saved)
+    train_step(units, second, batches[1])
+    resumed = {reference_name(k): v for k, v in second.named_full_parameters().items()}
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0)
+    with pytest.raises(StageRuntimeError, match="lacks unit"):
+        second.load_state_dict({"step": 1, "units": {}})
+
+
+def _state_of_build(adamw: AdamWConfig, case: Case) -> dict:
+    """The state of a fresh runtime over the seed-0 model (what train_with_runtime starts from)."""
+    runtime = StageRuntime(make_units(build_model("gpt-tiny", seed=0)), dp_group=None, zero=case.zero,
+                           offload=case.offload, optimizer=adamw, device=torch.device("cpu"))
+    return runtime.state_dict()
+
+
+def test_zero3_prefetches_one_unit_ahead_and_frees_after_use():
+    from stage_runtime_cases import _forward
+
+    units = make_units(build_model("gpt-tiny", seed=0))
+    units = units[:2] + units[-1:]  # pre, blocks.0, post
+    runtime = StageRuntime(units, dp_group=None, zero=3, offload=Offload(), optimizer=AdamWConfig(),
+                           device=torch.device("cpu"))
+    trace = runtime.trace_events()
+    runtime.begin_iteration()
+    runtime.set_last_microbatch(True)
+    ids = torch.randint(0, 512, (2, 8))
+    _forward(runtime, units, ids, ids, Case(zero=3, grad_accum=1)).backward()
+    runtime.step()
+    # "forward"/"backward" are recorded when the unit starts computing, with its weights resident
+    assert trace == [
+        ("fetch", "pre"), ("forward", "pre"), ("fetch", "blocks.0"), ("free", "pre"),
+        ("forward", "blocks.0"), ("fetch", "post"), ("free", "blocks.0"),
+        ("forward", "post"), ("free", "post"),
+        ("fetch", "post"), ("backward", "post"), ("fetch", "blocks.0"), ("reduce", "post"), ("free", "post"),
+        ("backward", "blocks.0"), ("fetch", "pre"), ("reduce", "blocks.0"), ("free", "blocks.0"),
+        ("backward", "pre"), ("reduce", "pre"), ("free", "pre"),
+    ]
+    assert all(not b.full.allocated for b in runtime.buckets)

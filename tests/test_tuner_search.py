@@ -192,3 +192,79 @@ def test_bad_space_fields_are_named():
         SearchSpace(offload_grid=(0.5,))
     with pytest.raises(ValueError, match="SearchSpace.zero_levels"):
         SearchSpace(zero_levels=(4,))
+
+
+def test_full_space_never_worse_than_each_baseline():
+    from mist_compiler.tuner.baselines import tune_baseline
+
+    model = small_model(4e7)
+    work = Workload(num_layers=4, heads=4, global_batch=16, seq_len=256, model_name="toy")
+    full = tune("toy", None, 2, 2, 16, seq_len=256, cost_model=model, workload=work)
+    for name in ("megatron", "zero3", "mist-paper"):
+        try:
+            baseline = tune_baseline(name, "toy", None, 2, 2, 16, seq_len=256, cost_model=model, workload=work)
+        except TuneError:
+            continue
+        assert full.predicted_time_s <= baseline.predicted_time_s * (1 + 1e-9), name
+
+
+def test_megatron_baseline_is_uniform():
+    from mist_compiler.tuner.baselines import tune_baseline
+
+    work = Workload(num_layers=4, heads=4, global_batch=16, seq_len=256, model_name="toy")
+    result = tune_baseline("megatron", "toy", None, 1, 4, 16, seq_len=256, cost_model=small_model(1e8), workload=work)
+    stages = result.plan.stages
+    assert len({(s.dp, s.tp, s.devices, s.micro_batch) for s in stages}) == 1
+    assert all(s.zero == 1 and not s.offload.any and s.ckpt_layers in (0, s.num_layers) for s in stages)
+    assert max(s.num_layers for s in stages) - min(s.num_layers for s in stages) <= 1
+
+
+def test_cbc_fallback_finds_the_same_optimum(monkeypatch):
+    from mist_compiler.tuner import inter_stage
+
+    model = small_model(4e7)
+    highs = tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=model, workload=WORK)
+    monkeypatch.setattr(inter_stage, "solver_name", lambda: "CBC")
+    cbc = tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=model, workload=WORK)
+    assert cbc.predicted_time_s == pytest.approx(highs.predicted_time_s, rel=1e-9)
+
+
+def test_milp_alone_matches_brute_force_on_a_fixed_frontier():
+    """Force the MILP (no even-split incumbent) for every (S, G) and compare with enumeration."""
+    from mist_compiler.tuner.inter_stage import solve_stages
+    from mist_compiler.tuner.intra_stage import build_frontiers
+    from mist_compiler.tuner.space import Cluster
+
+    model = small_model(4e7)
+    cluster = Cluster(1, 4)
+    for g in (2, 4):
+        table = build_frontiers(model, WORK, cluster, SPACE, g, 4)
+        for stages in (2, 3, 4):
+            solution = solve_stages(table, stages, WORK, cluster, SPACE)
+            want = _enumerate_table(table, stages, WORK, cluster)
+            if solution is None:
+                assert want == math.inf
+            else:
+                assert solution.objective == pytest.approx(want, rel=1e-9), (g, stages)
+
+
+def _enumerate_table(table, stages, work, cluster):
+    from mist_compiler.tuner.intra_stage import PP_NONE, PP_POST, PP_PRE
+
+    g = table.grad_accum
+    best = math.inf
+    options = []
+    for i in range(stages):
+        pp = PP_PRE if i == 0 else PP_POST if i == stages - 1 else PP_NONE
+        need = 1 if pp == PP_POST else min(stages - i, g)
+        rows = [int(r) for (l, p, s, k), members in table.cells.items() if p == pp for r in members
+                if table.fit_k[r] >= need]
+        options.append(sorted(set(rows)))
+    for pick in itertools.product(*options):
+        cfg = table.configs
+        if sum(int(cfg.num_layers[r]) for r in pick) != work.num_layers:
+            continue
+        if sum(int(cfg.nodes[r] * cfg.gpus_per_node[r]) for r in pick) != cluster.world:
+            continue
+        best = min(best, pipeline_iteration_time(table.stable[list(pick)], table.delta[list(pick)], g))
+    return best

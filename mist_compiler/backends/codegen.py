@@ -128,8 +128,11 @@ def dump_lowered(model_name: str, plan_path: str, after: str) -> str:
     """
     from mist_compiler.models import build_model
 
+    import torch
+
     plan = load_plan(plan_path)
-    model = build_model(model_name, seq_len=plan.seq_len)
+    with torch.device("meta"):  # shapes only: no weights are allocated, any model size dumps fast
+        model = build_model(model_name, seq_len=plan.seq_len)
     out = io.StringIO()
     for stage_index in range(plan.pp):
         coord = RankCoord(stage_index, 0, 0)

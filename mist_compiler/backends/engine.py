@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -59,10 +60,20 @@ def _default_optimizer() -> Any:
 
 
 class FailureMonitor:
-    """Heartbeats in the rendezvous store, so survivors can name a rank that died or failed."""
+    """Fail fast, and say who failed, through the rendezvous store.
 
-    def __init__(self, rank: int, world: int, timeout_s: float) -> None:
+    Every rank writes a heartbeat each second. A rank whose step fails for a reason of its own
+    (not a broken transfer) writes ``mist/failed/<rank>``; every other rank's monitor sees that key
+    within a heartbeat, prints the reason and exits non-zero (``on_peer_failure``): nobody waits
+    for a collective that can never complete. A rank whose step fails because a peer vanished
+    (transfer error or timeout) looks for a rank whose heartbeat went stale and reports it on
+    that rank's behalf, so the survivors all name the dead rank.
+    """
+
+    def __init__(self, rank: int, world: int, timeout_s: float,
+                 on_peer_failure: Callable[[str], None] | None = None) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.on_peer_failure = on_peer_failure or (lambda message: _exit_on_peer_failure(message, rank))
         self.store = _default_store()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -71,50 +82,79 @@ class FailureMonitor:
             self._thread = threading.Thread(target=self._run, name="mist-heartbeat", daemon=True)
             self._thread.start()
 
+    def _key(self, kind: str, rank: int) -> str:
+        return f"mist/{kind}/{rank}"
+
     def _beat(self) -> None:
-        self.store.set(f"mist/heartbeat/{self.rank}", repr(time.time()))
+        self.store.set(self._key("heartbeat", self.rank), repr(time.time()))
 
     def _run(self) -> None:
+        others = [r for r in range(self.world) if r != self.rank]
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._beat()
-            except Exception:  # the store itself is gone: nothing left to report to
+                for rank in others:
+                    if self.store.check([self._key("failed", rank)]):
+                        reason = self.store.get(self._key("failed", rank)).decode(errors="replace")
+                        if not self._stop.is_set():
+                            self.on_peer_failure(f"mist: rank {self.rank} stops because rank {rank} failed: {reason}")
+                        return
+            except Exception:  # the store itself is gone: the main thread's timeouts take over
                 return
 
-    def report_failure(self, message: str) -> None:
-        if self.store is not None:
-            try:
-                self.store.set(f"mist/failed/{self.rank}", message[:2000])
-            except Exception:
-                pass
-
-    def describe_failed_ranks(self) -> str:
-        """Which ranks reported a failure or stopped beating (best effort, never blocks long)."""
+    def report_failure(self, message: str, rank: int | None = None) -> None:
         if self.store is None:
-            return "unknown (no rendezvous store)"
-        failed, silent = [], []
+            return
         try:
-            self.store.set_timeout(datetime.timedelta(seconds=2))
-            now = time.time()
-            for rank in range(self.world):
-                if rank == self.rank:
-                    continue
-                if self.store.check([f"mist/failed/{rank}"]):
-                    reason = self.store.get(f"mist/failed/{rank}").decode(errors="replace")
-                    failed.append(f"rank {rank} failed: {reason}")
-                elif not self.store.check([f"mist/heartbeat/{rank}"]):
-                    silent.append(rank)
-                else:
-                    last = float(self.store.get(f"mist/heartbeat/{rank}").decode())
-                    if now - last > 4 * HEARTBEAT_S:
-                        silent.append(rank)
-        except Exception as error:
-            return f"unknown (the rendezvous store is unreachable: {error})"
-        parts = failed + ([f"rank(s) {silent} stopped responding (died?)"] if silent else [])
-        return "; ".join(parts) if parts else "no rank reported a failure"
+            self.store.set(self._key("failed", self.rank if rank is None else rank), message[:2000])
+        except Exception:
+            pass
+
+    def find_failed_rank(self, patience_s: float = 6 * HEARTBEAT_S) -> tuple[int, str] | None:
+        """A rank that reported a failure or whose heartbeat went stale (waits up to ``patience_s``)."""
+        if self.store is None:
+            return None
+        deadline = time.time() + min(patience_s, self.timeout_s)
+        while True:
+            try:
+                found = self._scan()
+            except Exception:
+                return None
+            if found is not None or time.time() > deadline:
+                return found
+            time.sleep(HEARTBEAT_S / 2)
+
+    def _scan(self) -> tuple[int, str] | None:
+        now = time.time()
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            if self.store.check([self._key("failed", rank)]):
+                return rank, self.store.get(self._key("failed", rank)).decode(errors="replace")
+            if not self.store.check([self._key("heartbeat", rank)]):
+                return rank, "never started"
+            if now - float(self.store.get(self._key("heartbeat", rank)).decode()) > 4 * HEARTBEAT_S:
+                return rank, "stopped responding (process died or hung)"
+        return None
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _exit_on_peer_failure(message: str, rank: int) -> None:
+    print(message, file=sys.stderr, flush=True)
+    if rank == 0:
+        # rank 0 often hosts the rendezvous store: keep it up a moment for the others to read
+        time.sleep(3 * HEARTBEAT_S)
+    os._exit(1)
+
+
+def is_transfer_error(error: BaseException) -> bool:
+    """A failure to talk to a peer (timeout, closed connection), as opposed to a failure of our own."""
+    text = f"{type(error).__name__}: {error}".lower()
+    markers = ("timed out", "timeout", "connection", "closed by peer", "collectiveerror", "pipelinetimeout",
+               "distbackenderror", "broken pipe", "gloo")
+    return any(marker in text for marker in markers)
 
 
 def _default_store() -> Any:
@@ -142,6 +182,7 @@ class Engine:
                  timeout_s: float = DEFAULT_TIMEOUT_S, runtime_factory: Callable[..., Any] | None = None) -> None:
         self.plan = plan
         self.timeout_s = timeout_s
+        self.source_model: nn.Module | None = None  # set by the dynamo runtime
         self.topology = Topology(plan)
         _ensure_process_group(timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -180,15 +221,60 @@ class Engine:
 
     # ----------------------------------------------------------------- the step
     def step(self, batch: dict[str, torch.Tensor]) -> float:
+        """One training step (forward, backward, optimizer) on the global batch; its mean loss."""
+        loss = self.forward_backward(batch)
+        self.optimizer_step()
+        return loss
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
+        """The micro-batch schedule (forward and backward); gradients are reduced, not yet applied."""
+        self.flush_optimizer_step()
+        return self._guarded(self._forward_backward, batch)
+
+    def optimizer_step(self) -> None:
+        """Apply the reduced gradients (AdamW) and sync tied weights."""
+        self._step_pending = False
+        self._guarded(self._optimizer_step)
+
+    def request_optimizer_step(self) -> None:
+        """Apply the gradients before the next forward or weight read (used from autograd hooks,
+        where running collectives and in-place weight updates is not safe)."""
+        self._step_pending = True
+
+    def flush_optimizer_step(self) -> None:
+        if getattr(self, "_step_pending", False):
+            self.optimizer_step()
+
+    def _guarded(self, fn: Callable, *args: Any) -> Any:
         try:
-            return self._step(batch)
+            return fn(*args)
         except (BatchError, PlanError):
             raise
         except Exception as error:
-            self.monitor.report_failure(f"{type(error).__name__}: {error}")
-            who = self.monitor.describe_failed_ranks() if self.world > 1 else ""
-            raise RankFailure(f"rank {self.rank} (stage {self.coord.stage}) stopped the step: {type(error).__name__}: "
-                              f"{error}" + (f" | {who}" if who else "")) from error
+            raise self._failure(error) from error
+
+    def _failure(self, error: Exception) -> RankFailure:
+        """Record why this rank stops and build the message naming the rank at fault."""
+        what = f"{type(error).__name__}: {error}"
+        if self.world == 1:
+            return RankFailure(f"rank {self.rank} stopped the step: {what}")
+        if not is_transfer_error(error):
+            self.monitor.stop()
+            self.monitor.report_failure(what)
+            if self.rank == 0:  # often the rendezvous store's host: let the others read the reason
+                time.sleep(3 * HEARTBEAT_S)
+            return RankFailure(f"rank {self.rank} (stage {self.coord.stage}) failed: {what}")
+        found = self.monitor.find_failed_rank()
+        if found is None:
+            return RankFailure(f"rank {self.rank} (stage {self.coord.stage}) lost contact with its peers and no rank "
+                               f"reported a failure: {what}")
+        rank, reason = found
+        self.monitor.stop()
+        self.monitor.report_failure(reason, rank=rank)
+        if self.rank == 0:
+            time.sleep(3 * HEARTBEAT_S)
+        return RankFailure(f"rank {self.rank} (stage {self.coord.stage}) stops because rank {rank} failed: {reason} "
+                           f"(here: {what})")
 
     def _micro_inputs(self, batch: dict[str, torch.Tensor], micro: int) -> dict[str, torch.Tensor]:
         start, end = self.topology.sample_range(self.coord.stage, self.coord.dp_index, micro)
@@ -202,7 +288,7 @@ class Engine:
                 raise BatchError(f"batch[{name!r}] has {batch[name].shape[0]} samples but the plan's global_batch is "
                                  f"{self.plan.global_batch}")
 
-    def _step(self, batch: dict[str, torch.Tensor]) -> float:
+    def _forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
         self._check_batch(batch)
         grad_accum = self.plan.grad_accum
         state = StepState({}, {}, torch.zeros((), dtype=torch.float64))
@@ -223,11 +309,13 @@ class Engine:
         if self.tied is not None:
             self.tied.after_backward()
         self.runtime.finish_gradients()
+        self.p2p.wait_sends()
+        return self._mean_loss(state.loss_sum)
+
+    def _optimizer_step(self) -> None:
         self.runtime.step()
         if self.tied is not None:
             self.tied.after_step()
-        self.p2p.wait_sends()
-        return self._mean_loss(state.loss_sum)
 
     def _forward(self, batch: dict[str, torch.Tensor], micro: int, state: StepState) -> None:
         received = self.p2p.recv_forward(micro) if not self.interface.is_first else []
@@ -271,6 +359,7 @@ class Engine:
     # ----------------------------------------------------------------- checks
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, unsharded over data parallelism (names as in the stage program)."""
+        self.flush_optimizer_step()
         params = dict(self.runtime.named_full_parameters())
         if self.tied is not None:
             params.update(self.tied.local_parameters())
@@ -282,6 +371,7 @@ class Engine:
         Collective: every rank must call it. Tensor-parallel slices are concatenated along their
         split dimension; data-parallel replicas are taken from dp index 0.
         """
+        self.flush_optimizer_step()
         dims: dict[str, int | None] = {}
         for unit_name, module in self.program.units:
             dims.update(shard_dims(module, unit_name))

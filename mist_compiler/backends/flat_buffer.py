@@ -77,10 +77,8 @@ class FreeableBuffer:
         return self.tensor
 
     def free(self) -> None:
+        # callers wait for every copy/collective that uses the buffer before freeing it
         if self.allocated and self._nbytes:
-            if self.tensor.is_cuda:
-                # the caching allocator must not hand the block out while other streams still use it
-                self.tensor.record_stream(torch.cuda.current_stream(self.tensor.device))
             self.tensor.untyped_storage().resize_(0)
 
     def views(self, layout: FlatLayout) -> list[torch.Tensor]:

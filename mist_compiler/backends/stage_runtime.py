@@ -20,8 +20,18 @@ Typical use by the pipeline engine, per training step::
         runtime.set_last_microbatch(m is the last one); backward (loss already scaled by 1/G)
     runtime.finish_gradients(); runtime.step()
 
-The units' ``.grad`` tensors are views into the runtime's gradient buckets: do not call
-``zero_grad`` on them or replace them.
+Contract details:
+- ``dp_group=None`` means no data parallelism (dp = 1: no collectives), not the default group.
+- Every dp rank starts from dp-rank 0's weights (one broadcast per unit at construction).
+- Trainable parameters move into the runtime's buffers on ``device``; modules' buffers (e.g.
+  rotary tables) stay where they are, so move the modules to ``device`` first. Frozen parameters
+  (``requires_grad=False``) are left alone: not sharded, not updated.
+- The units' ``.grad`` tensors are views into the runtime's gradient buckets: do not call
+  ``zero_grad`` on them or replace them.
+- ``set_last_microbatch`` must be called before each backward when grad_accum > 1 (ZeRO 0/1
+  would otherwise reduce every micro-batch; the default is "last").
+- ``trace_events()`` records (event, unit) pairs (forward, backward, recompute, fetch, free,
+  reduce) for debugging and for tests of the prefetch order.
 """
 from __future__ import annotations
 
@@ -142,6 +152,11 @@ class StageRuntime:
             for param in bucket.params:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_ready(index)))
 
+    def trace_events(self, enabled: bool = True) -> list:
+        """Start (or stop) recording (event, unit) pairs: forward, backward, recompute, fetch, free, reduce."""
+        self.ctx.trace = [] if enabled else None
+        return self.ctx.trace
+
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -162,6 +177,7 @@ class StageRuntime:
             for bucket in buckets:
                 bucket.wait_weights()
                 bucket.fwd_holds += 0 if recompute else 1
+            self.ctx.record("recompute" if recompute else "forward", self.unit_names[index])
             if index + 1 < len(self.buckets) and not recompute:
                 for bucket in self._need_buckets[index + 1]:
                     bucket.fetch_weights()
@@ -191,6 +207,7 @@ class StageRuntime:
             bucket.wait_weights()
             bucket.bwd_holds += 1
             bucket.begin_grads()
+        self.ctx.record("backward", self.unit_names[index])
         if index > 0:
             for bucket in self._need_buckets[index - 1]:
                 bucket.fetch_weights()

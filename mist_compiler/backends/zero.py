@@ -67,6 +67,11 @@ class BucketContext:
     streams: Streams
     host_memory: HostMemory
     timeout_s: float
+    trace: list | None = None  # when a list: ("fetch" | "free" | "reduce", unit) events, for tests and debugging
+
+    def record(self, event: str, unit: str) -> None:
+        if self.trace is not None:
+            self.trace.append((event, unit))
 
 
 class UnitBucket:
@@ -82,7 +87,8 @@ class UnitBucket:
         self.layout = FlatLayout.build(named_params, ctx.world)
         zero, n, s = ctx.zero, self.layout.padded_numel, self.layout.shard_numel
         self.shard_lo, self.shard_hi = self.layout.shard_range(ctx.rank)
-        self.persistent_full = zero < 3 and offload.weights == 0.0
+        # a unit without trainable parameters has nothing to gather, reduce or update
+        self.persistent_full = (zero < 3 and offload.weights == 0.0) or n == 0
 
         initial = self._initial_fp32()  # N fp32, identical on every dp rank
         self.full = FreeableBuffer(n, ctx.param_dtype, ctx.device)
@@ -103,6 +109,7 @@ class UnitBucket:
         bind_grads(self.params, self.grads, self.layout)
         acc_numel = n if zero <= 1 else s
         self.grad_acc = SplitBuffer(acc_numel, torch.float32, ctx.device, offload.grads, ctx.host_memory, "grads")
+        self.acc_has_data = False  # False: the accumulator holds zeros (first write copies, no zero-fill needed)
         self.reduced: torch.Tensor | None = None  # ZeRO 0/1: the reduced grads after the last micro-batch
         self.pending: list[Pending] = []
         self.weights_pending: Pending | None = None
@@ -121,7 +128,7 @@ class UnitBucket:
         flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.ctx.device)
         for slot, param in zip(self.layout.slots, self.params):
             flat[slot.offset:slot.offset + slot.numel].copy_(param.detach().reshape(-1))
-        if self.ctx.world > 1:  # every rank starts from rank 0's weights
+        if self.ctx.world > 1 and flat.numel():  # every rank starts from rank 0's weights
             src = dist.get_global_rank(self.ctx.group, 0) if self.ctx.group is not None else 0
             dist.broadcast(flat, src=src, group=self.ctx.group)
         return flat
@@ -149,12 +156,16 @@ class UnitBucket:
         if ctx.zero < 3:
             self.weights_event = self.source.read_into(self.full.tensor, ctx.streams)
         elif self.source.offloaded:
+            # the shard's host part is copied in first; on CUDA the current stream waits for that copy
+            # before the all-gather is enqueued (the gather itself still overlaps later compute)
             staging = torch.empty(self.source.numel, dtype=ctx.param_dtype, device=ctx.device)
             ctx.streams.wait(self.source.read_into(staging, ctx.streams))
             self.weights_pending = all_gather_flat(self.full.tensor, staging, ctx.group, what)
+            self.weights_pending.keep_alive = staging
         else:
             self.weights_pending = all_gather_flat(self.full.tensor, self.source.device_part, ctx.group, what)
         self.weights_state = "fetching"
+        ctx.record("fetch", self.unit)
 
     def wait_weights(self) -> None:
         self.fetch_weights()
@@ -172,6 +183,7 @@ class UnitBucket:
         self.wait_weights()  # never free a buffer a collective or copy is still writing
         self.full.free()
         self.weights_state = "free"
+        self.ctx.record("free", self.unit)
 
     def reset_holds(self) -> None:
         """Between training steps: nothing holds the weights; free transient copies (they may be stale)."""
@@ -197,6 +209,11 @@ class UnitBucket:
         """The unit's micro-batch gradients are complete: transform, scale and reduce them."""
         ctx = self.ctx
         grads = self.grads.tensor
+        ctx.record("reduce", self.unit)
+        if grads.numel() == 0:
+            self.in_backward = False
+            self.reduced = grads.float()
+            return
         for index, functions in self.transforms.items():
             view = self.params[index].grad
             for fn in functions:
@@ -210,12 +227,13 @@ class UnitBucket:
         self.in_backward = False
         release_grads = self.grads.free if reuse else (lambda: None)
         if ctx.zero <= 1 and not last:
-            self.grad_acc.write(0, comm, accumulate=True)
+            self._accumulate(comm)
             release_grads()
             return
         if ctx.zero <= 1:
-            for start, part in self.grad_acc.parts():
-                comm[start:start + part.numel()].add_(part.to(comm.device, non_blocking=True))
+            if self.acc_has_data:
+                for start, part in self.grad_acc.parts():
+                    comm[start:start + part.numel()].add_(part.to(comm.device, non_blocking=True))
             if ctx.zero == 0:
                 pending = all_reduce_flat(comm, ctx.group, f"all_reduce of unit {self.unit!r} grads")
                 self.reduced = comm  # released after the optimizer step
@@ -227,9 +245,14 @@ class UnitBucket:
         else:
             out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=ctx.device)
             pending = reduce_scatter_flat(out, comm, ctx.group, f"reduce_scatter of unit {self.unit!r} grads")
-            pending.then.append(lambda: self.grad_acc.write(0, out, accumulate=True))
+            pending.then.append(lambda: self._accumulate(out))
             pending.then.append(release_grads)
+        pending.keep_alive = comm
         self.pending.append(pending)
+
+    def _accumulate(self, values: torch.Tensor) -> None:
+        self.grad_acc.write(0, values, accumulate=self.acc_has_data)
+        self.acc_has_data = True
 
     def drain(self, block: bool) -> None:
         """Finish completed reductions (all of them when ``block``)."""
@@ -250,10 +273,12 @@ class UnitBucket:
         """Copy the updated fp32 master into the param-dtype weights; returns an all-gather to wait on."""
         ctx = self.ctx
         self.reduced = None
-        self.grad_acc.zero_()
+        if self.acc_has_data:
+            self.grad_acc.zero_()
+            self.acc_has_data = False
         if self.grads.tensor.dtype == torch.float32:
             self.grads.free()
-        if self.master_aliases_weights and ctx.zero in (0, 3):
+        if (self.master_aliases_weights and ctx.zero in (0, 3)) or self.master.numel == 0:
             return None
         new = torch.empty(self.master.numel, dtype=ctx.param_dtype, device=ctx.device)
         for start, part in self.master.parts():
@@ -268,6 +293,7 @@ class UnitBucket:
         out = self.full.tensor if self.persistent_full else torch.empty(self.layout.padded_numel, dtype=ctx.param_dtype,
                                                                       device=ctx.device)
         pending = all_gather_flat(out, new, ctx.group, f"all_gather of unit {self.unit!r} updated weights")
+        pending.keep_alive = new
         if not self.persistent_full:
             pending.then.append(lambda: self.source.write(0, out))
         return pending

@@ -31,6 +31,7 @@ the symbolic parts run once per distinct value, then everything is array arithme
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,7 +47,12 @@ from .op_time import class_efficiency, op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
 
-OPTIMIZER_BYTES_PER_PARAM = 28.0  # Adam step traffic: read master/grad/m/v, write master/m/v (+ low-precision copy)
+# Adam step memory traffic per parameter. A fused step (the backend's flat-shard kernel) reads
+# master weight, gradient, both moments and writes them back with the low-precision copy: 28 bytes.
+# torch.optim.AdamW's single-tensor loop makes ~10 passes (mul_, lerp_, mul_+addcmul_, sqrt, div,
+# add_, addcdiv_): 80 bytes per fp32 parameter.
+FUSED_ADAM_BYTES_PER_PARAM = 28.0
+TORCH_ADAMW_BYTES_PER_PARAM = 80.0
 HOST_ADAM_PARAMS_PER_S = 1.0e9  # CPU Adam throughput for offloaded optimizer states (DeepSpeed CPU-Adam order)
 BLOCK_KINDS = ("pre", "layer", "post")
 
@@ -78,6 +84,7 @@ class BlockAnalysis:
     memory: BlockMemory
     params_per_device: sympy.Expr  # parameter elements on one device under tensor parallelism
     params: int  # parameter elements, unsharded
+    tp_granularity: int = 1  # tp must divide this (gcd of attention heads and sharded weight dims); 0: no sharding
 
     @property
     def tp_supported(self) -> bool:
@@ -103,6 +110,7 @@ class _BlockFunctions:
     params_per_device: Callable
     tp_supported: bool
     op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
+    tp_granularity: int
 
 
 def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
@@ -119,6 +127,7 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         params_per_device=_lambdify(block.params_per_device),
         tp_supported=block.tp_supported,
         op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
+        tp_granularity=block.tp_granularity,
     )
 
 
@@ -168,6 +177,7 @@ class StageCostModel:
     attention: str = "flash"
     model_name: str = ""
     num_layers: int = 0
+    optimizer_bytes_per_param: float = FUSED_ADAM_BYTES_PER_PARAM
     _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -191,6 +201,11 @@ class StageCostModel:
     @property
     def tp_message(self) -> str:
         return "; ".join(f"{kind}: {block.tp_message}" for kind, block in self.blocks.items() if not block.tp_supported)
+
+    @property
+    def tp_granularity(self) -> int:
+        """Tensor-parallel degrees must divide this (attention heads, sharded weight dimensions)."""
+        return math.gcd(*(block.tp_granularity for block in self.blocks.values()))
 
     # ---- per distinct (b, t, nodes, gpus) quantities -------------------------------------------
 
@@ -289,7 +304,7 @@ class StageCostModel:
         opt_share = np.where(zero >= 1, 1.0 / dp, 1.0)
         shard_params = stage_params * opt_share
         device_step = op_class_time(self.hardware, self.dtype, "optimizer", 0.0,
-                                    (1.0 - offload_o) * shard_params * OPTIMIZER_BYTES_PER_PARAM)
+                                    (1.0 - offload_o) * shard_params * self.optimizer_bytes_per_param)
         host_step = offload_o * shard_params / HOST_ADAM_PARAMS_PER_S
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
@@ -298,12 +313,15 @@ class StageCostModel:
                                                            dp_nodes, dp_gpus), 0.0)
         delta = sync + step + after_step_gather + first_gather
 
-        # ---- infeasible: tensor parallelism on a structure the sharding rules do not know -------
+        # ---- infeasible: tensor parallelism on a structure the sharding rules do not know, or a
+        # degree that does not divide the heads / sharded dimensions ---------------------------
         unsupported = np.zeros(count, dtype=bool)
         for kind, functions in self._functions.items():
+            present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}[kind]
             if not functions.tp_supported:
-                present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}[kind]
                 unsupported |= present & (tp > 1)
+            elif functions.tp_granularity:
+                unsupported |= present & (functions.tp_granularity % tp != 0)
         stable = np.where(unsupported, np.inf, stable)
         peak = np.where(unsupported, np.inf, peak)
 

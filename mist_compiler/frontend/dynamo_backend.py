@@ -30,6 +30,8 @@ ANALYSIS_OPTIONS = {"attention": "target attention kernel for saved-tensor analy
 RUNTIME_MODULE = "mist_compiler.backends.dynamo_runtime"
 
 _last: dict[str, MistProgram | None] = {"program": None}
+_history: list[MistProgram] = []  # one program per graph compiled, oldest first (bounded)
+HISTORY_LIMIT = 16
 
 
 class BackendOptionError(ValueError):
@@ -39,6 +41,17 @@ class BackendOptionError(ValueError):
 def last_program() -> MistProgram | None:
     """The MistProgram of the most recent graph the mist backend compiled (None before any)."""
     return _last["program"]
+
+
+def compiled_programs() -> list[MistProgram]:
+    """Programs of the last graphs compiled, oldest first: a model with graph breaks gives several."""
+    return list(_history)
+
+
+def forget_programs() -> None:
+    """Drop the analyses kept so far (last_program() becomes None)."""
+    _history.clear()
+    _last["program"] = None
 
 
 def analyse(joint: JointCapture, name: str = "dynamo", attention: str = "flash") -> MistProgram:
@@ -77,7 +90,10 @@ def mist_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any):
     name = str(options.get("name", "dynamo"))
 
     def on_capture(joint: JointCapture) -> None:
-        _last["program"] = analyse(joint, name, attention)
+        program = analyse(joint, name, attention)
+        _last["program"] = program
+        _history.append(program)
+        del _history[:-HISTORY_LIMIT]
 
     return joint_backend(on_capture)(gm, example_inputs)
 

@@ -127,6 +127,18 @@ class ModelOutputError(ValueError):
     """A model whose forward returns neither a scalar loss nor logits."""
 
 
+class CaptureError(ValueError):
+    """torch.compile could not trace the model into one graph; the message says where."""
+
+
+def _short_dynamo_message(error: Exception) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    head = lines[0] if lines else type(error).__name__
+    user = [line.strip() for line in lines if line.strip().startswith("File ") and "mist_compiler" not in line]
+    where = f" (at {user[-1]})" if user else ""
+    return f"{head}{where}"
+
+
 def _logging_functions() -> set:
     names = [n for n in dir(logging.Logger) if n in ("debug", "info", "warning", "warn", "error") or n.endswith("_once")]
     return set(torch._dynamo.config.ignore_logging_functions) | {getattr(logging.Logger, n) for n in names}
@@ -152,6 +164,11 @@ def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
         # logging calls in model code (Hugging Face's warning_once) are dropped, not graph breaks
         with torch._dynamo.config.patch(specialize_float=True, ignore_logging_functions=_logging_functions()):
             compiled(model, input_ids, labels)
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as error:
+        raise CaptureError(
+            f"capture: torch.compile cannot trace the model's forward and backward into one graph: "
+            f"{_short_dynamo_message(error)}"
+        ) from None
     finally:
         torch._dynamo.reset_code(run.__code__)
     if not captured:

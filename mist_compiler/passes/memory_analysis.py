@@ -236,3 +236,21 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
             saved_names=[b.name for b in saved_of[label]],
         )
     return results
+
+
+def memory_analysis(program):
+    """Pass: per block class memory (saved activations per attention kernel, forward/backward
+    peak candidates, input/output bytes), attached to a copy of the program as
+    ``program.memory`` (class id -> :class:`BlockMemory`). IR nodes are unchanged."""
+    import copy
+
+    from .cost_annotation import annotate_graphs, program_graphs
+    from .manager import PassResult
+
+    graphs = program_graphs(program)
+    costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols)
+    blocks = {str(class_id): names for class_id, names in graphs.blocks.items()}
+    results = analyse_memory(graphs.forward, graphs.backward, costs, graphs.params, blocks, graphs.symbols)
+    analysed = copy.copy(program)
+    analysed.memory = {int(label): memory for label, memory in results.items()}
+    return PassResult(analysed, False)

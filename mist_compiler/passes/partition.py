@@ -197,12 +197,18 @@ def assign_stages(gm: fx.GraphModule, plan: Plan, stack_path: str) -> dict[fx.No
     return stages
 
 
-def _classify_boundary(gm: fx.GraphModule, plan: Plan, names: set[str]) -> dict[str, BoundaryValue]:
-    """Run the graph on fake batches of two sizes: dims that change with the batch are batch dims."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _model_device(gm: fx.GraphModule) -> torch.device:
+    return next((p.device for p in gm.parameters()), torch.device("cpu"))
 
+
+def _classify_boundary(gm: fx.GraphModule, plan: Plan, names: set[str]) -> dict[str, BoundaryValue]:
+    """Run the graph (no grad) on batches of one and two samples: dims that change are batch dims.
+
+    On a meta-device model this costs nothing; on a real one it is one small forward.
+    """
+    device = _model_device(gm)
     shapes: dict[int, dict[str, torch.Tensor]] = {}
-    for batch in (2, 3):
+    for batch in (1, 2):
         values: dict[str, torch.Tensor] = {}
 
         class _Recorder(fx.Interpreter):
@@ -214,17 +220,17 @@ def _classify_boundary(gm: fx.GraphModule, plan: Plan, names: set[str]) -> dict[
                     values[n.name] = result
                 return result
 
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            ids = mode.from_tensor(torch.zeros(batch, plan.seq_len, dtype=torch.long))
-            kwargs = {p.target: ids for p in gm.graph.nodes if p.op == "placeholder" and p.target in ("input_ids", "labels")}
-            _Recorder(gm).run(*[kwargs.get(p.target) for p in gm.graph.nodes if p.op == "placeholder"])
+        ids = torch.zeros(batch, plan.seq_len, dtype=torch.long, device=device)
+        inputs = {"input_ids": ids, "labels": ids}
+        with torch.no_grad():
+            _Recorder(gm).run(*[inputs.get(p.target) for p in gm.graph.nodes if p.op == "placeholder"])
         shapes[batch] = values
     result = {}
-    for name, small in shapes[2].items():
-        large = shapes[3][name]
-        batched = small.dim() > 0 and small.shape[0] == 2 and large.shape[0] == 3
+    for name, small in shapes[1].items():
+        large = shapes[2][name]
+        batched = small.dim() > 0 and small.shape[0] == 1 and large.shape[0] == 2
         if list(small.shape[1:] if batched else small.shape) != list(large.shape[1:] if batched else large.shape):
-            raise PartitionError(f"value {name} has a batch dimension other than dim 0 ({tuple(small.shape)}); cannot send it between stages")
+            raise PartitionError(f"value {name} has a batch dimension other than dim 0 ({tuple(large.shape)}); cannot send it between stages")
         result[name] = BoundaryValue(name, tuple(small.shape[1:] if batched else small.shape), small.dtype, batched)
     return result
 

@@ -8,6 +8,7 @@ search statistics (and the frontiers it chose from, for ``mistc explain``).
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -47,6 +48,14 @@ class TuneResult:
     stats: dict
     device_memory_bytes: float
     frontiers: dict = field(default_factory=dict)  # chosen G: per stage, the frontier it chose from
+    model_config: object = None  # the model's TransformerConfig when known (for MFU)
+    peak_flops: float | None = None  # dense peak FLOP/s of one device in the training dtype
+
+    @property
+    def mfu(self) -> float | None:
+        from .report import mfu
+
+        return mfu(self, self.model_config, self.peak_flops)
 
     @property
     def tokens_per_s(self) -> float:
@@ -58,17 +67,29 @@ def _stderr_progress(message: str) -> None:
 
 
 def workload_of(model: str, seq_len: int, global_batch: int, dtype: str) -> tuple[Workload, object]:
+    """Layer and head counts of a model, without allocating its weights (zoo config, HF config
+    file, or a factory built on the meta device)."""
     from ..models import resolve_model
 
     spec = resolve_model(model, seq_len)
     config = spec.config
     if config is None:
-        built = spec.build()
-        config = getattr(built, "cfg", None) or getattr(built, "config", None)
-        layers = getattr(config, "layers", None) or getattr(config, "num_hidden_layers", None)
-        heads = getattr(config, "heads", None) or getattr(config, "num_attention_heads", None)
+        if model.startswith("hf:"):
+            with open(model[3:]) as handle:
+                config = json.load(handle)
+            layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
+        else:
+            import torch
+
+            with torch.device("meta"):
+                built = spec.build()
+            config = getattr(built, "cfg", None) or getattr(built, "config", None)
+            layers = getattr(config, "layers", None) or getattr(config, "num_hidden_layers", None)
+            heads = getattr(config, "heads", None) or getattr(config, "num_attention_heads", None)
         if layers is None or heads is None:
             raise TuneError(f"model {model!r}: cannot find its layer and head counts to tune it")
+        if isinstance(config, dict):
+            config = None
     else:
         layers, heads = config.layers, config.heads
     return Workload(int(layers), int(heads), global_batch, seq_len, dtype, model), config
@@ -185,22 +206,29 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
     started = time.perf_counter()
     cluster = Cluster(nodes, gpus_per_node)
     profile = None
-    if cost_model is None:
+    if hardware is not None:
         from ..cost.hardware import HardwareProfile, load_profile
 
         profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    if cost_model is None:
+        if profile is None:
+            raise TuneError("tune needs a hardware profile (or a cost_model)")
         from ..cost.stage_model import build_stage_cost_model
 
+        say(f"analysing {model} (seq {seq_len}, {dtype}, {attention} attention)")
         cost_model = build_stage_cost_model(model, profile, seq_len=seq_len, dtype=dtype, attention=attention)
+    stats_analysis_s = time.perf_counter() - started
+    started = time.perf_counter()
+    config = None
     if workload is None:
-        workload, _ = workload_of(model, seq_len, global_batch, dtype)
+        workload, config = workload_of(model, seq_len, global_batch, dtype)
     work = workload
     check_request(work, cluster, space, profile.gpus_per_node if profile is not None else None)
     stage_options = space.stage_count_options(work.num_layers, cluster.world)
     max_stages = max(stage_options)
     g_options = [g for g in space.grad_accum_options(work.global_batch)]
     stats: dict = {"solver": solver_name(), "space": space.describe(), "grad_accum_tried": 0, "milps": 0,
-                   "milps_skipped": 0, "evaluated": 0, "frontier_points": 0, "max_gap": 0.0, "statuses": {}}
+                   "milps_skipped": 0, "analysis_s": stats_analysis_s, "evaluated": 0, "frontier_points": 0, "max_gap": 0.0, "statuses": {}}
     # order G values by a cheap bound so a good plan is found early and prunes the rest
     g_bounds = sorted((probe_work_bound(cost_model, work, cluster, space, g, max_stages), g) for g in g_options)
     stats["probe_s"] = time.perf_counter() - started
@@ -264,7 +292,10 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
     stats["search_s"] = time.perf_counter() - started
     if best is None:
         raise TuneError(_memory_diagnosis(cost_model, work, cluster, space))
-    return _result(cost_model, work, space, tables[best_g], best, stats)
+    result = _result(cost_model, work, space, tables[best_g], best, stats)
+    result.model_config = config
+    result.peak_flops = profile.peak_flops.get(dtype) if profile is not None else None
+    return result
 
 
 def _result(cost_model: StageCostModel, work: Workload, space: SearchSpace, table: FrontierTable, solution,

@@ -379,7 +379,10 @@ class StageSumBounds:
     def __init__(self, table: FrontierTable, work: Workload, cluster: Cluster, space: SearchSpace) -> None:
         self.total_layers, self.world = work.num_layers, cluster.world
         self.grad_accum = table.grad_accum
-        self.enabled = (self.total_layers + 1) * (self.world + 1) <= 200_000
+        # big clusters: count devices in whole nodes (rounded down), a relaxation that keeps it a bound
+        self.unit = cluster.gpus_per_node if cluster.world > 128 else 1
+        self.width = cluster.world // self.unit
+        self.enabled = (self.total_layers + 1) * (self.width + 1) <= 200_000
         self._table, self._work, self._cluster = table, work, cluster
         self._relaxed = space.restrict(layer_slack=None, uniform_devices=False)
         self._firsts: dict[int, np.ndarray] = {}
@@ -396,7 +399,14 @@ class StageSumBounds:
         self._bottleneck_chains = {0: start}
 
     def _min(self, pool: ChoicePool) -> np.ndarray:
-        return _min_table(pool, self.total_layers, self.world)
+        table = np.full((self.total_layers + 1, self.width + 1), np.inf)
+        if len(pool):
+            np.minimum.at(table, (pool.layers, pool.devices // self.unit), pool.stable)
+        return table
+
+    def _relax(self, table: np.ndarray) -> np.ndarray:
+        """With rounded device counts, 'uses exactly d units' becomes 'at most d units'."""
+        return np.minimum.accumulate(table, axis=1) if self.unit > 1 else table
 
     def chain(self, count: int) -> np.ndarray:
         """Fastest sum of ``count`` middle stages per (layers, devices)."""
@@ -417,11 +427,11 @@ class StageSumBounds:
         if not self.enabled:
             return 0.0
         if stages == 1:
-            return float(self.only[self.total_layers, self.world])
+            return float(self._relax(self.only)[self.total_layers, self.width])
         head = self.first(stages)
         if stages > 2:
             head = _min_plus(self.bottleneck_chain(stages - 2), head, np.maximum)
-        return float(np.min(np.maximum(head[::-1, ::-1], self.last)))
+        return float(np.min(np.maximum(head[::-1, ::-1], self._relax(self.last))))
 
     def first(self, stages: int) -> np.ndarray:
         if stages not in self._firsts:
@@ -434,7 +444,7 @@ class StageSumBounds:
         """Fastest sum of the other S-1 stages per (layers, devices) they cover, for a choice of ``role``."""
         key = (role, stages)
         if key not in self._rests:
-            self._rests[key] = self._rest(role, stages)
+            self._rests[key] = self._relax(self._rest(role, stages))
         return self._rests[key]
 
     def _rest(self, role: str, stages: int) -> np.ndarray:
@@ -448,7 +458,7 @@ class StageSumBounds:
         if not self.enabled:
             return 0.0
         if stages == 1:
-            return float(self.only[self.total_layers, self.world])
+            return float(self._relax(self.only)[self.total_layers, self.width])
         rest = self.rest("first", stages)
         return float(np.min(self.first(stages)[::-1, ::-1] + rest))
 
@@ -459,10 +469,12 @@ class StageSumBounds:
         pruned = {}
         for role, pool in pools.items():
             rest = self.rest(role, stages)
-            other = rest[self.total_layers - pool.layers, self.world - pool.devices]
+            other = rest[self.total_layers - pool.layers, self.width - pool.devices // self.unit]
             total = pool.stable + other
             slowest = np.maximum(np.maximum(pool.stable, total / stages), work_slowest)
-            pruned[role] = pool.take((g - 1) * slowest + total < incumbent * (1 + 1e-12))
+            with np.errstate(invalid="ignore"):
+                bound = np.where(np.isfinite(total), (g - 1) * slowest + total, np.inf)
+            pruned[role] = pool.take(bound < incumbent * (1 + 1e-12))
         return pruned
 
 

@@ -7,7 +7,9 @@ ZeRO level, checkpointed layers and the four offload ratios; all are evaluated v
 
 Work is kept small by three exact-or-checked shortcuts, each relying on a property every sane
 cost model has (the tests check them on the real one):
-- *monotone knobs*: checkpointing or offloading more never makes a stage faster, so a base
+- *monotone knobs*: checkpointing or offloading more never makes a stage faster (except that
+  checkpointing more shrinks offloaded-activation traffic: with activation offload on, the
+  midpoint and all-layers checkpoint counts are candidates too), so a base
   configuration (layers, devices, TP, ZeRO) that fits with no checkpointing and no offload needs
   nothing else, and one that does not fit with every knob at its maximum is dropped;
 - *affine in-flight memory*: peak memory is affine in the in-flight micro-batch count (one more
@@ -63,6 +65,7 @@ class FrontierTable:
     memory_k1: np.ndarray
     memory_per_inflight: np.ndarray
     cells: dict[tuple[int, int, int, int], np.ndarray]
+    fit_k: np.ndarray  # per row: the most in-flight micro-batches it fits (verified)
     stats: dict = field(default_factory=dict)
 
     def memory_at(self, rows: np.ndarray, inflight: int) -> np.ndarray:
@@ -76,11 +79,17 @@ class FrontierTable:
             columns = np.array(keys, dtype=int).reshape(-1, 4)
             flat = {name: np.repeat(columns[:, i], sizes) for i, name in enumerate(("layers", "pp", "shape", "k"))}
             flat["row"] = np.concatenate([self.cells[key] for key in keys]) if keys else np.zeros(0, dtype=int)
+            flat["k"] = self.fit_k[flat["row"]]  # a row's real capacity, not just its cell's
             self.stats["_entries"] = flat
         return self.stats["_entries"]
 
     def cell(self, layers: int, pp: int, shape: int, inflight: int) -> np.ndarray:
-        return self.cells.get((layers, pp, shape, inflight), np.zeros(0, dtype=int))
+        """Frontier rows of a cell that fit ``inflight`` (from the nearest sampled k at or below it)."""
+        for k in range(inflight, 0, -1):
+            members = self.cells.get((layers, pp, shape, k))
+            if members is not None:
+                return members[self.fit_k[members] >= inflight]
+        return np.zeros(0, dtype=int)
 
 
 def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
@@ -164,6 +173,20 @@ def _fits(memory: np.ndarray, limit: float) -> np.ndarray:
     return memory <= limit * (1 + MEMORY_TOLERANCE)
 
 
+def inflight_samples(largest: int) -> list[int]:
+    """In-flight counts that get their own frontier: every k up to 8, then about 25% apart.
+
+    A stage that needs an unsampled k uses the points of the sampled k below it that fit k
+    (each point's exact capacity is known), so this costs optimality at most, never validity."""
+    samples = set(range(1, min(8, largest) + 1))
+    value = 8.0
+    while value < largest:
+        value *= 1.25
+        samples.add(min(largest, int(round(value))))
+    samples.add(largest)
+    return sorted(k for k in samples if k >= 1)
+
+
 def _knob_limits(space: SearchSpace, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     low = layers if space.ckpt == "all" else np.zeros_like(layers)
     high = np.zeros_like(layers) if space.ckpt == "none" else layers
@@ -221,18 +244,26 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
     sub = tight.take(np.repeat(np.arange(n), c))
     offload = np.tile(combos, (n, 1))
     low, high = _knob_limits(space, sub.layers)
-    corners = [evaluate(model, sub, shapes, knob, offload, k).peak_memory_bytes.astype(float)
-               for knob in (low, high) for k in (1, 2)]
-    m_low1, m_low2, m_high1, m_high2 = corners
+    # the most-saving corner first: rows that do not fit even then need no other evaluation
+    m_high1 = evaluate(model, sub, shapes, high, offload, 1).peak_memory_bytes.astype(float)
+    alive = np.flatnonzero(_fits(m_high1, limit))
+    part = sub.take(alive)
+    corners = []
+    for knob, k in ((low, 1), (low, 2), (high, 2)):
+        values = np.full(len(sub), np.inf)
+        values[alive] = evaluate(model, part, shapes, knob[alive], offload[alive], k).peak_memory_bytes
+        corners.append(values)
+    m_low1, m_low2, m_high2 = corners
     span = np.maximum(high - low, 1).astype(float)
     picked_rows, picked_ckpt = [], []
-    for k in range(1, int(sub.max_inflight.max()) + 1):
+    for k in inflight_samples(int(sub.max_inflight.max())):
         active = sub.max_inflight >= k
-        m_low = m_low1 + (k - 1) * (m_low2 - m_low1)
-        m_high = m_high1 + (k - 1) * (m_high2 - m_high1)
+        with np.errstate(invalid="ignore"):  # dead rows hold inf
+            m_low = np.where(np.isfinite(m_low2), m_low1 + (k - 1) * (m_low2 - m_low1), np.inf)
+            m_high = np.where(np.isfinite(m_high2), m_high1 + (k - 1) * (m_high2 - m_high1), np.inf)
         if space.ckpt == "tune":
-            saving_per_layer = (m_low - m_high) / span
             with np.errstate(divide="ignore", invalid="ignore"):
+                saving_per_layer = (m_low - m_high) / span
                 needed = np.where(saving_per_layer > 0, (m_low - limit) / saving_per_layer, np.inf)
             ckpt = np.where(_fits(m_low, limit), 0.0, np.ceil(needed - 1e-9))
         else:
@@ -252,6 +283,14 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
         picked_ckpt.append((low[keep] + ckpt[keep]).astype(int))
     rows = np.concatenate(picked_rows)
     ckpts = np.concatenate(picked_ckpt)
+    if space.ckpt == "tune":
+        # with activations offloaded, checkpointing more also means less to copy, so a stage can
+        # get faster with more checkpointing: offer the midpoint and all-layers points as well
+        offloading = (offload[rows, 3] > 0) & (ckpts < high[rows])
+        extra_rows = rows[offloading]
+        middle = (ckpts[offloading] + high[extra_rows] + 1) // 2
+        rows = np.concatenate([rows, extra_rows, extra_rows])
+        ckpts = np.concatenate([ckpts, middle, high[extra_rows]])
     key = rows.astype(np.int64) * (int(sub.layers.max()) + 2) + ckpts
     _, first = np.unique(key, return_index=True)
     rows, ckpts = rows[first], ckpts[first]
@@ -367,7 +406,7 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     stats["cells"] = len(cells)
     return FrontierTable(
         grad_accum=grad_accum, shapes=shapes, configs=configs, stable=stable[keep], delta=delta[keep],
-        memory_k1=mem1[keep], memory_per_inflight=slope[keep], cells=cells, stats=stats,
+        memory_k1=mem1[keep], memory_per_inflight=slope[keep], cells=cells, fit_k=fit_k[keep], stats=stats,
     )
 
 
@@ -405,7 +444,7 @@ def _frontier_cells(bases: Bases, fit_k: np.ndarray, stable: np.ndarray, delta: 
     order = np.lexsort((memory, delta, stable, group))
     sorted_group, sorted_delta, sorted_fit = group[order], delta[order], fit_k[order]
     thinned = 0
-    for k in range(1, int(fit_k.max()) + 1):
+    for k in inflight_samples(int(fit_k.max())):
         members = np.flatnonzero(sorted_fit >= k)
         keep = order[members[_pareto_sorted(sorted_group[members], sorted_delta[members])]]
         splits = np.flatnonzero(np.diff(group[keep])) + 1

@@ -1,0 +1,79 @@
+"""Baselines in the same cost model, each expressed as restrictions of the search space.
+
+- ``megatron``: uniform DP x TP x PP (equal devices and, within one layer, equal layers per
+  stage; one TP degree for all stages), full or no activation checkpointing for every stage,
+  ZeRO-1, no offload; micro-batch and G searched (Megatron-LM's usual grid).
+- ``zero3``: ZeRO-3 / FSDP only: one stage, no TP, ZeRO-3, checkpoint all or none, no offload.
+- ``mist-paper``: the Mist paper's own space: micro-batch 1/2/4, one TP degree and equal devices
+  for all stages, layers within +-2 of an even split; ZeRO, checkpointing and offloading tuned.
+
+A baseline is a list of spaces (a "uniform" choice such as one TP degree for every stage is one
+space per value); its result is the best over them. Every space is a subset of
+``SearchSpace()``, which is why the full search is never worse than a baseline (tested).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .api import TuneResult, tune
+from .space import SearchSpace, TuneError
+
+NO_OFFLOAD = dict(offload_weights=False, offload_grads=False, offload_opt=False, offload_acts=False)
+TP_DEGREES = (1, 2, 4, 8, 16)
+
+
+def megatron_spaces() -> list[SearchSpace]:
+    return [SearchSpace(name=f"megatron tp{tp} ckpt-{ckpt}", tp_degrees=(tp,), zero_levels=(1,), ckpt=ckpt,
+                        uniform_devices=True, layer_slack=0, **NO_OFFLOAD)
+            for tp in TP_DEGREES for ckpt in ("none", "all")]
+
+
+def zero3_spaces() -> list[SearchSpace]:
+    return [SearchSpace(name=f"zero3 ckpt-{ckpt}", stage_counts=(1,), tp_degrees=(1,), zero_levels=(3,), ckpt=ckpt,
+                        **NO_OFFLOAD) for ckpt in ("none", "all")]
+
+
+def mist_paper_spaces() -> list[SearchSpace]:
+    return [SearchSpace(name=f"mist-paper tp{tp}", micro_batches=(1, 2, 4), tp_degrees=(tp,), uniform_devices=True,
+                        layer_slack=2) for tp in TP_DEGREES]
+
+
+BASELINE_SPACES: dict[str, Callable[[], list[SearchSpace]]] = {
+    "megatron": megatron_spaces,
+    "zero3": zero3_spaces,
+    "mist-paper": mist_paper_spaces,
+}
+
+
+def tune_baseline(name: str, model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int, *,
+                  seq_len: int = 2048, dtype: str = "float16", attention: str = "flash", cost_model=None,
+                  workload=None, progress=None, space_override: SearchSpace | None = None) -> TuneResult:
+    """The best plan of one baseline (its spaces tried in turn, sharing one cost model)."""
+    if name not in BASELINE_SPACES:
+        raise ValueError(f"unknown baseline {name!r}; known: {sorted(BASELINE_SPACES)}")
+    if cost_model is None and hardware is not None:
+        from ..cost.stage_model import build_stage_cost_model
+
+        cost_model = build_stage_cost_model(model, hardware, seq_len=seq_len, dtype=dtype, attention=attention)
+    best: TuneResult | None = None
+    errors = []
+    for space in BASELINE_SPACES[name]():
+        if space_override is not None:
+            space = _merge(space, space_override)
+        try:
+            result = tune(model, hardware, nodes, gpus_per_node, global_batch, seq_len=seq_len, space=space,
+                          dtype=dtype, attention=attention, cost_model=cost_model, workload=workload, progress=progress)
+        except TuneError as error:
+            errors.append(f"{space.name}: {error}")
+            continue
+        if best is None or result.predicted_time_s < best.predicted_time_s:
+            best = result
+    if best is None:
+        raise TuneError(f"baseline {name} has no feasible plan: {errors[0] if errors else 'no space'}")
+    best.stats["baseline"] = name
+    return best
+
+
+def _merge(space: SearchSpace, override: SearchSpace) -> SearchSpace:
+    """Apply the solver settings of ``override`` (time limit, stage cap) to a baseline space."""
+    return space.restrict(milp_seconds=override.milp_seconds, max_stages=override.max_stages or space.max_stages)

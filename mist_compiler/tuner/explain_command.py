@@ -1,0 +1,113 @@
+"""mistc explain PLAN [--model M] [--hardware HW] [-o DIR]: a plan in words, its breakdown and timeline.
+
+Says what every stage does, and — with per-stage predictions from ``--hardware`` (the cost
+model) or from the ``<plan>.frontiers.json`` side file that ``mistc tune -o`` writes — the
+per-stage breakdown and a predicted 1F1B timeline of one iteration. With ``-o DIR`` it writes
+``timeline.json`` (Chrome trace; open in Perfetto), ``timeline.png`` and, when the side file
+exists, ``frontiers.png`` (the Pareto frontiers the tuner chose from).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..cost.stage_api import pipeline_iteration_time
+from ..ir.plan import Plan, load_plan
+from .report import describe_stage, frontier_path
+from .timeline import iteration_time, plot_frontiers, plot_timeline, simulate, write_chrome_trace
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", help="plan file (JSON or YAML)")
+    parser.add_argument("--model", help="model to price the plan with (default: the plan's model)")
+    parser.add_argument("--hardware", help="hardware profile: price the plan with the cost model")
+    parser.add_argument("--attention", choices=("flash", "math"), default="flash", help="target attention kernel")
+    parser.add_argument("-o", "--output-dir", help="write timeline.json, timeline.png and frontiers.png here")
+
+
+def plan_in_words(plan: Plan) -> list[str]:
+    lines = [
+        f"{plan.model} trained with global batch {plan.global_batch} x {plan.seq_len} tokens ({plan.dtype}) on "
+        f"{plan.world_size} devices as a {plan.pp}-stage pipeline; each stage accumulates gradients over "
+        f"{plan.grad_accum} micro-batch step(s) (1F1B schedule).",
+    ]
+    lines += ["  " + describe_stage(i, stage, plan.grad_accum) for i, stage in enumerate(plan.stages)]
+    return lines
+
+
+def stage_predictions(plan: Plan, args: argparse.Namespace) -> tuple[list[dict], str] | None:
+    """Per-stage stable/delta/forward/backward/memory, from the cost model or the side file."""
+    if args.hardware:
+        from ..cost.analyze import plan_candidates
+        from ..cost.stage_model import build_stage_cost_model
+
+        model = args.model or plan.model
+        cost_model = build_stage_cost_model(model, args.hardware, seq_len=plan.seq_len, dtype=plan.dtype,
+                                            attention=args.attention)
+        estimates = cost_model.evaluate(plan_candidates(plan))
+        stages = []
+        for i in range(plan.pp):
+            breakdown = {k: float(v[i]) for k, v in estimates.breakdown.items()}
+            stages.append({"stable_s": float(estimates.stable_s[i]), "delta_s": float(estimates.delta_s[i]),
+                           "peak_memory_bytes": float(estimates.peak_memory_bytes[i]), "breakdown": breakdown})
+        return stages, f"cost model ({args.hardware})"
+    side = frontier_path(args.plan)
+    if os.path.isfile(side):
+        with open(side) as handle:
+            data = json.load(handle)
+        estimates = data.get("stage_estimates", [])
+        if len(estimates) == plan.pp and all("stable_s" in s and "delta_s" in s for s in estimates):
+            return estimates, f"tuner predictions in {side}"
+    return None
+
+
+def forward_backward(stage: dict) -> tuple[float, float]:
+    """Split of ``stable`` into forward and backward (the cost model's own split when it gives one)."""
+    parts = stage.get("breakdown", {})
+    forward, backward = parts.get("forward"), parts.get("backward")
+    if forward is not None and backward is not None and forward + backward > 0:
+        scale = stage["stable_s"] / (forward + backward)
+        return forward * scale, backward * scale
+    return stage["stable_s"] / 3, 2 * stage["stable_s"] / 3
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan)
+    print("\n".join(plan_in_words(plan)))
+    predictions = stage_predictions(plan, args)
+    if predictions is None:
+        print("\n(no timing: pass --hardware HW, or tune with -o to get a frontiers side file)")
+        return 0
+    stages, source = predictions
+    formula = pipeline_iteration_time([s["stable_s"] for s in stages], [s["delta_s"] for s in stages], plan.grad_accum)
+    halves = [forward_backward(s) for s in stages]
+    slots = simulate([f for f, _ in halves], [b for _, b in halves], [s["delta_s"] for s in stages], plan.grad_accum)
+    print(f"\npredicted iteration ({source}): {formula:.4f} s by the tuner's formula, {iteration_time(slots):.4f} s "
+          f"by the 1F1B timeline simulation")
+    print(f"{'stage':>5} {'forward s':>10} {'backward s':>10} {'delta s':>9} {'busy %':>7} {'peak GB':>8}  breakdown")
+    total = iteration_time(slots)
+    for i, (stage, (forward, backward)) in enumerate(zip(stages, halves)):
+        busy = (plan.grad_accum * (forward + backward) + stage["delta_s"]) / total if total > 0 else 0.0
+        parts = ", ".join(f"{k} {v:.4g}" for k, v in sorted(stage.get("breakdown", {}).items())
+                          if k not in ("forward", "backward"))
+        print(f"{i:>5} {forward:>10.4f} {backward:>10.4f} {stage['delta_s']:>9.4f} {busy:>7.1%} "
+              f"{stage.get('peak_memory_bytes', 0) / 1e9:>8.2f}  {parts}")
+    if args.output_dir:
+        os.makedirs(args.output_dir, exist_ok=True)
+        names = [f"stage {i}: layers {s.layers[0]}..{s.layers[1] - 1}, {s.devices} GPUs" for i, s in enumerate(plan.stages)]
+        trace = os.path.join(args.output_dir, "timeline.json")
+        write_chrome_trace(slots, trace, names)
+        picture = os.path.join(args.output_dir, "timeline.png")
+        plot_timeline(slots, picture, f"{plan.model}: predicted 1F1B iteration, {total:.3f} s")
+        written = [trace, picture]
+        side = frontier_path(args.plan)
+        if os.path.isfile(side):
+            with open(side) as handle:
+                frontiers = json.load(handle)
+            if frontiers.get("frontiers"):
+                path = os.path.join(args.output_dir, "frontiers.png")
+                plot_frontiers({"grad_accum": frontiers.get("grad_accum"), "stages": frontiers["frontiers"]}, path)
+                written.append(path)
+        print("\nwrote " + ", ".join(written))
+    return 0

@@ -1,0 +1,84 @@
+"""mistc tune MODEL --hardware HW --nodes N --gpus-per-node M --global-batch B: search the fastest plan.
+
+Prints the plan as a table with its predicted iteration time, MFU and memory per stage (or JSON
+with --json); -o writes the plan (JSON or YAML, the schema ``mistc analyze`` and ``mistc run``
+read) and, next to it, ``<plan>.frontiers.json`` with the Pareto frontiers the stages were chosen
+from (``mistc explain`` plots them). Progress goes to stderr. Exit 2 with one sentence when no
+plan exists (the sentence names the limit and the smallest change that would fit).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..ir.plan import save_plan
+from .api import _stderr_progress, tune
+from .baselines import BASELINE_SPACES
+from .space import OFFLOAD_FAMILIES, SearchSpace
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="zoo name, hf:path/config.json or package.module:function")
+    parser.add_argument("--hardware", required=True, help="hardware profile name (l4, a100-40gb, ...) or YAML path")
+    parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
+    parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    parser.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16")
+    parser.add_argument("--attention", choices=("flash", "math"), default="flash", help="target attention kernel")
+    parser.add_argument("-o", "--output", help="write the plan here (.json or .yaml)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--space", choices=("full",) + tuple(BASELINE_SPACES), default="full",
+                        help="search space: full (default) or a baseline's restriction")
+    parser.add_argument("--offload-grid", help="comma-separated offload ratios, e.g. 0,0.25,0.5,0.75,1")
+    parser.add_argument("--no-offload", action="append", choices=OFFLOAD_FAMILIES + ("all",), default=[],
+                        help="turn an offload family off (repeatable)")
+    parser.add_argument("--max-stages", type=int, help="at most this many pipeline stages")
+    parser.add_argument("--milp-seconds", type=float, help="time limit of each MILP solve")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def space_from_args(args: argparse.Namespace) -> SearchSpace:
+    space = SearchSpace() if args.space == "full" else BASELINE_SPACES[args.space]()[0]
+    changes = {}
+    if args.offload_grid:
+        try:
+            changes["offload_grid"] = tuple(float(v) for v in args.offload_grid.split(","))
+        except ValueError:
+            raise ValueError(f"--offload-grid: expected comma-separated numbers, got {args.offload_grid!r}") from None
+    for family in args.no_offload:
+        for name in (OFFLOAD_FAMILIES if family == "all" else (family,)):
+            changes[f"offload_{name}"] = False
+    if args.max_stages is not None:
+        if args.max_stages < 1:
+            raise ValueError(f"--max-stages must be >= 1, got {args.max_stages}")
+        changes["max_stages"] = args.max_stages
+    if args.milp_seconds is not None:
+        changes["milp_seconds"] = args.milp_seconds
+    return space.restrict(**changes) if changes else space
+
+
+def run(args: argparse.Namespace) -> int:
+    from .report import format_result, result_to_dict, save_frontiers
+
+    space = space_from_args(args)
+    if args.space != "full":
+        from .baselines import tune_baseline
+
+        result = tune_baseline(args.space, args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch,
+                               seq_len=args.seq, dtype=args.dtype, attention=args.attention,
+                               progress=None if args.quiet else _stderr_progress, space_override=space)
+    else:
+        result = tune(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch, seq_len=args.seq,
+                      space=space, dtype=args.dtype, attention=args.attention,
+                      progress=None if args.quiet else _stderr_progress)
+    if args.output:
+        save_plan(result.plan, args.output)
+        side = save_frontiers(result, args.output)
+        print(f"wrote {args.output} and {side}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result_to_dict(result, result.model_config, result.peak_flops), indent=2))
+    else:
+        print(format_result(result, result.model_config, result.peak_flops))
+    return 0
