@@ -33,6 +33,9 @@ def test_blocks_classes_and_exact_parameter_counts(request, fixture, name):
     assert program.blocks[0].param_count == sum(p.numel() for p in model.embed.parameters()) + (
         model.pos_embed.weight.numel() if cfg.positions == "absolute" else 0)
     layer = _layer_class(program)
+    hidden_state = [(B, S, cfg.hidden)]
+    assert [t.shape for t in layer.outputs.values()] == hidden_state  # what a pipeline boundary sends
+    assert [t.shape for t in program.block_classes[0].outputs.values()] == hidden_state
     assert layer.param_shapes["attn.q.weight"] == (cfg.hidden, cfg.hidden)
     assert layer.param_shapes["attn.k.weight"] == (cfg.num_kv_heads * cfg.head_dim, cfg.hidden)
 
