@@ -104,7 +104,8 @@ def _run_model(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Te
 
 
 def loss_of(output, model_name: str = "model") -> torch.Tensor:
-    """The scalar loss in a model's output (tensor, ``.loss``, dict or tuple), else a clear error."""
+    """The scalar loss (or the logits) in a model's output: a tensor, ``.loss``, ``["loss"]``,
+    a tuple's first item or ``.logits``; anything else is a clear error."""
     loss = output
     if not isinstance(loss, torch.Tensor):
         loss = getattr(output, "loss", None)
@@ -112,6 +113,8 @@ def loss_of(output, model_name: str = "model") -> torch.Tensor:
             loss = output.get("loss")
         if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
             loss = output[0]
+        if loss is None:
+            loss = getattr(output, "logits", None)
     if isinstance(loss, torch.Tensor) and (loss.dim() == 0 or loss.dim() == 3):
         return loss
     described = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
