@@ -54,13 +54,11 @@ def test_zoo_models_match_eager_and_are_analysed(name, dynamic):
     assert layer.saved_bytes_expr("flash").free_symbols == ({B, S} if dynamic else set())
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_hugging_face_models_match_eager(kind):
-    transformers = pytest.importorskip("transformers")
-    from conftest import tiny_hf_config
-
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind))
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.heavy)])
+def test_hugging_face_models_match_eager(hf_config_path, kind):
+    pytest.importorskip("transformers")
+    path, _ = hf_config_path(kind)
+    model = build_model("hf:" + path)  # a tiny config.json written by the test, random weights
     assert_same_as_eager(model, 128)
     programs = dynamo_backend.compiled_programs()
     assert programs and programs[-1] is dynamo_backend.last_program()

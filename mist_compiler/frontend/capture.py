@@ -86,9 +86,10 @@ def capture(
 
     ``example_inputs`` (optional ``(input_ids,)`` or ``(input_ids, labels)``, 2-D integer
     tensors) fix the token dtypes; their sizes do not matter: shapes are always symbolic in ``b``
-    and ``s``. ``seq_len`` is the default value of
-    ``s`` (the model's maximum sequence length when omitted); ``dtype`` casts the floating-point
-    weights (default: as built); ``attention`` is the target kernel (``flash`` or ``math``).
+    and ``s``. ``seq_len`` is the default value of ``s`` (the model's maximum sequence length
+    when omitted); ``dtype`` casts the floating-point weights (default: as built);
+    ``attention`` is the target kernel (``flash`` or ``math``). ``print_after`` / ``on_dump``
+    show the state after the named passes (``mistc ir --after``).
     """
     if attention not in ATTENTION_KERNELS:
         raise IRError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")

@@ -208,6 +208,10 @@ def lower_block_class(class_id, kind, label, representative, joint, partition, s
     own = {n.name for n in forward + backward}
     external = {a.name: shapes[a.name][0] for n in forward + backward for a in n.all_input_nodes
                 if a.name not in own and shapes.get(a.name)}
+    # forward values the next blocks read: what a pipeline stage boundary sends
+    sent = {n.name: shapes[n.name][0] for n in forward for u in n.users
+            if shapes.get(n.name) and not is_backward_node(u) and u.op != "output"
+            and partition.node_block.get(u.name, label) != label}
     sizes = {a.name: to_sympy(a.meta["val"], joint.symbol_map) for n in forward + backward for a in n.all_input_nodes
              if a.name not in own and isinstance(a.meta.get("val"), torch.SymInt)}
     return BlockClass(
@@ -218,7 +222,7 @@ def lower_block_class(class_id, kind, label, representative, joint, partition, s
         kept, [_attention_info(n, shapes) for n in forward if n.target in ATTENTION_FORWARD_OPS],
         {"joint": joint.joint_graph, "forward": joint.forward_graph, "backward": joint.backward_graph,
          "nodes": [n.name for n in nodes]},
-        external, sizes,
+        external, sizes, sent,
     )
 
 

@@ -43,6 +43,8 @@ def format_block_class(program: MistProgram, cls: BlockClass, nodes: bool = True
         f"{len(cls.backward_nodes)} backward ops",
         f"  saved for backward (attention={program.attention}): {cls.saved_bytes_expr(program.attention)} bytes",
     ]
+    if cls.outputs:
+        lines.append("  sends to the next block: " + ", ".join(f"%{k}: {v}" for k, v in cls.outputs.items()))
     for name, info in cls.saved_tensors(program.attention):
         lines.append(f"    saved %{name}: {info}")
     for attn in cls.attention:
