@@ -23,8 +23,9 @@ Per candidate (one pipeline stage, one device's view):
   its gradient; a stage that is not the first does the opposite;
 - channels of one phase are combined by the overlap model (``overlap.overlap``);
 - ``stable_s`` = forward + backward phases of one micro-batch; ``delta_s`` = gradient
-  synchronisation + optimizer step (device part at memory bandwidth, host part) + offload
-  traffic of the step + the first ZeRO-3 gather that nothing hides;
+  synchronisation + optimizer step (device part at memory bandwidth, host part) + zeroing the
+  gradients + offload traffic of the step + the first ZeRO-3 gather that nothing hides;
+- the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``MATH_ATTENTION_PASSES``);
 - memory: ``cost.memory`` closed forms over the per-block liveness results.
 Evaluation groups candidates by their distinct ``(micro_batch, tp, nodes, gpus_per_node)`` so
 the symbolic parts run once per distinct value, then everything is array arithmetic.
@@ -113,11 +114,25 @@ class _BlockFunctions:
     tp_granularity: int
 
 
+# The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
+# reads and writes them, probs @ v reads them (4 passes); backward reads the probabilities twice
+# and writes / reads their gradient and the scores' gradient (6 passes).
+MATH_ATTENTION_PASSES = {"forward": 4, "backward": 6}
+
+
+def _class_bytes(block: BlockAnalysis, phase: str, graph_costs, attention: str) -> dict[str, sympy.Expr]:
+    nbytes = dict(graph_costs.bytes_by_class())
+    if attention == "math" and block.memory.attention_probs != 0:
+        extra = MATH_ATTENTION_PASSES[phase] * block.memory.attention_probs
+        nbytes["attention"] = nbytes.get("attention", sympy.Integer(0)) + extra
+    return nbytes
+
+
 def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
     phases = {"forward": block.costs.forward, "backward": block.costs.backward}
     return _BlockFunctions(
         flops={p: {c: _lambdify(e) for c, e in g.flops_by_class().items()} for p, g in phases.items()},
-        nbytes={p: {c: _lambdify(e) for c, e in g.bytes_by_class().items()} for p, g in phases.items()},
+        nbytes={p: {c: _lambdify(e) for c, e in _class_bytes(block, p, g, attention).items()} for p, g in phases.items()},
         collectives={p: [_lambdify(c.bytes) for c in g.collectives] for p, g in phases.items()},
         saved=_lambdify(block.memory.saved[attention]),
         input=_lambdify(block.memory.input),
@@ -218,7 +233,7 @@ class StageCostModel:
             for op_class, flops in functions.flops[phase].items():
                 time = time + op_class_time(self.hardware, self.dtype, op_class, flops(b, s, t),
                                             functions.nbytes[phase][op_class](b, s, t))
-            terms[f"{phase}_compute"] = time + functions.op_count[phase] * getattr(self.hardware, "op_overhead", 0.0)
+            terms[f"{phase}_compute"] = time + functions.op_count[phase] * self.hardware.op_overhead
             comm = np.zeros(b.shape)
             for payload in functions.collectives[phase]:
                 comm = comm + collective_time(self.hardware, "all_reduce", np.maximum(payload(b, s, t), 0.0), *tp_shape)
@@ -308,7 +323,9 @@ class StageCostModel:
         host_step = offload_o * shard_params / HOST_ADAM_PARAMS_PER_S
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
-        step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step
+        # gradients are zeroed once per iteration (a memset of the device-resident gradient buffer)
+        zero_grads = op_class_time(self.hardware, self.dtype, "elementwise", 0.0, states.grads)
+        step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step + zero_grads
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
                                                            dp_nodes, dp_gpus), 0.0)
         delta = sync + step + after_step_gather + first_gather
