@@ -27,6 +27,10 @@ every block, ``dp = tp = 1``, ZeRO 0, no offload, one micro-batch in flight; ste
 ``pipeline_iteration_time(stable, delta, 1)``. No per-configuration adjustment.
 
 Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--hardware cpu]``
+
+Last full run (2026-11-21, the shared 2-core CPU machine, 16 configurations, ~10 min): step time
+mean |error| 10.1% (max 22.1%, all but one under-predicted: per-node autograd overhead is not
+modelled), Kendall tau 0.942; peak memory mean |error| 0.00%, max 0.04%.
 """
 from __future__ import annotations
 

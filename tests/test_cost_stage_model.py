@@ -75,6 +75,13 @@ def test_tensor_parallel_degree_must_divide_heads(model):
     assert list(np.isfinite(estimate.stable_s)) == [True, False, True, False]
 
 
+def test_math_attention_costs_time_and_memory(model):
+    math = build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="float32", attention="math")
+    flash_estimate, math_estimate = model.evaluate(one()), math.evaluate(one())
+    assert math_estimate.stable_s[0] > flash_estimate.stable_s[0]
+    assert math_estimate.breakdown["acts"][0] > flash_estimate.breakdown["acts"][0]
+
+
 def test_inflight_micro_batches_hold_activations(model):
     one_mb, three = model.evaluate(one(inflight=1)), model.evaluate(one(inflight=3))
     held = three.breakdown["acts"][0] - one_mb.breakdown["acts"][0]
