@@ -33,6 +33,9 @@ def test_blocks_classes_and_exact_parameter_counts(request, fixture, name):
     assert program.blocks[0].param_count == sum(p.numel() for p in model.embed.parameters()) + (
         model.pos_embed.weight.numel() if cfg.positions == "absolute" else 0)
     layer = _layer_class(program)
+    hidden_state = [(B, S, cfg.hidden)]
+    assert [t.shape for t in layer.outputs.values()] == hidden_state  # what a pipeline boundary sends
+    assert [t.shape for t in program.block_classes[0].outputs.values()] == hidden_state
     assert layer.param_shapes["attn.q.weight"] == (cfg.hidden, cfg.hidden)
     assert layer.param_shapes["attn.k.weight"] == (cfg.num_kv_heads * cfg.head_dim, cfg.hidden)
 
@@ -88,6 +91,33 @@ def test_gpt_layer_saved_bytes_match_closed_form(gpt_tiny_program, dtype, elemen
     assert sympy.degree(expr, S) == 2 and sympy.degree(program.saved_bytes_expr(layer.class_id, "flash"), S) == 1
 
 
+def eager_saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    """Bytes eager autograd keeps for ``module(x)``'s backward: distinct non-parameter storages."""
+    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x).sum().backward()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("fixture, name", [("gpt_tiny_program", "gpt-tiny"), ("llama_tiny_program", "llama-tiny")])
+def test_saved_bytes_match_what_eager_autograd_keeps(request, fixture, name):
+    """The CPU run uses the flash kernel, so the flash model must equal eager, storage by storage."""
+    program = request.getfixturevalue(fixture)
+    layer = _layer_class(program)
+    block = TransformerLM(zoo_config(name)).blocks[0]
+    for b, s in [(2, 16), (3, 40)]:
+        x = torch.randn(b, s, zoo_config(name).hidden, requires_grad=True)
+        assert program.saved_bytes(layer.class_id, b, s, "flash") == eager_saved_bytes(block, x), (b, s)
+
+
 def test_attention_output_is_not_double_counted(gpt_tiny_program):
     """The o-projection's input is a view of the attention output: one storage, counted once."""
     layer = _layer_class(gpt_tiny_program)
@@ -96,6 +126,26 @@ def test_attention_output_is_not_double_counted(gpt_tiny_program):
     assert f"{attention.node}.out" in names
     hidden_sized = [info for _, info in layer.saved_tensors("flash") if info.numel() == B * S * 64]
     assert len(hidden_sized) == 8  # x, ln1, q, k, v, out, x1, ln2
+
+
+def test_different_layers_get_different_classes():
+    import dataclasses
+
+    from mist_compiler.models.transformer import Block
+
+    cfg = zoo_config("gpt-tiny")
+    model = TransformerLM(cfg)
+    model.blocks[2] = Block(dataclasses.replace(cfg, ffn=128))  # a narrower MLP in layer 2
+    program = capture(model)
+    layer_classes = [c for c in program.block_classes.values() if c.kind == "layer"]
+    assert len(layer_classes) == 2
+    by_index = {b.index: b.class_id for b in program.layers}
+    assert by_index[0] == by_index[1] == by_index[3] != by_index[2]
+    assert program.block_class(by_index[2]).representative == "blocks.2"
+    assert program.block_class(by_index[2]).param_shapes["mlp.up.weight"] == (128, 64)
+    assert program.params == sum(p.numel() for p in model.parameters())
+    narrow, wide = program.saved_bytes(by_index[2], 1, 8), program.saved_bytes(by_index[0], 1, 8)
+    assert wide - narrow == 8 * 2 * (256 - 128) * 4  # up and GELU outputs, fp32, 8 tokens
 
 
 def test_capture_of_a_module_keeps_its_real_weights_untouched():
@@ -108,12 +158,12 @@ def test_capture_of_a_module_keeps_its_real_weights_untouched():
     assert type(model.head.weight) is nn.Parameter
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_capture_hugging_face_config(hf_config_path, kind):
+@pytest.mark.parametrize("kind, as_module", [("llama", False), ("gpt2", True)])
+def test_capture_hugging_face_config(hf_config_path, kind, as_module):
     transformers = pytest.importorskip("transformers")
     path, config = hf_config_path(kind)
-    program = capture("hf:" + path)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    program = capture(model if as_module else "hf:" + path)
     assert program.params == sum(p.numel() for p in model.parameters())  # tied weights counted once
     assert len(program.layers) == 2 and len(program.block_classes) == 3
     assert program.seq_len == 64
@@ -214,6 +264,9 @@ def test_graph_break_is_a_clear_error():
 
 
 def test_bad_options():
+    import mist_compiler
+
+    assert mist_compiler.capture is capture  # the package-level API name
     with pytest.raises(ValueError, match="attention must be one of"):
         capture("gpt-tiny", attention="paged")
     with pytest.raises(ValueError, match="dtype must be one of"):

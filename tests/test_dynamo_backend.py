@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mist_compiler.frontend.dynamo_backend as dynamo_backend
+from mist_compiler.ir.program import B, S
 from mist_compiler.models import build_model, parameter_count, zoo_config
 
 
@@ -23,7 +24,7 @@ def _loss(output):
     return output if isinstance(output, torch.Tensor) else output.loss
 
 
-def assert_same_as_eager(model, vocab):
+def assert_same_as_eager(model, vocab, dynamic=None):
     torch.manual_seed(1)
     input_ids = torch.randint(0, vocab, (2, 12))
     labels = torch.randint(0, vocab, (2, 12))
@@ -31,7 +32,7 @@ def assert_same_as_eager(model, vocab):
     eager.backward()
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    compiled = torch.compile(model, backend="mist")
+    compiled = torch.compile(model, backend="mist", dynamic=dynamic)
     loss = _loss(compiled(input_ids=input_ids, labels=labels))
     loss.backward()
     torch.testing.assert_close(loss, eager, rtol=1e-6, atol=1e-6)
@@ -39,25 +40,25 @@ def assert_same_as_eager(model, vocab):
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
-def test_zoo_models_match_eager_and_are_analysed(name):
+@pytest.mark.parametrize("name, dynamic", [("gpt-tiny", True), ("llama-tiny", None)])
+def test_zoo_models_match_eager_and_are_analysed(name, dynamic):
     model = build_model(name)
-    assert_same_as_eager(model, zoo_config(name).vocab)
+    assert_same_as_eager(model, zoo_config(name).vocab, dynamic)
     program = dynamo_backend.last_program()
     assert program is not None
     assert program.params == parameter_count(zoo_config(name))
     assert len(program.layers) == zoo_config(name).layers and len(program.block_classes) == 3
     layer = next(c for c in program.block_classes.values() if c.kind == "layer")
-    assert layer.attention and layer.saved_bytes_expr("flash") > 0
+    assert layer.attention and layer.saved_bytes_expr("flash").subs({B: 2, S: 12}) > 0
+    # dynamic=True: the analysis is symbolic in b and s; otherwise it is at the compiled sizes
+    assert layer.saved_bytes_expr("flash").free_symbols == ({B, S} if dynamic else set())
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_hugging_face_models_match_eager(kind):
-    transformers = pytest.importorskip("transformers")
-    from conftest import tiny_hf_config
-
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind))
+def test_hugging_face_models_match_eager(hf_config_path, kind):
+    pytest.importorskip("transformers")
+    path, _ = hf_config_path(kind)
+    model = build_model("hf:" + path)  # a tiny config.json written by the test, random weights
     assert_same_as_eager(model, 128)
     programs = dynamo_backend.compiled_programs()
     assert programs and programs[-1] is dynamo_backend.last_program()

@@ -109,3 +109,18 @@ def test_graph_without_layers_is_all_pre():
     partition = discover_blocks(graph)
     assert partition.layer_prefix is None and partition.layer_indices == []
     assert set(partition.node_block.values()) == {"pre"}
+
+
+def test_size_arithmetic_shared_between_layers_does_not_split_classes():
+    """dynamo computes ``b*s`` once in the first layer and later layers reuse it."""
+    graph = three_layer_graph()
+    first_fc = next(n for n in graph.nodes if n.name == "mm_0")
+    with graph.inserting_before(first_fc):
+        size = _node(graph, "tokens", aten.sym_numel.default, (first_fc.args[0],), "blocks.0")
+    size.meta["val"] = 24  # a size, not a tensor
+    for node in graph.nodes:
+        if node.name in ("mm_0", "mm_1", "mm_2"):
+            node.kwargs = {"size_hint": size}
+    partition = discover_blocks(graph)
+    assert partition.node_block["tokens"] == "layer:0"
+    assert len(set(partition.layer_hash.values())) == 1

@@ -18,6 +18,7 @@ All distributed work runs in spawned processes with timeouts; nothing is left ru
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -257,27 +258,16 @@ def _backend_device() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def _agree_max(value: float, distributed: bool, group=None) -> float:
-    """The maximum of ``value`` over the ranks of ``group`` (all must make identical collective calls)."""
+def _agree(value: float, distributed: bool, group=None, mean: bool = False) -> float:
+    """The maximum (or mean) of ``value`` over the ranks of ``group``; all of them must call it."""
     if not distributed:
         return value
     import torch
     import torch.distributed as dist
 
     tensor = torch.tensor([float(value)], dtype=torch.float64, device=_backend_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return float(tensor.item())
-
-
-def _agree_mean(value: float, distributed: bool) -> float:
-    if not distributed:
-        return value
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor([float(value)], dtype=torch.float64, device=_backend_device())
-    dist.all_reduce(tensor)
-    return float(tensor.item()) / dist.get_world_size()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if mean else dist.ReduceOp.MAX, group=group)
+    return float(tensor.item()) / (dist.get_world_size(group) if mean else 1)
 
 
 def _run_together(fore: _Channel, steps: int, back: _Channel, back_steps: int) -> float:
@@ -313,8 +303,8 @@ def measure_slowdowns(device: str, options: ProfilerOptions, distributed: bool) 
     for name, channel in channels.items():
         channel.run(2)  # warm-up; fixed counts so that collectives match across ranks
         seconds = channel.run(3) / 3
-        steps = int(_agree_max(max(1, int(options.bench_s / 3 / max(seconds, 1e-7))), distributed))
-        per_step[name] = _agree_max(channel.run(steps) / steps, distributed)
+        steps = int(_agree(max(1, int(options.bench_s / 3 / max(seconds, 1e-7))), distributed))
+        per_step[name] = _agree(channel.run(steps) / steps, distributed)
     factors: dict[str, float] = {}
     for fore in names:
         steps = max(2, math.ceil(options.bench_s / per_step[fore]))
@@ -330,7 +320,7 @@ def measure_slowdowns(device: str, options: ProfilerOptions, distributed: bool) 
                 if distributed:
                     dist.barrier()
                 ratios.append(_run_together(channels[fore], steps, channels[back], back_steps) / alone)
-            factor = _agree_mean(float(np.median(ratios)), distributed)
+            factor = _agree(float(np.median(ratios)), distributed, mean=True)
             factors[f"{fore}|{back}"] = round(max(1.0, factor), 4)
             options.log(f"slowdown {fore} while {back} runs: x{factor:.3f}")
     return factors
@@ -387,7 +377,7 @@ def _time_collective(call, sync, target_s: float, group=None, rounds: int = 3) -
     start = time.perf_counter()
     call()
     sync()
-    once = _agree_max(time.perf_counter() - start, True, group)
+    once = _agree(time.perf_counter() - start, True, group)
     calls = int(max(1, min(200, target_s / rounds / max(once, 1e-6))))
     best = math.inf
     for _ in range(rounds):
@@ -396,7 +386,7 @@ def _time_collective(call, sync, target_s: float, group=None, rounds: int = 3) -
         for _ in range(calls):
             call()
         sync()
-        best = min(best, _agree_max((time.perf_counter() - start) / calls, True, group))
+        best = min(best, _agree((time.perf_counter() - start) / calls, True, group))
     return best
 
 
@@ -470,16 +460,18 @@ def run_collective_group(world: int, device: str, options: ProfilerOptions, meas
                 ranks.append(subprocess.Popen([sys.executable, "-m", "mist_compiler.cost.profiler", "--worker", config],
                                               env=env, stdin=subprocess.DEVNULL))
             deadline = time.monotonic() + timeout_s
-            while any(p.poll() is None for p in ranks):
-                if os.path.exists(result_path):  # every rank is past its last collective: let them exit briefly
-                    deadline = min(deadline, time.monotonic() + 2.0)
-                    if time.monotonic() > deadline:
-                        break
-                elif time.monotonic() > deadline:
+            while not os.path.exists(result_path):
+                codes = [p.poll() for p in ranks]
+                if any(code not in (None, 0) for code in codes) or all(code is not None for code in codes):
+                    break  # a rank failed, or all exited without a result
+                if time.monotonic() > deadline:
                     raise RuntimeError(f"profile: {world}-rank collective measurement did not finish within {timeout_s:.0f} s")
-                if any(p.poll() not in (None, 0) for p in ranks):
-                    break
                 time.sleep(0.1)
+            for process in ranks:  # past the last collective: a moment to exit, then the finally kills
+                try:
+                    process.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    pass
             codes = [p.poll() for p in ranks]
             if not os.path.exists(result_path):
                 raise RuntimeError(f"profile: a {world}-rank collective worker failed (exit codes {codes}; "
@@ -611,6 +603,22 @@ def _resolve_device(options: ProfilerOptions) -> str:
     return device
 
 
+@contextlib.contextmanager
+def _as_one_rank(device: str):
+    """Torch limited to one thread on CPU, as the CPU backend runs its ranks; GPU memory handed back after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if device == "cuda":
+            torch.cuda.empty_cache()  # leave GPU 0's memory to the rank processes
+
+
 def _load_note() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return f"1-minute load average {load:.1f} when it started (other work on the machine slows every measurement)"
@@ -649,8 +657,6 @@ def _assemble(options: ProfilerOptions, device: str, per_node: int, measured: Co
 
 def profile_machine(options: ProfilerOptions) -> HardwareProfile:
     """Measure this machine (spawning local ranks for collectives) and return its profile."""
-    import torch
-
     started = time.perf_counter()
     notes = [_load_note()]
     device = _resolve_device(options)
@@ -662,16 +668,9 @@ def profile_machine(options: ProfilerOptions) -> HardwareProfile:
     base = load_profile(options.links_from) if options.links_from and not sizes else None
     options.log(f"profiling {device}: {per_node} {'GPUs' if device == 'cuda' else 'cores (one rank each, 1 thread)'}")
 
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)
-    try:
+    with _as_one_rank(device):
         measured = measure_compute(device, options)
         local_slowdown = measure_slowdowns(device, options, distributed=False) if not sizes else {}
-    finally:
-        torch.set_num_threads(threads)
-        if device == "cuda":
-            torch.cuda.empty_cache()  # leave GPU 0's memory to the rank processes
 
     results = []
     for index, world in enumerate(sizes):
@@ -702,17 +701,10 @@ def recalibrate_compute(base: HardwareProfile, options: ProfilerOptions | None =
     """
     import dataclasses
 
-    import torch
-
     options = options or ProfilerOptions()
     device = _resolve_device(options)
-    threads = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(1)  # as the CPU backend runs its ranks
-    try:
+    with _as_one_rank(device):
         measured = measure_compute(device, options)
-    finally:
-        torch.set_num_threads(threads)
     peaks, peak_note = _peaks(device, measured)
     profile = dataclasses.replace(
         base, peak_flops={**base.peak_flops, **peaks}, efficiency=_efficiencies(measured, peaks),

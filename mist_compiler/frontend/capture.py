@@ -86,9 +86,10 @@ def capture(
 
     ``example_inputs`` (optional ``(input_ids,)`` or ``(input_ids, labels)``, 2-D integer
     tensors) fix the token dtypes; their sizes do not matter: shapes are always symbolic in ``b``
-    and ``s``. ``seq_len`` is the default value of
-    ``s`` (the model's maximum sequence length when omitted); ``dtype`` casts the floating-point
-    weights (default: as built); ``attention`` is the target kernel (``flash`` or ``math``).
+    and ``s``. ``seq_len`` is the default value of ``s`` (the model's maximum sequence length
+    when omitted); ``dtype`` casts the floating-point weights (default: as built);
+    ``attention`` is the target kernel (``flash`` or ``math``). ``print_after`` / ``on_dump``
+    show the state after the named passes (``mistc ir --after``).
     """
     if attention not in ATTENTION_KERNELS:
         raise IRError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
@@ -131,33 +132,33 @@ def _dtype_name(dtype: str | torch.dtype | None) -> str | None:
 
 
 def fake_copy(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are FakeTensors (ties preserved)."""
-    memo: dict[int, torch.Tensor] = {}
+    """A copy of ``model`` whose parameters and buffers are FakeTensors (ties and shared modules kept).
 
-    def fake(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in memo:
+    Module objects are shallow-copied (their code and plain attributes are shared); ``model``
+    itself is not modified.
+    """
+    tensors: dict[int, torch.Tensor] = {}
+    modules: dict[int, nn.Module] = {}
+
+    def fake(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        if id(tensor) not in tensors:
             value = fake_mode.from_tensor(tensor.detach(), static_shapes=True)
-            memo[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
-        return memo[id(tensor)]
+            tensors[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
+        return tensors[id(tensor)]
 
-    copied = copy.copy(model)
-    copied._modules = {}
-    copied._parameters = {k: (fake(v) if v is not None else None) for k, v in model._parameters.items()}
-    copied._buffers = {k: (fake(v) if v is not None else None) for k, v in model._buffers.items()}
-    for name, child in model._modules.items():
-        copied._modules[name] = _fake_copy_child(child, fake, {}) if child is not None else None
-    return copied
+    def copy_module(module: nn.Module | None) -> nn.Module | None:
+        if module is None:
+            return None
+        if id(module) not in modules:
+            copied = modules[id(module)] = copy.copy(module)
+            copied._parameters = {k: fake(v) for k, v in module._parameters.items()}
+            copied._buffers = {k: fake(v) for k, v in module._buffers.items()}
+            copied._modules = {k: copy_module(v) for k, v in module._modules.items()}
+        return modules[id(module)]
 
-
-def _fake_copy_child(module: nn.Module, fake, seen: dict) -> nn.Module:
-    if id(module) in seen:
-        return seen[id(module)]
-    copied = copy.copy(module)
-    seen[id(module)] = copied
-    copied._parameters = {k: (fake(v) if v is not None else None) for k, v in module._parameters.items()}
-    copied._buffers = {k: (fake(v) if v is not None else None) for k, v in module._buffers.items()}
-    copied._modules = {k: (_fake_copy_child(v, fake, seen) if v is not None else None) for k, v in module._modules.items()}
-    return copied
+    return copy_module(model)
 
 
 def build_fake_model(state: CaptureState) -> CaptureState:

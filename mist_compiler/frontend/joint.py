@@ -7,12 +7,11 @@ reports a :class:`JointCapture`. The compiled forward/backward are boxed callabl
 partitioned graphs, so the same backend also trains (``mist_backend``).
 
 ``trace_joint(model, input_ids, labels)`` runs that backend once on a model whose weights are
-FakeTensors, with the input's batch and sequence dimensions marked dynamic.
+FakeTensors, compiled with ``dynamic=True`` so the batch and sequence sizes are symbols.
 """
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,6 +23,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
 
 from ..ir.program import B, S
+from ..passes.block_discovery import module_paths
 
 
 @dataclass
@@ -47,14 +47,12 @@ def _is_parameter(node: torch.fx.Node, example) -> bool:
 
 def _parameter_path(node: torch.fx.Node) -> str:
     """``blocks.0.attn.q.weight`` from the placeholder's module stack and its dynamo name."""
-    from ..passes.block_discovery import module_paths
-
     leaf = node.name.split("_parameters_")[-1].strip("_")
     paths = module_paths(node)
     return f"{paths[-1]}.{leaf}" if paths else leaf
 
 
-def batch_seq_symbols(gm: torch.fx.GraphModule, example_inputs: list) -> dict:
+def batch_seq_symbols(gm: torch.fx.GraphModule) -> dict:
     """Map the ShapeEnv symbols of the token input's two dimensions to ``b`` and ``s``."""
     candidates = []
     for node in gm.graph.nodes:
@@ -90,7 +88,7 @@ def joint_backend(on_capture: Callable[[JointCapture], None]):
                 else:
                     inputs[primal.name] = node.name
             on_capture(JointCapture(gm, joint, forward, backward, num_fwd_outputs, saved,
-                                    batch_seq_symbols(gm, example_inputs), params, inputs))
+                                    batch_seq_symbols(gm), params, inputs))
             return forward, backward
 
         def boxed(graph: torch.fx.GraphModule, _inputs):
@@ -106,7 +104,8 @@ def _run_model(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Te
 
 
 def loss_of(output, model_name: str = "model") -> torch.Tensor:
-    """The scalar loss in a model's output (tensor, ``.loss``, dict or tuple), else a clear error."""
+    """The scalar loss (or the logits) in a model's output: a tensor, ``.loss``, ``["loss"]``,
+    a tuple's first item or ``.logits``; anything else is a clear error."""
     loss = output
     if not isinstance(loss, torch.Tensor):
         loss = getattr(output, "loss", None)
@@ -114,6 +113,8 @@ def loss_of(output, model_name: str = "model") -> torch.Tensor:
             loss = output.get("loss")
         if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
             loss = output[0]
+        if loss is None:
+            loss = getattr(output, "logits", None)
     if isinstance(loss, torch.Tensor) and (loss.dim() == 0 or loss.dim() == 3):
         return loss
     described = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__

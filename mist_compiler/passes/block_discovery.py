@@ -193,10 +193,20 @@ def wl_hash(graph: nx.Graph, iterations: int = 3) -> str:
         return nx.weisfeiler_lehman_graph_hash(graph, node_attr="label", iterations=iterations)
 
 
+def _is_size_value(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val", node.meta.get("example_value"))
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
 def structural_hash(graph: torch.fx.Graph, members: set[str]) -> str:
-    """Weisfeiler-Lehman hash of the op graph induced by ``members`` (external inputs collapsed)."""
+    """Weisfeiler-Lehman hash of the op graph induced by ``members`` (external inputs collapsed).
+
+    Size arithmetic (``b*s`` as a SymInt) is left out: dynamo computes it once and later layers
+    reuse it, which would make the first layer look different.
+    """
     digraph = nx.DiGraph()
     by_name = {n.name: n for n in graph.nodes}
+    members = {name for name in members if not _is_size_value(by_name[name])}
     for name in members:
         digraph.add_node(name, label=_op_label(by_name[name]))
     for name in members:
