@@ -246,24 +246,42 @@ class StageCostModel:
         terms["params"] = functions.params_per_device(b, s, t)
         return terms
 
+    def _candidate_terms(self, c: StageCandidates):
+        """Per-block terms for every candidate (computed once per distinct (b, tp, TP group shape)),
+        and the data-parallel group shape."""
+        b = np.asarray(c.micro_batch, dtype=np.int64)
+        tp = np.asarray(c.tp, dtype=np.int64)
+        (tp_nodes, tp_gpus), dp_shape = _group_shapes(tp, np.asarray(c.dp, dtype=np.int64),
+                                                      np.asarray(c.nodes, dtype=np.int64),
+                                                      np.asarray(c.gpus_per_node, dtype=np.int64))
+        if len(c) and (b.max() >= 1 << 20 or tp.max() >= 1 << 14 or tp_nodes.max() >= 1 << 14 or tp_gpus.max() >= 1 << 14):
+            raise StageModelError("micro_batch must be < 2^20 and tp, nodes, gpus_per_node < 2^14")
+        keys = ((b << 42) | (tp << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        unique_b, unique_t = b[first].astype(float), tp[first].astype(float)
+        shape = (tp_nodes[first], tp_gpus[first])
+        per_kind = {kind: {name: value[inverse] for name, value in self._block_terms(kind, unique_b, unique_t, shape).items()}
+                    for kind in BLOCK_KINDS}
+        return per_kind, dp_shape
+
+    def _infeasible(self, tp: np.ndarray, present: dict[str, np.ndarray]) -> np.ndarray:
+        """Tensor parallelism on a structure the sharding rules do not know, or a degree that
+        does not divide the heads / sharded dimensions."""
+        infeasible = np.zeros(len(tp), dtype=bool)
+        for kind, functions in self._functions.items():
+            if not functions.tp_supported:
+                infeasible |= present[kind] & (tp > 1)
+            elif functions.tp_granularity:
+                infeasible |= present[kind] & (functions.tp_granularity % tp != 0)
+        return infeasible
+
     def evaluate(self, candidates: StageCandidates) -> StageEstimates:
         c = candidates
         count = len(c)
-        b = np.asarray(c.micro_batch, dtype=np.int64)
-        tp = np.asarray(c.tp, dtype=np.int64)
         dp = np.asarray(c.dp, dtype=np.int64)
         nodes = np.asarray(c.nodes, dtype=np.int64)
-        gpus = np.asarray(c.gpus_per_node, dtype=np.int64)
-        (tp_nodes, tp_gpus), (dp_nodes, dp_gpus) = _group_shapes(tp, dp, nodes, gpus)
-        if count and (b.max() >= 1 << 20 or tp.max() >= 1 << 14 or tp_nodes.max() >= 1 << 14 or tp_gpus.max() >= 1 << 14):
-            raise StageModelError("micro_batch must be < 2^20 and tp, nodes, gpus_per_node < 2^14")
-        keys = ((b << 42) | (tp << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
-        unique_keys, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        ub, ut = b[first].astype(float), tp[first].astype(float)
-        shape = (tp_nodes[first], tp_gpus[first])
-        per_kind = {kind: {name: value[inverse] for name, value in self._block_terms(kind, ub, ut, shape).items()}
-                    for kind in BLOCK_KINDS}
+        per_kind, (dp_nodes, dp_gpus) = self._candidate_terms(c)
         layer, pre, post = per_kind["layer"], per_kind["pre"], per_kind["post"]
         n = np.asarray(c.num_layers, dtype=float)
         ckpt = np.asarray(c.ckpt_layers, dtype=float)
@@ -330,15 +348,8 @@ class StageCostModel:
                                                            dp_nodes, dp_gpus), 0.0)
         delta = sync + step + after_step_gather + first_gather
 
-        # ---- infeasible: tensor parallelism on a structure the sharding rules do not know, or a
-        # degree that does not divide the heads / sharded dimensions ---------------------------
-        unsupported = np.zeros(count, dtype=bool)
-        for kind, functions in self._functions.items():
-            present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}[kind]
-            if not functions.tp_supported:
-                unsupported |= present & (tp > 1)
-            elif functions.tp_granularity:
-                unsupported |= present & (functions.tp_granularity % tp != 0)
+        present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}
+        unsupported = self._infeasible(np.asarray(c.tp, dtype=np.int64), present)
         stable = np.where(unsupported, np.inf, stable)
         peak = np.where(unsupported, np.inf, peak)
 
