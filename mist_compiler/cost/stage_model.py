@@ -44,7 +44,7 @@ from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
 from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .memory import BlockActivationTerms, activation_peak, model_state_memory, state_bytes_per_param
-from .op_time import class_efficiency, op_class_time
+from .op_time import op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
 
