@@ -376,6 +376,15 @@ class StageCostModel:
         return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak, breakdown=breakdown)
 
 
+def _capture_seq_len(name: str, seq_len: int) -> int:
+    """Sizes stay symbolic in s, so one capture serves every sequence length up to the model's
+    maximum (only a longer one changes the model: a larger position table)."""
+    from ..models import resolve_model
+
+    config = resolve_model(name).config if not name.startswith("hf:") and ":" not in name else None
+    return config.max_seq if config is not None and seq_len <= config.max_seq else seq_len
+
+
 def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float16",
                            attention: str = "flash") -> StageCostModel:
     """Capture (if given a name) and analyse ``model`` once; return the vectorised stage model.
@@ -392,7 +401,7 @@ def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float
     state_bytes_per_param(dtype)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     if isinstance(model, str):
-        blocks, num_layers, name = analyse_named_model(model, seq_len, dtype)
+        blocks, num_layers, name = analyse_named_model(model, _capture_seq_len(model, seq_len), dtype)
     else:
         (blocks, num_layers), name = analyse_program(model), model.model_name
     return StageCostModel(blocks, profile, seq_len, dtype, attention, model_name=name, num_layers=num_layers)
