@@ -341,8 +341,10 @@ class StageCostModel:
         host_step = offload_o * shard_params / HOST_ADAM_PARAMS_PER_S
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
-        # gradients are zeroed once per iteration (a memset of the device-resident gradient buffer)
-        zero_grads = op_class_time(self.hardware, self.dtype, "elementwise", 0.0, states.grads)
+        # gradients are zeroed once per iteration: a memset of the rank's gradient buffer (its
+        # offloaded part is zeroed on the host, counted at the same rate)
+        grad_share = np.where(zero >= 2, 1.0 / dp, 1.0)
+        zero_grads = op_class_time(self.hardware, self.dtype, "elementwise", 0.0, grad_bytes * grad_share)
         step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step + zero_grads
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
                                                            dp_nodes, dp_gpus), 0.0)
