@@ -50,7 +50,7 @@ def test_math_attention_and_default_seq(capsys):
 
 
 def test_text_output_and_after_pass(capsys):
-    out = run_ir(["llama-tiny", "--after", "block_discovery", "--nodes"], capsys)
+    out = run_ir(["gpt-tiny", "--after", "block_discovery", "--nodes"], capsys)
     assert "=== after block_discovery ===" in out
     assert "4 layers in 3 block classes" in out
     assert re.search(r"= attention\(", out) and "saved for backward at b=1, s=128" in out

@@ -54,7 +54,7 @@ def test_zoo_models_match_eager_and_are_analysed(name, dynamic):
     assert layer.saved_bytes_expr("flash").free_symbols == ({B, S} if dynamic else set())
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.heavy)])
 def test_hugging_face_models_match_eager(hf_config_path, kind):
     pytest.importorskip("transformers")
     path, _ = hf_config_path(kind)
