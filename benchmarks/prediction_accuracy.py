@@ -28,9 +28,10 @@ every block, ``dp = tp = 1``, ZeRO 0, no offload, one micro-batch in flight; ste
 
 Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--hardware cpu]``
 
-Last full run (2026-11-21, the shared 2-core CPU machine, 16 configurations, ~10 min): step time
-mean |error| 10.1% (max 22.1%, all but one under-predicted: per-node autograd overhead is not
-modelled), Kendall tau 0.942; peak memory mean |error| 0.00%, max 0.04%.
+Last full runs (2026-11-21, the shared 2-core CPU machine, 16 configurations, ~8 min each):
+step time mean |error| 5.2% (max 10.8%), Kendall tau 0.942, peak memory mean |error| 0.00%
+(max 0.04%); an earlier run with the same code up to the time model's gradient-zeroing term:
+10.1% (max 22.1%), tau 0.942. Run-to-run spread comes from the calibration on a loaded machine.
 """
 from __future__ import annotations
 
