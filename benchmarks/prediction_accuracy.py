@@ -30,8 +30,8 @@ Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--hard
 
 Last full runs (2026-11-21, the shared 2-core CPU machine, 16 configurations, ~8 min each):
 step time mean |error| 5.2% (max 10.8%), Kendall tau 0.942, peak memory mean |error| 0.00%
-(max 0.04%); an earlier run with the same code up to the time model's gradient-zeroing term:
-10.1% (max 22.1%), tau 0.942. Run-to-run spread comes from the calibration on a loaded machine.
+(max 0.04%). An earlier run of the same time model gave 10.1% (max 22.1%), tau 0.942: the
+run-to-run spread comes from calibrating on a loaded machine.
 """
 from __future__ import annotations
 
