@@ -211,7 +211,9 @@ class Engine:
         if self.tied is not None:
             self.tied.attach(self.runtime)
         self.interface = self.program.interface
-        self.p2p = P2P(build_links(self.topology, self.rank), self.interface.inputs, self.interface.outputs,
+        # activations travel in the plan's dtype (the runtime casts the weights to it)
+        inputs, outputs = (_in_dtype(values, DTYPES[plan.dtype]) for values in (self.interface.inputs, self.interface.outputs))
+        self.p2p = P2P(build_links(self.topology, self.rank), inputs, outputs,
                        self.stage_plan.micro_batch, self.device, timeout_s)
         self.schedule = one_f_one_b(plan.pp, self.coord.stage, plan.grad_accum)
         # The next stage sends dp_next * dL/dx (its loss share is averaged over its own dp ranks);
@@ -408,6 +410,12 @@ class Engine:
         remove = getattr(self.runtime, "remove_hooks", None)
         if remove is not None:
             remove()
+
+
+def _in_dtype(values: list, dtype: torch.dtype) -> list:
+    from dataclasses import replace
+
+    return [replace(v, dtype=dtype) if v.dtype.is_floating_point else v for v in values]
 
 
 def install_activation_offload(runtime: Any, units: list[tuple[str, nn.Module]], table: dict[str, Any],
