@@ -10,8 +10,11 @@ its own rows; the stage runs the 1F1B schedule over ``grad_accum`` micro-batches
 scaled by ``1/G`` (the runtime averages over data-parallel ranks), then the optimizer steps.
 It returns the mean loss of the global batch, the same on every rank.
 
-Failures: every collective and transfer has a timeout; when a rank fails it records the reason
-in the rendezvous store, and the others, once their wait fails, report which rank failed.
+``forward_backward`` and ``optimizer_step`` are the two halves (the dynamo runtime uses them).
+
+Failures (:class:`FailureMonitor`): every collective and transfer has a timeout; a rank that
+fails writes the reason to the rendezvous store and every other rank stops within a heartbeat,
+naming it; a rank that dies is found by its stale heartbeat and named the same way.
 """
 from __future__ import annotations
 
@@ -183,6 +186,7 @@ class Engine:
         self.plan = plan
         self.timeout_s = timeout_s
         self.source_model: nn.Module | None = None  # set by the dynamo runtime
+        self._step_pending = False
         self.topology = Topology(plan)
         _ensure_process_group(timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -244,7 +248,7 @@ class Engine:
         self._step_pending = True
 
     def flush_optimizer_step(self) -> None:
-        if getattr(self, "_step_pending", False):
+        if self._step_pending:
             self.optimizer_step()
 
     def _guarded(self, fn: Callable, *args: Any) -> Any:
