@@ -302,7 +302,8 @@ class Engine:
         if self.tied is not None:
             self.tied.begin_iteration()
         backward_done = 0
-        for kind, micro in self.schedule:
+        for position, (kind, micro) in enumerate(self.schedule):
+            self._prefetch(position)
             if kind == FORWARD:
                 self._forward(batch, micro, state)
             else:
@@ -322,6 +323,16 @@ class Engine:
         self.runtime.step()
         if self.tied is not None:
             self.tied.after_step()
+
+    def _prefetch(self, position: int) -> None:
+        """Post the receives of the next action's inputs before running this one (overlap)."""
+        if position + 1 >= len(self.schedule):
+            return
+        kind, micro = self.schedule[position + 1]
+        if kind == FORWARD and not self.interface.is_first:
+            self.p2p.prefetch_forward(micro)
+        elif kind == BACKWARD and not self.interface.is_last:
+            self.p2p.prefetch_backward(micro)
 
     def _forward(self, batch: dict[str, torch.Tensor], micro: int, state: StepState) -> None:
         received = self.p2p.recv_forward(micro) if not self.interface.is_first else []
