@@ -196,3 +196,24 @@ def test_zero3_prefetches_one_unit_ahead_and_frees_after_use():
         ("backward", "pre"), ("reduce", "pre"), ("free", "pre"),
     ]
     assert all(not b.full.allocated for b in runtime.buckets)
+
+
+def test_zero_grad_by_the_caller_does_not_break_the_buckets():
+    from stage_runtime_cases import make_batches, max_relative_error, reference_training, train_with_runtime, _forward
+
+    adamw = AdamWConfig(lr=1e-4, weight_decay=0.1)
+    batches = make_batches(2, 2, 16, 512)
+    case = Case(zero=2, grad_accum=1)
+    expected, _ = train_with_runtime(0, 1, case, batches, adamw)
+    units = make_units(build_model("gpt-tiny", seed=0))
+    runtime = StageRuntime(units, dp_group=None, zero=2, offload=Offload(), optimizer=adamw, device=torch.device("cpu"))
+    for input_ids, labels in batches:
+        for _, module in units:
+            module.zero_grad(set_to_none=True)
+        runtime.begin_iteration()
+        runtime.set_last_microbatch(True)
+        _forward(runtime, units, input_ids, labels, case).backward()
+        runtime.step()
+    got = {k.split(".", 1)[1] if k.startswith(("pre.", "post.")) else k: v
+           for k, v in runtime.named_full_parameters().items()}
+    assert max_relative_error(got, expected)[0] == 0.0

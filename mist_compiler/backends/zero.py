@@ -106,7 +106,7 @@ class UnitBucket:
         self.opt_state = ShardState(self.master, ctx.host_memory, offload.opt)
 
         self.grads = FreeableBuffer(n, ctx.param_dtype, ctx.device, allocated=False)
-        bind_grads(self.params, self.grads, self.layout)
+        self.grad_views = bind_grads(self.params, self.grads, self.layout)
         acc_numel = n if zero <= 1 else s
         self.grad_acc = SplitBuffer(acc_numel, torch.float32, ctx.device, offload.grads, ctx.host_memory, "grads")
         # the accumulator's device part only exists from a step's first gradient to its optimizer update
@@ -204,8 +204,19 @@ class UnitBucket:
             self.grads_ready = 0
             self.in_backward = True
 
-    def note_grad_ready(self) -> bool:
-        """Count one parameter's gradient as complete; True when the whole bucket is."""
+    def note_grad_ready(self, param_index: int) -> bool:
+        """Count one parameter's gradient as complete; True when the whole bucket is.
+
+        If someone replaced the parameter's ``.grad`` (e.g. ``zero_grad(set_to_none=True)``), autograd
+        made a fresh tensor: its values go into the bucket view, which is re-attached.
+        """
+        param, view = self.params[param_index], self.grad_views[param_index]
+        if param.grad is not view:
+            if not self.in_backward:
+                self.begin_grads()
+            if param.grad is not None:
+                view.add_(param.grad)
+            param.grad = view
         self.grads_ready += 1
         return self.grads_ready == len(self.params)
 
