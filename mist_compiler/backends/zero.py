@@ -7,8 +7,10 @@ Per unit (``UnitBucket``), with N = the padded flat size and S = N / dp the loca
 | compute weights (param dtype) | N, persistent | N, persistent | N, persistent | N, gathered before use, freed after |
 | weight source | the compute buffer | same | same | S (this rank's shard) |
 | per-micro-batch grads (param dtype) | N while the unit's backward runs | same | same | same |
-| fp32 grad accumulator | N | N | S | S |
+| fp32 grad accumulator (first grad to step) | N, all-reduced in place | N until the last reduce-scatter, then S | S | S |
 | fp32 master + Adam moments | N | S | S | S |
+
+(with grad_accum == 1, ZeRO 0/1 reduce the micro-batch buffer itself and hold no accumulator)
 
 Weights offload (fraction w) keeps the weight source split device/host; the compute buffer then
 becomes transient for ZeRO 0-2 as well and is refilled (host part copied in) before each use.
