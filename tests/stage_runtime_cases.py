@@ -4,11 +4,11 @@ Kept out of the test modules so spawned ranks import it without importing pytest
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -97,11 +97,17 @@ class Case:
     grad_accum: int = 2
     model: str = "gpt-tiny"
     tied: bool = False
+    param_dtype: torch.dtype = torch.float32
+    schedule: str = "interleaved"  # "interleaved": F0 B0 F1 B1 ...; "gpipe": all forwards, then all backwards
+    checkpoint: bool = False  # recompute each block in backward (torch.utils.checkpoint around the unit)
+    reduce_scatter_fallback: bool = False  # force dist_compat's all_reduce + slice reduce-scatter
     transform: bool = False  # register an identity-preserving grad transform (x2 then /2 on one param)
 
     @property
     def label(self) -> str:
-        return f"{self.model} zero={self.zero} offload={self.offload} G={self.grad_accum}"
+        extras = [name for name, on in (("tied", self.tied), ("transform", self.transform), ("gpipe", self.schedule == "gpipe"),
+                                         ("checkpoint", self.checkpoint), ("rs-fallback", self.reduce_scatter_fallback)) if on]
+        return f"{self.model} zero={self.zero} offload={self.offload} G={self.grad_accum} {' '.join(extras)}"
 
 
 def train_with_runtime(rank: int, world: int, case: Case, batches, adamw: AdamWConfig) -> tuple[dict, dict]:
@@ -111,11 +117,16 @@ def train_with_runtime(rank: int, world: int, case: Case, batches, adamw: AdamWC
         model.head.weight = model.embed.weight
     units = make_units(model)
     runtime = StageRuntime(units, dp_group=dist.group.WORLD if world > 1 else None, zero=case.zero,
-                           offload=case.offload, optimizer=adamw, device=torch.device("cpu"))
+                           offload=case.offload, optimizer=adamw, device=torch.device("cpu"),
+                           param_dtype=case.param_dtype)
     if case.transform:
         name = "blocks.0.attn.q.weight"
         runtime.register_grad_transform(name, lambda g: g.mul_(2.0))
         runtime.register_grad_transform(name, lambda g: g.mul_(0.5))
+    if case.reduce_scatter_fallback:
+        from mist_compiler.backends import dist_compat
+
+        dist_compat._reduce_scatter_native[str(dist.get_backend())] = False
     memory = {}
     for input_ids, labels in batches:
         per_rank = input_ids.shape[0] // world
@@ -123,22 +134,38 @@ def train_with_runtime(rank: int, world: int, case: Case, batches, adamw: AdamWC
         lab = labels[rank * per_rank:(rank + 1) * per_rank]
         micro = per_rank // case.grad_accum
         runtime.begin_iteration()
+        losses = []
         for m in range(case.grad_accum):
-            x = ids[m * micro:(m + 1) * micro]
-            y = lab[m * micro:(m + 1) * micro]
-            for name, module in units[:-1]:
-                with runtime.activation_offload(name):
-                    x = module(x)
-            with runtime.activation_offload("post"):
-                loss = units[-1][1](x, y) / case.grad_accum
+            losses.append(_forward(runtime, units, ids[m * micro:(m + 1) * micro], lab[m * micro:(m + 1) * micro],
+                                   case))
+            if case.schedule != "gpipe":
+                runtime.set_last_microbatch(m == case.grad_accum - 1)
+                losses.pop().backward()
+        for m, loss in enumerate(losses):
             runtime.set_last_microbatch(m == case.grad_accum - 1)
             loss.backward()
         runtime.finish_gradients()
         memory = runtime.memory_report()
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for _, m in units for p in m.parameters()}
+        memory["param_storage_bytes"] = sum(storages.values())
+        memory["acts_offloaded"] = sum(o.offloaded_bytes for o in runtime.activations.values())
+        memory["acts_kept"] = sum(o.kept_bytes for o in runtime.activations.values())
         runtime.step()
     weights = runtime.named_full_parameters()
     runtime.remove_hooks()
     return {reference_name(k): v for k, v in weights.items()}, memory
+
+
+def _forward(runtime: StageRuntime, units, x: torch.Tensor, y: torch.Tensor, case: Case) -> torch.Tensor:
+    """One micro-batch through the units; the loss scaled by 1/G as the pipeline engine does."""
+    for name, module in units[:-1]:
+        with runtime.activation_offload(name):
+            if case.checkpoint and name.startswith("blocks."):
+                x = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
+            else:
+                x = module(x)
+    with runtime.activation_offload("post"):
+        return units[-1][1](x, y) / case.grad_accum
 
 
 def max_relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
@@ -186,3 +213,23 @@ def memory_worker(rank: int, world: int, cases: list[Case]) -> list[dict]:
         _, memory = train_with_runtime(rank, world, case, batches, adamw)
         reports.append(memory)
     return reports
+
+
+def timeout_worker(rank: int, world: int) -> str:
+    """Rank 1 skips a ZeRO-3 all-gather: rank 0 must get a CollectiveError naming unit and collective."""
+    import time
+
+    from mist_compiler.backends.dist_compat import CollectiveError
+
+    model = build_model("gpt-tiny", seed=0)
+    runtime = StageRuntime(make_units(model), dp_group=dist.group.WORLD, zero=3, offload=Offload(),
+                           optimizer=AdamWConfig(), device=torch.device("cpu"), timeout_s=2.0)
+    if rank == 1:
+        time.sleep(3.5)
+        return "skipped"
+    start = time.monotonic()
+    try:
+        runtime.named_full_parameters()
+    except CollectiveError as error:
+        return f"{time.monotonic() - start:.1f}s {error}"
+    return "no error"

@@ -38,6 +38,7 @@ class Pending:
     on_cuda: bool = False
     then: list[Callable[[], None]] = field(default_factory=list)
     done: bool = False
+    keep_alive: object = None  # buffers the collective reads, held until it is waited on
 
     def wait(self, timeout_s: float) -> None:
         if self.done:
@@ -52,6 +53,7 @@ class Pending:
             if finished is False:
                 raise CollectiveError(f"{self.what} did not finish within {timeout_s:.0f} s")
         self.done = True
+        self.keep_alive = None
         for action in self.then:
             action()
         self.then.clear()

@@ -77,10 +77,8 @@ class FreeableBuffer:
         return self.tensor
 
     def free(self) -> None:
+        # callers wait for every copy/collective that uses the buffer before freeing it
         if self.allocated and self._nbytes:
-            if self.tensor.is_cuda:
-                # the caching allocator must not hand the block out while other streams still use it
-                self.tensor.record_stream(torch.cuda.current_stream(self.tensor.device))
             self.tensor.untyped_storage().resize_(0)
 
     def views(self, layout: FlatLayout) -> list[torch.Tensor]:
@@ -100,7 +98,9 @@ def bind_params(params: list[nn.Parameter], buffer: FreeableBuffer, layout: Flat
         param.data = view
 
 
-def bind_grads(params: list[nn.Parameter], buffer: FreeableBuffer, layout: FlatLayout) -> None:
+def bind_grads(params: list[nn.Parameter], buffer: FreeableBuffer, layout: FlatLayout) -> list[torch.Tensor]:
     """Make every parameter's ``.grad`` a view into ``buffer``; autograd then accumulates in place."""
-    for param, view in zip(params, buffer.views(layout)):
+    views = buffer.views(layout)
+    for param, view in zip(params, views):
         param.grad = view
+    return views

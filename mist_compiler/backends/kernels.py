@@ -4,6 +4,11 @@
   "pack" step (cast the bucket's param-dtype gradients to the fp32 reduction/accumulation buffer,
   pre-scaled by 1/dp) in one launch. Gradients are views into their unit's flat bucket, so the
   gather of many tensors into one buffer is free and the kernel is the remaining per-bucket pass.
+- ``pack`` / ``unpack``: gather many tensors into one flat buffer (with a scale, e.g. 1/dp, and
+  a cast to the buffer's dtype) and scatter a flat buffer back into many tensors, in ONE launch:
+  a table of per-block (tensor, offset) entries plus the tensors' addresses drives the kernel. The
+  runtime's own buckets do not need it (their tensors are views of the flat buffer); it serves
+  tensors that are not bucket views (e.g. the engine's pipeline-send or cross-stage buffers).
 - ``cast_copy``: ``dst = src.to(dst.dtype)``, the "unpack" of fp32 master shards into the
   param-dtype weight bucket after the optimizer step.
 - ``adamw``: one fused AdamW update of a flat fp32 shard (param, grad, exp_avg, exp_avg_sq), with
@@ -73,6 +78,91 @@ if HAVE_TRITON:
         tl.store(param_ptr + offsets, param, mask=mask)
         tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+
+
+    @triton.jit
+    def _pack_kernel(addresses_ptr, blocks_ptr, flat_ptr, scale, TENSOR_DTYPE: tl.constexpr, UNPACK: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        # blocks: rows of (tensor index, element offset in that tensor, offset in the flat buffer, count)
+        row = blocks_ptr + tl.program_id(0) * 4
+        tensor_index = tl.load(row)
+        tensor_offset = tl.load(row + 1)
+        flat_offset = tl.load(row + 2)
+        count = tl.load(row + 3)
+        tensor_ptr = tl.load(addresses_ptr + tensor_index).to(tl.pointer_type(TENSOR_DTYPE))
+        lanes = tl.arange(0, BLOCK)
+        mask = lanes < count
+        if UNPACK:
+            value = tl.load(flat_ptr + flat_offset + lanes, mask=mask, other=0.0).to(tl.float32) * scale
+            tl.store(tensor_ptr + tensor_offset + lanes, value.to(TENSOR_DTYPE), mask=mask)
+        else:
+            value = tl.load(tensor_ptr + tensor_offset + lanes, mask=mask, other=0.0).to(tl.float32) * scale
+            tl.store(flat_ptr + flat_offset + lanes, value.to(flat_ptr.dtype.element_ty), mask=mask)
+
+
+_TRITON_DTYPES = {}
+if HAVE_TRITON:
+    _TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_BLOCK_TABLES: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def _block_table(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Per-launch-block rows (tensor, offset in tensor, offset in flat, count); cached per layout."""
+    key = numels + (hash(str(device)),)
+    if key not in _BLOCK_TABLES:
+        rows, flat_offset = [], 0
+        for index, numel in enumerate(numels):
+            for start in range(0, numel, BLOCK):
+                rows.append((index, start, flat_offset + start, min(BLOCK, numel - start)))
+            flat_offset += numel
+        _BLOCK_TABLES[key] = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int64, device=device)
+    return _BLOCK_TABLES[key]
+
+
+def _check_pack(name: str, tensors: list[torch.Tensor], flat: torch.Tensor) -> int:
+    total = sum(t.numel() for t in tensors)
+    if not flat.is_contiguous() or flat.dim() != 1 or flat.numel() < total:
+        raise ValueError(f"kernels.{name}: flat buffer must be 1-D contiguous with >= {total} elements, "
+                         f"got shape {tuple(flat.shape)}")
+    for index, tensor in enumerate(tensors):
+        if not tensor.is_contiguous() or tensor.device != flat.device or tensor.dtype != tensors[0].dtype:
+            raise ValueError(f"kernels.{name}: tensors[{index}] must be contiguous, on {flat.device} and of "
+                             f"dtype {tensors[0].dtype}")
+    return total
+
+
+def _multi_tensor_launch(tensors: list[torch.Tensor], flat: torch.Tensor, scale: float, unpack: bool) -> None:
+    table = _block_table(tuple(t.numel() for t in tensors), flat.device)
+    addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=flat.device)
+    _pack_kernel[(table.shape[0],)](addresses, table, flat, float(scale), TENSOR_DTYPE=_TRITON_DTYPES[tensors[0].dtype],
+                                    UNPACK=unpack, BLOCK=BLOCK)
+
+
+def pack(tensors: list[torch.Tensor], flat: torch.Tensor, scale: float = 1.0) -> None:
+    """``flat[:total] = scale * cat(tensors)`` (fp32 math, cast to flat's dtype), one launch."""
+    if not tensors or _check_pack("pack", tensors, flat) == 0:
+        return
+    if use_triton(flat) and tensors[0].dtype in _TRITON_DTYPES:
+        _multi_tensor_launch(tensors, flat, scale, unpack=False)
+        return
+    total = sum(t.numel() for t in tensors)
+    torch.cat([t.reshape(-1).to(flat.dtype) for t in tensors], out=flat[:total])
+    if scale != 1.0:
+        flat[:total].mul_(scale)
+
+
+def unpack(flat: torch.Tensor, tensors: list[torch.Tensor], scale: float = 1.0) -> None:
+    """``tensors[i] = scale * flat[offset_i : offset_i + numel_i]`` for consecutive offsets, one launch."""
+    if not tensors or _check_pack("unpack", tensors, flat) == 0:
+        return
+    if use_triton(flat) and tensors[0].dtype in _TRITON_DTYPES:
+        _multi_tensor_launch(tensors, flat, scale, unpack=True)
+        return
+    pieces = torch.split(flat[:sum(t.numel() for t in tensors)], [t.numel() for t in tensors])
+    sources = [piece.view(t.shape) for piece, t in zip(pieces, tensors)]
+    if scale != 1.0:
+        sources = torch._foreach_mul(sources, scale)
+    torch._foreach_copy_(tensors, sources)
 
 
 def _grid(n: int) -> tuple[int]:

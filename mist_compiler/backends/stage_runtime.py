@@ -20,8 +20,19 @@ Typical use by the pipeline engine, per training step::
         runtime.set_last_microbatch(m is the last one); backward (loss already scaled by 1/G)
     runtime.finish_gradients(); runtime.step()
 
-The units' ``.grad`` tensors are views into the runtime's gradient buckets: do not call
-``zero_grad`` on them or replace them.
+Contract details:
+- ``dp_group=None`` means no data parallelism (dp = 1: no collectives), not the default group.
+- Every dp rank starts from dp-rank 0's weights (one broadcast per unit at construction).
+- Trainable parameters move into the runtime's buffers on ``device``; modules' buffers (e.g.
+  rotary tables) stay where they are, so move the modules to ``device`` first. Frozen parameters
+  (``requires_grad=False``) are left alone: not sharded, not updated.
+- The units' ``.grad`` tensors are views into the runtime's gradient buckets. Setting them to
+  None (``zero_grad``) is tolerated (the next gradient is copied back into the bucket, at the cost
+  of one extra copy) but pointless: the runtime zeroes its buckets itself.
+- ``set_last_microbatch`` must be called before each backward when grad_accum > 1 (ZeRO 0/1
+  would otherwise reduce every micro-batch; the default is "last").
+- ``trace_events()`` records (event, unit) pairs (forward, backward, recompute, fetch, free,
+  reduce) for debugging and for tests of the prefetch order.
 """
 from __future__ import annotations
 
@@ -139,8 +150,13 @@ class StageRuntime:
             self._handles.append(module.register_forward_pre_hook(self._make_forward_pre(index)))
             self._handles.append(module.register_forward_hook(self._make_forward_post(index)))
         for index, bucket in enumerate(self.buckets):
-            for param in bucket.params:
-                self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_ready(index)))
+            for param_index, param in enumerate(bucket.params):
+                self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_ready(index, param_index)))
+
+    def trace_events(self, enabled: bool = True) -> list:
+        """Start (or stop) recording (event, unit) pairs: forward, backward, recompute, fetch, free, reduce."""
+        self.ctx.trace = [] if enabled else None
+        return self.ctx.trace
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -153,23 +169,29 @@ class StageRuntime:
     # ---- hooks ----------------------------------------------------------------------------------
     def _make_forward_pre(self, index: int):
         def hook(module, args):
+            # a forward inside backward is a checkpoint recompute: the unit's backward already holds
+            # its weights, and the recompute may stop early (no post-hook), so it takes no hold
+            recompute = _in_backward()
             buckets = self._need_buckets[index]
             for bucket in buckets:
                 bucket.fetch_weights()
             for bucket in buckets:
                 bucket.wait_weights()
-                bucket.fwd_holds += 1
-            if index + 1 < len(self.buckets) and not _in_backward():
+                bucket.fwd_holds += 0 if recompute else 1
+            self.ctx.record("recompute" if recompute else "forward", self.unit_names[index])
+            if index + 1 < len(self.buckets) and not recompute:
                 for bucket in self._need_buckets[index + 1]:
                     bucket.fetch_weights()
         return hook
 
     def _make_forward_post(self, index: int):
         def hook(module, args, output):
+            if _in_backward():
+                return output
             for bucket in self._need_buckets[index]:
                 bucket.fwd_holds -= 1
                 bucket.maybe_release_weights()
-            if not torch.is_grad_enabled() or _in_backward():
+            if not torch.is_grad_enabled():
                 return output
             tensors = [t for t in _flatten_tensors(output) if t.requires_grad]
             if tensors:
@@ -186,16 +208,17 @@ class StageRuntime:
             bucket.wait_weights()
             bucket.bwd_holds += 1
             bucket.begin_grads()
+        self.ctx.record("backward", self.unit_names[index])
         if index > 0:
             for bucket in self._need_buckets[index - 1]:
                 bucket.fetch_weights()
             previous = self.unit_names[index - 1]
             self.activations[previous].prefetch(previous)
 
-    def _make_grad_ready(self, index: int):
+    def _make_grad_ready(self, index: int, param_index: int):
         def hook(param):
             bucket = self.buckets[index]
-            if bucket.note_grad_ready():
+            if bucket.note_grad_ready(param_index):
                 self._unit_backward_done(index)
         return hook
 
@@ -220,6 +243,7 @@ class StageRuntime:
         """Before the first micro-batch of a training step."""
         for bucket in self.buckets:
             bucket.drain(block=True)
+            bucket.reset_holds()
         for offloader in self.activations.values():
             offloader.clear()
         self._last = True
@@ -245,8 +269,8 @@ class StageRuntime:
         for pending in pendings:
             if pending is not None:
                 pending.wait(self.ctx.timeout_s)
-        for bucket in self.buckets:
-            bucket.maybe_release_weights()
+        for bucket in self.buckets:  # no forward/backward is in flight: drop every transient weight copy
+            bucket.reset_holds()
 
     def register_grad_transform(self, param_name: str, fn: Callable[[torch.Tensor], None]) -> None:
         """Apply ``fn`` in place to ``param_name``'s local gradient of every micro-batch, before reduction."""

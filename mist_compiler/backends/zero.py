@@ -7,8 +7,10 @@ Per unit (``UnitBucket``), with N = the padded flat size and S = N / dp the loca
 | compute weights (param dtype) | N, persistent | N, persistent | N, persistent | N, gathered before use, freed after |
 | weight source | the compute buffer | same | same | S (this rank's shard) |
 | per-micro-batch grads (param dtype) | N while the unit's backward runs | same | same | same |
-| fp32 grad accumulator | N | N | S | S |
+| fp32 grad accumulator (first grad to step) | N, all-reduced in place | N until the last reduce-scatter, then S | S | S |
 | fp32 master + Adam moments | N | S | S | S |
+
+(with grad_accum == 1, ZeRO 0/1 reduce the micro-batch buffer itself and hold no accumulator)
 
 Weights offload (fraction w) keeps the weight source split device/host; the compute buffer then
 becomes transient for ZeRO 0-2 as well and is refilled (host part copied in) before each use.
@@ -67,6 +69,11 @@ class BucketContext:
     streams: Streams
     host_memory: HostMemory
     timeout_s: float
+    trace: list | None = None  # when a list: ("fetch" | "free" | "reduce", unit) events, for tests and debugging
+
+    def record(self, event: str, unit: str) -> None:
+        if self.trace is not None:
+            self.trace.append((event, unit))
 
 
 class UnitBucket:
@@ -82,7 +89,8 @@ class UnitBucket:
         self.layout = FlatLayout.build(named_params, ctx.world)
         zero, n, s = ctx.zero, self.layout.padded_numel, self.layout.shard_numel
         self.shard_lo, self.shard_hi = self.layout.shard_range(ctx.rank)
-        self.persistent_full = zero < 3 and offload.weights == 0.0
+        # a unit without trainable parameters has nothing to gather, reduce or update
+        self.persistent_full = (zero < 3 and offload.weights == 0.0) or n == 0
 
         initial = self._initial_fp32()  # N fp32, identical on every dp rank
         self.full = FreeableBuffer(n, ctx.param_dtype, ctx.device)
@@ -100,9 +108,14 @@ class UnitBucket:
         self.opt_state = ShardState(self.master, ctx.host_memory, offload.opt)
 
         self.grads = FreeableBuffer(n, ctx.param_dtype, ctx.device, allocated=False)
-        bind_grads(self.params, self.grads, self.layout)
+        self.grad_views = bind_grads(self.params, self.grads, self.layout)
         acc_numel = n if zero <= 1 else s
         self.grad_acc = SplitBuffer(acc_numel, torch.float32, ctx.device, offload.grads, ctx.host_memory, "grads")
+        # the accumulator's device part only exists from a step's first gradient to its optimizer update
+        # (ZeRO 0/1 with grad_accum == 1 never allocate it); its host part stays allocated (pinned memory
+        # is slow to allocate). acc_has_data False: no gradient yet, the first write copies.
+        self.acc_has_data = False
+        self._release_acc_device()
         self.reduced: torch.Tensor | None = None  # ZeRO 0/1: the reduced grads after the last micro-batch
         self.pending: list[Pending] = []
         self.weights_pending: Pending | None = None
@@ -121,7 +134,7 @@ class UnitBucket:
         flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.ctx.device)
         for slot, param in zip(self.layout.slots, self.params):
             flat[slot.offset:slot.offset + slot.numel].copy_(param.detach().reshape(-1))
-        if self.ctx.world > 1:  # every rank starts from rank 0's weights
+        if self.ctx.world > 1 and flat.numel():  # every rank starts from rank 0's weights
             src = dist.get_global_rank(self.ctx.group, 0) if self.ctx.group is not None else 0
             dist.broadcast(flat, src=src, group=self.ctx.group)
         return flat
@@ -149,12 +162,16 @@ class UnitBucket:
         if ctx.zero < 3:
             self.weights_event = self.source.read_into(self.full.tensor, ctx.streams)
         elif self.source.offloaded:
+            # the shard's host part is copied in first; on CUDA the current stream waits for that copy
+            # before the all-gather is enqueued (the gather itself still overlaps later compute)
             staging = torch.empty(self.source.numel, dtype=ctx.param_dtype, device=ctx.device)
             ctx.streams.wait(self.source.read_into(staging, ctx.streams))
             self.weights_pending = all_gather_flat(self.full.tensor, staging, ctx.group, what)
+            self.weights_pending.keep_alive = staging
         else:
             self.weights_pending = all_gather_flat(self.full.tensor, self.source.device_part, ctx.group, what)
         self.weights_state = "fetching"
+        ctx.record("fetch", self.unit)
 
     def wait_weights(self) -> None:
         self.fetch_weights()
@@ -172,17 +189,36 @@ class UnitBucket:
         self.wait_weights()  # never free a buffer a collective or copy is still writing
         self.full.free()
         self.weights_state = "free"
+        self.ctx.record("free", self.unit)
+
+    def reset_holds(self) -> None:
+        """Between training steps: nothing holds the weights; free transient copies (they may be stale)."""
+        self.fwd_holds = self.bwd_holds = 0
+        self.maybe_release_weights()
 
     # ---- gradients ----------------------------------------------------------------------------
     def begin_grads(self) -> None:
         """Make the gradient views usable (zeroed) before autograd accumulates into them."""
         if not self.in_backward:
+            # the previous micro-batch's reduction may still read (and then free) this buffer
+            self.drain(block=True)
             self.grads.allocate(zero=True)
             self.grads_ready = 0
             self.in_backward = True
 
-    def note_grad_ready(self) -> bool:
-        """Count one parameter's gradient as complete; True when the whole bucket is."""
+    def note_grad_ready(self, param_index: int) -> bool:
+        """Count one parameter's gradient as complete; True when the whole bucket is.
+
+        If someone replaced the parameter's ``.grad`` (e.g. ``zero_grad(set_to_none=True)``), autograd
+        made a fresh tensor: its values go into the bucket view, which is re-attached.
+        """
+        param, view = self.params[param_index], self.grad_views[param_index]
+        if param.grad is not view:
+            if not self.in_backward:
+                self.begin_grads()
+            if param.grad is not None:
+                view.add_(param.grad)
+            param.grad = view
         self.grads_ready += 1
         return self.grads_ready == len(self.params)
 
@@ -190,6 +226,11 @@ class UnitBucket:
         """The unit's micro-batch gradients are complete: transform, scale and reduce them."""
         ctx = self.ctx
         grads = self.grads.tensor
+        ctx.record("reduce", self.unit)
+        if grads.numel() == 0:
+            self.in_backward = False
+            self.reduced = grads.float()
+            return
         for index, functions in self.transforms.items():
             view = self.params[index].grad
             for fn in functions:
@@ -203,12 +244,18 @@ class UnitBucket:
         self.in_backward = False
         release_grads = self.grads.free if reuse else (lambda: None)
         if ctx.zero <= 1 and not last:
-            self.grad_acc.write(0, comm, accumulate=True)
+            self._accumulate(comm)
             release_grads()
             return
         if ctx.zero <= 1:
-            for start, part in self.grad_acc.parts():
-                comm[start:start + part.numel()].add_(part.to(comm.device, non_blocking=True))
+            if self.acc_has_data and not self.grad_acc.offloaded:
+                # reduce the device accumulator in place: the micro-batch buffer can go right away
+                self.grad_acc.device_part.add_(comm)
+                release_grads()
+                comm, release_grads = self.grad_acc.device_part, self._release_acc_device
+            elif self.acc_has_data:
+                for start, part in self.grad_acc.parts():
+                    comm[start:start + part.numel()].add_(part.to(comm.device, non_blocking=True))
             if ctx.zero == 0:
                 pending = all_reduce_flat(comm, ctx.group, f"all_reduce of unit {self.unit!r} grads")
                 self.reduced = comm  # released after the optimizer step
@@ -220,9 +267,26 @@ class UnitBucket:
         else:
             out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=ctx.device)
             pending = reduce_scatter_flat(out, comm, ctx.group, f"reduce_scatter of unit {self.unit!r} grads")
-            pending.then.append(lambda: self.grad_acc.write(0, out, accumulate=True))
+            pending.then.append(lambda: self._accumulate(out, adoptable=True))
             pending.then.append(release_grads)
+        pending.keep_alive = comm
         self.pending.append(pending)
+
+    def _accumulate(self, values: torch.Tensor, adoptable: bool = False) -> None:
+        """``acc (+)= values``; an ``adoptable`` fp32 shard becomes the accumulator itself when possible."""
+        acc = self.grad_acc
+        if not self.acc_has_data:
+            if adoptable and not acc.offloaded and values.numel() == acc.numel:
+                acc.device_part = values
+                self.acc_has_data = True
+                return
+            acc.device_part = torch.empty(acc.boundary, dtype=torch.float32, device=self.ctx.device)
+        acc.write(0, values, accumulate=self.acc_has_data)
+        self.acc_has_data = True
+
+    def _release_acc_device(self) -> None:
+        self.grad_acc.device_part = torch.empty(0, dtype=torch.float32, device=self.ctx.device)
+        self.acc_has_data = False
 
     def drain(self, block: bool) -> None:
         """Finish completed reductions (all of them when ``block``)."""
@@ -236,6 +300,8 @@ class UnitBucket:
                 raise RuntimeError(f"unit {self.unit!r}: no reduced gradients; was the last micro-batch's "
                                    f"backward run with set_last_microbatch(True) and finish_gradients()?")
             return self.reduced[start:end].to(device)
+        if not self.acc_has_data:  # the unit got no gradient this step
+            return torch.zeros(end - start, dtype=torch.float32, device=device)
         return self.grad_acc.read(start, end, device, self.ctx.streams)
 
     # ---- after the optimizer ---------------------------------------------------------------
@@ -243,10 +309,10 @@ class UnitBucket:
         """Copy the updated fp32 master into the param-dtype weights; returns an all-gather to wait on."""
         ctx = self.ctx
         self.reduced = None
-        self.grad_acc.zero_()
+        self._release_acc_device()
         if self.grads.tensor.dtype == torch.float32:
             self.grads.free()
-        if self.master_aliases_weights and ctx.zero in (0, 3):
+        if (self.master_aliases_weights and ctx.zero in (0, 3)) or self.master.numel == 0:
             return None
         new = torch.empty(self.master.numel, dtype=ctx.param_dtype, device=ctx.device)
         for start, part in self.master.parts():
@@ -261,6 +327,7 @@ class UnitBucket:
         out = self.full.tensor if self.persistent_full else torch.empty(self.layout.padded_numel, dtype=ctx.param_dtype,
                                                                       device=ctx.device)
         pending = all_gather_flat(out, new, ctx.group, f"all_gather of unit {self.unit!r} updated weights")
+        pending.keep_alive = new
         if not self.persistent_full:
             pending.then.append(lambda: self.source.write(0, out))
         return pending
@@ -289,6 +356,9 @@ class UnitBucket:
                   for b in (self.opt_state.exp_avg, self.opt_state.exp_avg_sq))
         if not self.master_aliases_weights:
             opt += nbytes(self.master.device_part)
-        grads = self.grads.tensor.untyped_storage().nbytes() + nbytes(self.grad_acc.device_part) + (
-            0 if self.reduced is self.grads.tensor else nbytes(self.reduced))
+        grad_storages = {}
+        for tensor in (self.grads.tensor, self.grad_acc.device_part, self.reduced):
+            if tensor is not None and tensor.untyped_storage().nbytes():
+                grad_storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        grads = sum(grad_storages.values())
         return {"weights": weights, "grads": grads, "opt": opt}
