@@ -4,7 +4,6 @@ Kept out of the test modules so spawned ranks import it without importing pytest
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch

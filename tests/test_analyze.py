@@ -102,3 +102,17 @@ def test_bad_profile_names_the_field(tmp_path):
     profile["memory_bandwidth_gbps"] = -1
     with pytest.raises(ValueError, match="memory_bandwidth_gbps"):
         run_cli("gpt-tiny", "--plan", plan, "--hardware", write(tmp_path, "bad.yaml", profile))
+
+
+def test_through_mistc_main(tmp_path, capsys):
+    """The real entry point (needs every sub-command module of the merged package)."""
+    cli = pytest.importorskip("mist_compiler.cli")
+    for module_name, _ in cli.COMMANDS.values():
+        pytest.importorskip(module_name)
+    plan = write(tmp_path, "plan.json", TWO_STAGES)
+    assert cli.main(["analyze", "gpt-tiny", "--plan", plan, "--hardware", "l4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stages"][0]["peak_memory_mb"] > 0
+    bad = json.loads(json.dumps(TWO_STAGES))
+    bad["stages"][0]["zero"] = 7
+    assert cli.main(["analyze", "gpt-tiny", "--plan", write(tmp_path, "bad.json", bad), "--hardware", "l4"]) == 2
+    assert "stages[0].zero" in capsys.readouterr().err

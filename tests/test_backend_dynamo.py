@@ -75,3 +75,28 @@ def test_unknown_option_is_rejected():
         _options({"plan": _plan(1), "zero_level": 3})
     with pytest.raises(DynamoRuntimeError, match="'plan'"):
         _options({"timeout_s": 3})
+
+
+def _compiled_loop_on_rank(rank, world, plan_data):
+    from mist_compiler.backends.worker import compare, reference_training
+    from mist_compiler.models import build_model
+
+    plan = Plan.from_dict(plan_data)
+    losses, state, engine = _user_loop(plan)
+    engine.close()
+    if rank != 0:
+        return None
+    ref_losses, ref_state = reference_training(build_model("gpt-tiny"), plan, 3, LR)
+    return compare(losses, state, ref_losses, ref_state)
+
+
+@pytest.mark.distributed
+def test_torch_compile_with_a_pipeline_plan_on_two_ranks():
+    from tests.dist_utils import run_ranks
+
+    plan = Plan.from_dict({"model": "gpt-tiny", "seq_len": 16, "global_batch": 4, "dtype": "float32", "grad_accum": 2,
+                           "stages": [{"layers": [0, 2], "nodes": 1, "gpus_per_node": 1, "micro_batch": 2, "dp": 1, "tp": 1},
+                                      {"layers": [2, 4], "nodes": 1, "gpus_per_node": 1, "micro_batch": 2, "dp": 1, "tp": 1,
+                                       "zero": 0, "ckpt_layers": 1}]})
+    worst, where = run_ranks(_compiled_loop_on_rank, world=2, args=(plan.to_dict(),), timeout_s=180)[0]
+    assert worst <= 1e-5, (worst, where)

@@ -75,6 +75,13 @@ def test_tensor_parallel_degree_must_divide_heads(model):
     assert list(np.isfinite(estimate.stable_s)) == [True, False, True, False]
 
 
+def test_math_attention_costs_time_and_memory(model):
+    math = build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="float32", attention="math")
+    flash_estimate, math_estimate = model.evaluate(one()), math.evaluate(one())
+    assert math_estimate.stable_s[0] > flash_estimate.stable_s[0]
+    assert math_estimate.breakdown["acts"][0] > flash_estimate.breakdown["acts"][0]
+
+
 def test_inflight_micro_batches_hold_activations(model):
     one_mb, three = model.evaluate(one(inflight=1)), model.evaluate(one(inflight=3))
     held = three.breakdown["acts"][0] - one_mb.breakdown["acts"][0]
@@ -116,3 +123,27 @@ def test_bad_arguments_name_the_field():
         build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="int8")
     with pytest.raises(ValueError, match="unknown hardware"):
         build_stage_cost_model("gpt-tiny", "no-such-gpu", seq_len=SEQ, dtype="float32")
+
+
+def test_memory_knobs_are_monotone(model):
+    """More checkpointing or offloading never saves time and never costs memory (the tuner prunes on it)."""
+    rng = np.random.default_rng(1)
+    n = 500
+    layers = rng.integers(1, 5, n)
+    tp, dp = rng.choice([1, 2], n), rng.choice([1, 2], n)
+    base = StageCandidates(
+        num_layers=layers, has_pre=rng.random(n) < 0.5, has_post=rng.random(n) < 0.5, nodes=1, gpus_per_node=tp * dp,
+        micro_batch=rng.choice([1, 2, 4], n), dp=dp, tp=tp, zero=rng.integers(0, 4, n),
+        ckpt_layers=rng.integers(0, layers + 1), offload_weights=rng.choice([0.0, 0.5], n),
+        offload_grads=rng.choice([0.0, 0.5], n), offload_opt=rng.choice([0.0, 0.5], n),
+        offload_acts=np.zeros(n), inflight=rng.integers(1, 4, n))
+    before = model.evaluate(base)
+    for knob in ("ckpt_layers", "offload_weights", "offload_grads", "offload_opt", "offload_acts"):
+        if knob == "ckpt_layers":
+            changed = dataclasses.replace(base, ckpt_layers=np.minimum(base.ckpt_layers + 1, layers))
+        else:
+            changed = dataclasses.replace(base, **{knob: getattr(base, knob) + 0.5})
+        after = model.evaluate(changed)
+        assert (after.stable_s >= before.stable_s * (1 - 1e-9)).all(), knob
+        assert (after.delta_s >= before.delta_s * (1 - 1e-9)).all(), knob
+        assert (after.peak_memory_bytes <= before.peak_memory_bytes * (1 + 1e-9)).all(), knob

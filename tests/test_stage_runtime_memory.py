@@ -17,11 +17,18 @@ from mist_compiler.models import build_model
 @pytest.mark.distributed
 def test_zero3_halves_weights_and_offload_moves_half_to_host():
     cases = [Case(zero=0), Case(zero=3), Case(zero=0, offload=Offload(weights=0.5)),
-             Case(zero=2, offload=Offload(grads=0.5, opt=0.5)), Case(zero=1, offload=Offload(acts=0.5))]
+             Case(zero=2, offload=Offload(grads=0.5, opt=0.5)), Case(zero=1, offload=Offload(acts=0.5)),
+             Case(zero=1), Case(zero=2)]
     reports = run_ranks(memory_worker, world=2, args=(cases,), timeout_s=150)
     params = sum(p.numel() for p in build_model("gpt-tiny").parameters())
     for rank_reports in reports:
-        zero0, zero3, offloaded, zero2_off, acts = rank_reports
+        zero0, zero3, offloaded, zero2_off, acts, zero1, zero2 = rank_reports
+        # closed form just before the step (fp32, dp=2, fp32 master aliases the weights), in units of 4P bytes:
+        # weights 1 (ZeRO-3: 1/dp); reduced grads 1 (ZeRO>=1: 1/dp); Adam moments 2 (ZeRO>=1: 2/dp)
+        expected = {0: (1, 1, 2), 1: (1, 0.5, 1), 2: (1, 0.5, 1), 3: (0.5, 0.5, 1)}
+        for zero, report in ((0, zero0), (1, zero1), (2, zero2), (3, zero3)):
+            got = tuple(report["device"][kind] / (4 * params) for kind in ("weights", "grads", "opt"))
+            assert all(abs(g - e) < 0.01 for g, e in zip(got, expected[zero])), (zero, got)
         assert zero0["device"]["weights"] >= params * 4
         assert zero0["device"]["weights"] < params * 4 * 1.01
         # ZeRO-3: only this rank's shard stays resident once the step's backward is done

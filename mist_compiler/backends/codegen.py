@@ -19,7 +19,7 @@ from mist_compiler.frontend.layer_stack import find_layer_stack
 from mist_compiler.ir.plan import Plan, PlanError, load_plan
 from mist_compiler.passes.checkpoint import ActivationCheckpoint
 from mist_compiler.passes.manager import PassManager
-from mist_compiler.passes.partition import Partition, StageInterface, stage_interface, trace_model
+from mist_compiler.passes.partition import Partition, PartitionError, StageInterface, stage_interface, trace_model
 from mist_compiler.passes.tp_sharding import TensorParallel, check_heads_divisible
 
 from .topology import RankCoord
@@ -107,12 +107,43 @@ def getattr_path(module: nn.Module, target: str) -> Any:
     return value
 
 
+class WholeModel(nn.Module):
+    """A model fx cannot trace, run as it is (plans of one stage, no TP, no checkpointing)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        output = self.model(input_ids=input_ids, labels=labels)
+        return output.loss if hasattr(output, "loss") else output
+
+
+def whole_model_program(model: nn.Module, plan: Plan, reason: Exception) -> StageProgram:
+    """The fallback when tracing fails: the module runs whole; its top-level children are the units."""
+    from mist_compiler.passes.offload_insertion import OffloadInput, offload_insertion
+
+    stage = plan.stages[0]
+    if plan.pp > 1 or stage.tp > 1 or stage.ckpt_layers > 0:
+        raise PartitionError(f"{reason}; pipeline, tensor parallelism and checkpointing need a traceable model "
+                             f"(plan has {plan.pp} stage(s), tp={stage.tp}, ckpt_layers={stage.ckpt_layers})")
+    units = [(name, child) for name, child in model.named_children() if any(True for _ in child.parameters())]
+    sizes = tuple((name, sum(p.numel() for p in child.parameters())) for name, child in units)
+    table = offload_insertion(OffloadInput(sizes, stage.offload)).program.per_unit
+    interface = StageInterface(stage=0, num_stages=1, inputs=[], batch_inputs=["input_ids", "labels"], outputs=[])
+    return StageProgram(WholeModel(model), interface, units, table, set())
+
+
 def lower(model: nn.Module, plan: Plan, coord: RankCoord, tp_group: Any, *,
           print_after: tuple[str, ...] = (), on_dump: Callable[[str, Any], None] | None = None) -> StageProgram:
     """Run the lowering passes for one rank and return its stage program."""
     check_plan_against_model(plan, model)
+    try:
+        traced = trace_model(model)
+    except PartitionError as error:
+        return whole_model_program(model, plan, error)
     manager = PassManager(lowering_passes(plan, coord, tp_group), print_after=print_after, on_dump=on_dump)
-    gm = manager(trace_model(model)).program
+    gm = manager(traced).program
     return StageProgram(gm, stage_interface(gm), program_units(gm), gm.meta["mist_offload"],
                         set(gm.meta.get("mist_checkpointed", ())))
 

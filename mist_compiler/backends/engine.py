@@ -10,8 +10,11 @@ its own rows; the stage runs the 1F1B schedule over ``grad_accum`` micro-batches
 scaled by ``1/G`` (the runtime averages over data-parallel ranks), then the optimizer steps.
 It returns the mean loss of the global batch, the same on every rank.
 
-Failures: every collective and transfer has a timeout; when a rank fails it records the reason
-in the rendezvous store, and the others, once their wait fails, report which rank failed.
+``forward_backward`` and ``optimizer_step`` are the two halves (the dynamo runtime uses them).
+
+Failures (:class:`FailureMonitor`): every collective and transfer has a timeout; a rank that
+fails writes the reason to the rendezvous store and every other rank stops within a heartbeat,
+naming it; a rank that dies is found by its stale heartbeat and named the same way.
 """
 from __future__ import annotations
 
@@ -183,6 +186,7 @@ class Engine:
         self.plan = plan
         self.timeout_s = timeout_s
         self.source_model: nn.Module | None = None  # set by the dynamo runtime
+        self._step_pending = False
         self.topology = Topology(plan)
         _ensure_process_group(timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -211,7 +215,9 @@ class Engine:
         if self.tied is not None:
             self.tied.attach(self.runtime)
         self.interface = self.program.interface
-        self.p2p = P2P(build_links(self.topology, self.rank), self.interface.inputs, self.interface.outputs,
+        # activations travel in the plan's dtype (the runtime casts the weights to it)
+        inputs, outputs = (_in_dtype(values, DTYPES[plan.dtype]) for values in (self.interface.inputs, self.interface.outputs))
+        self.p2p = P2P(build_links(self.topology, self.rank), inputs, outputs,
                        self.stage_plan.micro_batch, self.device, timeout_s)
         self.schedule = one_f_one_b(plan.pp, self.coord.stage, plan.grad_accum)
         # The next stage sends dp_next * dL/dx (its loss share is averaged over its own dp ranks);
@@ -242,7 +248,7 @@ class Engine:
         self._step_pending = True
 
     def flush_optimizer_step(self) -> None:
-        if getattr(self, "_step_pending", False):
+        if self._step_pending:
             self.optimizer_step()
 
     def _guarded(self, fn: Callable, *args: Any) -> Any:
@@ -296,7 +302,8 @@ class Engine:
         if self.tied is not None:
             self.tied.begin_iteration()
         backward_done = 0
-        for kind, micro in self.schedule:
+        for position, (kind, micro) in enumerate(self.schedule):
+            self._prefetch(position)
             if kind == FORWARD:
                 self._forward(batch, micro, state)
             else:
@@ -316,6 +323,16 @@ class Engine:
         self.runtime.step()
         if self.tied is not None:
             self.tied.after_step()
+
+    def _prefetch(self, position: int) -> None:
+        """Post the receives of the next action's inputs before running this one (overlap)."""
+        if position + 1 >= len(self.schedule):
+            return
+        kind, micro = self.schedule[position + 1]
+        if kind == FORWARD and not self.interface.is_first:
+            self.p2p.prefetch_forward(micro)
+        elif kind == BACKWARD and not self.interface.is_last:
+            self.p2p.prefetch_backward(micro)
 
     def _forward(self, batch: dict[str, torch.Tensor], micro: int, state: StepState) -> None:
         received = self.p2p.recv_forward(micro) if not self.interface.is_first else []
@@ -408,6 +425,12 @@ class Engine:
         remove = getattr(self.runtime, "remove_hooks", None)
         if remove is not None:
             remove()
+
+
+def _in_dtype(values: list, dtype: torch.dtype) -> list:
+    from dataclasses import replace
+
+    return [replace(v, dtype=dtype) if v.dtype.is_floating_point else v for v in values]
 
 
 def install_activation_offload(runtime: Any, units: list[tuple[str, nn.Module]], table: dict[str, Any],

@@ -98,7 +98,9 @@ def bind_params(params: list[nn.Parameter], buffer: FreeableBuffer, layout: Flat
         param.data = view
 
 
-def bind_grads(params: list[nn.Parameter], buffer: FreeableBuffer, layout: FlatLayout) -> None:
+def bind_grads(params: list[nn.Parameter], buffer: FreeableBuffer, layout: FlatLayout) -> list[torch.Tensor]:
     """Make every parameter's ``.grad`` a view into ``buffer``; autograd then accumulates in place."""
-    for param, view in zip(params, buffer.views(layout)):
+    views = buffer.views(layout)
+    for param, view in zip(params, views):
         param.grad = view
+    return views

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .streams import HOST, Streams, host_empty
+from .streams import Streams, host_empty
 
 
 @dataclass

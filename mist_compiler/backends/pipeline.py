@@ -117,6 +117,8 @@ class P2P:
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.pending: list[tuple[dist.Work, torch.Tensor, int]] = []
+        # receives posted ahead of use, so the transfer overlaps this rank's compute
+        self.posted: dict[tuple[int, int], tuple[list[torch.Tensor | None], list[tuple[dist.Work, int]]]] = {}
 
     @staticmethod
     def _tag(micro: int, direction: int, index: int, count: int) -> int:
@@ -130,8 +132,11 @@ class P2P:
         if ok is False:
             raise PipelineTimeout(f"{what} with rank {peer} timed out after {self.timeout.total_seconds():.0f} s")
 
-    def _receive(self, values: list[BoundaryValue], pieces: list[Piece], micro: int, direction: int,
-                 batched_only: bool) -> list[torch.Tensor | None]:
+    def _post(self, values: list[BoundaryValue], pieces: list[Piece], micro: int, direction: int,
+              batched_only: bool) -> None:
+        """Post the receives of one micro-batch's values (or gradients) without waiting."""
+        if (micro, direction) in self.posted or not pieces:
+            return
         tensors: list[torch.Tensor | None] = []
         works = []
         for index, value in enumerate(values):
@@ -149,10 +154,24 @@ class P2P:
                     continue
                 tag = self._tag(micro, direction, index, len(values))
                 works.append((dist.irecv(target, src=piece.peer, tag=tag), piece.peer))
+        self.posted[(micro, direction)] = (tensors, works)
+
+    def _receive(self, values: list[BoundaryValue], pieces: list[Piece], micro: int, direction: int,
+                 batched_only: bool) -> list[torch.Tensor | None]:
+        self._post(values, pieces, micro, direction, batched_only)
+        tensors, works = self.posted.pop((micro, direction))
         what = "receiving activations" if direction == FORWARD else "receiving gradients"
         for work, peer in works:
             self._wait(work, peer, f"{what} of micro-batch {micro}")
         return tensors
+
+    def prefetch_forward(self, micro: int) -> None:
+        if self.links.recv_forward:
+            self._post(self.inputs, self.links.recv_forward, micro, FORWARD, batched_only=False)
+
+    def prefetch_backward(self, micro: int) -> None:
+        if self.links.recv_backward:
+            self._post(self.outputs, self.links.recv_backward, micro, BACKWARD, batched_only=True)
 
     def _send(self, values: list[BoundaryValue], tensors: list[torch.Tensor | None], pieces: list[Piece],
               micro: int, direction: int) -> None:
@@ -186,6 +205,10 @@ class P2P:
     def send_backward(self, grads: list[torch.Tensor | None], micro: int) -> None:
         grads = [g if value.needs_grad else None for value, g in zip(self.inputs, grads)]
         self._send(self.inputs, grads, self.links.send_backward, micro, BACKWARD)
+
+    def clear_posted(self) -> None:
+        """Forget receives posted for an iteration that was abandoned (after a failure)."""
+        self.posted.clear()
 
     def wait_sends(self) -> None:
         for work, _part, peer in self.pending:

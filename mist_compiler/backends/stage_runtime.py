@@ -26,8 +26,9 @@ Contract details:
 - Trainable parameters move into the runtime's buffers on ``device``; modules' buffers (e.g.
   rotary tables) stay where they are, so move the modules to ``device`` first. Frozen parameters
   (``requires_grad=False``) are left alone: not sharded, not updated.
-- The units' ``.grad`` tensors are views into the runtime's gradient buckets: do not call
-  ``zero_grad`` on them or replace them.
+- The units' ``.grad`` tensors are views into the runtime's gradient buckets. Setting them to
+  None (``zero_grad``) is tolerated (the next gradient is copied back into the bucket, at the cost
+  of one extra copy) but pointless: the runtime zeroes its buckets itself.
 - ``set_last_microbatch`` must be called before each backward when grad_accum > 1 (ZeRO 0/1
   would otherwise reduce every micro-batch; the default is "last").
 - ``trace_events()`` records (event, unit) pairs (forward, backward, recompute, fetch, free,
@@ -149,8 +150,8 @@ class StageRuntime:
             self._handles.append(module.register_forward_pre_hook(self._make_forward_pre(index)))
             self._handles.append(module.register_forward_hook(self._make_forward_post(index)))
         for index, bucket in enumerate(self.buckets):
-            for param in bucket.params:
-                self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_ready(index)))
+            for param_index, param in enumerate(bucket.params):
+                self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_ready(index, param_index)))
 
     def trace_events(self, enabled: bool = True) -> list:
         """Start (or stop) recording (event, unit) pairs: forward, backward, recompute, fetch, free, reduce."""
@@ -214,10 +215,10 @@ class StageRuntime:
             previous = self.unit_names[index - 1]
             self.activations[previous].prefetch(previous)
 
-    def _make_grad_ready(self, index: int):
+    def _make_grad_ready(self, index: int, param_index: int):
         def hook(param):
             bucket = self.buckets[index]
-            if bucket.note_grad_ready():
+            if bucket.note_grad_ready(param_index):
                 self._unit_backward_done(index)
         return hook
 

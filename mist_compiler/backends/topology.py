@@ -96,7 +96,6 @@ def build_groups(topology: Topology, rank: int, *, tied: bool, timeout: Any) -> 
     import torch.distributed as dist
 
     plan = topology.plan
-    coord = topology.coord(rank)
     mine: dict[str, Any] = {}
     ranks_of: dict[str, list[int]] = {}
     for stage, plan_stage in enumerate(plan.stages):

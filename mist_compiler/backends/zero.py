@@ -7,8 +7,10 @@ Per unit (``UnitBucket``), with N = the padded flat size and S = N / dp the loca
 | compute weights (param dtype) | N, persistent | N, persistent | N, persistent | N, gathered before use, freed after |
 | weight source | the compute buffer | same | same | S (this rank's shard) |
 | per-micro-batch grads (param dtype) | N while the unit's backward runs | same | same | same |
-| fp32 grad accumulator | N | N | S | S |
+| fp32 grad accumulator (first grad to step) | N, all-reduced in place | N until the last reduce-scatter, then S | S | S |
 | fp32 master + Adam moments | N | S | S | S |
+
+(with grad_accum == 1, ZeRO 0/1 reduce the micro-batch buffer itself and hold no accumulator)
 
 Weights offload (fraction w) keeps the weight source split device/host; the compute buffer then
 becomes transient for ZeRO 0-2 as well and is refilled (host part copied in) before each use.
@@ -106,10 +108,14 @@ class UnitBucket:
         self.opt_state = ShardState(self.master, ctx.host_memory, offload.opt)
 
         self.grads = FreeableBuffer(n, ctx.param_dtype, ctx.device, allocated=False)
-        bind_grads(self.params, self.grads, self.layout)
+        self.grad_views = bind_grads(self.params, self.grads, self.layout)
         acc_numel = n if zero <= 1 else s
         self.grad_acc = SplitBuffer(acc_numel, torch.float32, ctx.device, offload.grads, ctx.host_memory, "grads")
-        self.acc_has_data = False  # False: the accumulator holds zeros (first write copies, no zero-fill needed)
+        # the accumulator's device part only exists from a step's first gradient to its optimizer update
+        # (ZeRO 0/1 with grad_accum == 1 never allocate it); its host part stays allocated (pinned memory
+        # is slow to allocate). acc_has_data False: no gradient yet, the first write copies.
+        self.acc_has_data = False
+        self._release_acc_device()
         self.reduced: torch.Tensor | None = None  # ZeRO 0/1: the reduced grads after the last micro-batch
         self.pending: list[Pending] = []
         self.weights_pending: Pending | None = None
@@ -200,8 +206,19 @@ class UnitBucket:
             self.grads_ready = 0
             self.in_backward = True
 
-    def note_grad_ready(self) -> bool:
-        """Count one parameter's gradient as complete; True when the whole bucket is."""
+    def note_grad_ready(self, param_index: int) -> bool:
+        """Count one parameter's gradient as complete; True when the whole bucket is.
+
+        If someone replaced the parameter's ``.grad`` (e.g. ``zero_grad(set_to_none=True)``), autograd
+        made a fresh tensor: its values go into the bucket view, which is re-attached.
+        """
+        param, view = self.params[param_index], self.grad_views[param_index]
+        if param.grad is not view:
+            if not self.in_backward:
+                self.begin_grads()
+            if param.grad is not None:
+                view.add_(param.grad)
+            param.grad = view
         self.grads_ready += 1
         return self.grads_ready == len(self.params)
 
@@ -231,7 +248,12 @@ class UnitBucket:
             release_grads()
             return
         if ctx.zero <= 1:
-            if self.acc_has_data:
+            if self.acc_has_data and not self.grad_acc.offloaded:
+                # reduce the device accumulator in place: the micro-batch buffer can go right away
+                self.grad_acc.device_part.add_(comm)
+                release_grads()
+                comm, release_grads = self.grad_acc.device_part, self._release_acc_device
+            elif self.acc_has_data:
                 for start, part in self.grad_acc.parts():
                     comm[start:start + part.numel()].add_(part.to(comm.device, non_blocking=True))
             if ctx.zero == 0:
@@ -245,14 +267,26 @@ class UnitBucket:
         else:
             out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=ctx.device)
             pending = reduce_scatter_flat(out, comm, ctx.group, f"reduce_scatter of unit {self.unit!r} grads")
-            pending.then.append(lambda: self._accumulate(out))
+            pending.then.append(lambda: self._accumulate(out, adoptable=True))
             pending.then.append(release_grads)
         pending.keep_alive = comm
         self.pending.append(pending)
 
-    def _accumulate(self, values: torch.Tensor) -> None:
-        self.grad_acc.write(0, values, accumulate=self.acc_has_data)
+    def _accumulate(self, values: torch.Tensor, adoptable: bool = False) -> None:
+        """``acc (+)= values``; an ``adoptable`` fp32 shard becomes the accumulator itself when possible."""
+        acc = self.grad_acc
+        if not self.acc_has_data:
+            if adoptable and not acc.offloaded and values.numel() == acc.numel:
+                acc.device_part = values
+                self.acc_has_data = True
+                return
+            acc.device_part = torch.empty(acc.boundary, dtype=torch.float32, device=self.ctx.device)
+        acc.write(0, values, accumulate=self.acc_has_data)
         self.acc_has_data = True
+
+    def _release_acc_device(self) -> None:
+        self.grad_acc.device_part = torch.empty(0, dtype=torch.float32, device=self.ctx.device)
+        self.acc_has_data = False
 
     def drain(self, block: bool) -> None:
         """Finish completed reductions (all of them when ``block``)."""
@@ -266,6 +300,8 @@ class UnitBucket:
                 raise RuntimeError(f"unit {self.unit!r}: no reduced gradients; was the last micro-batch's "
                                    f"backward run with set_last_microbatch(True) and finish_gradients()?")
             return self.reduced[start:end].to(device)
+        if not self.acc_has_data:  # the unit got no gradient this step
+            return torch.zeros(end - start, dtype=torch.float32, device=device)
         return self.grad_acc.read(start, end, device, self.ctx.streams)
 
     # ---- after the optimizer ---------------------------------------------------------------
@@ -273,9 +309,7 @@ class UnitBucket:
         """Copy the updated fp32 master into the param-dtype weights; returns an all-gather to wait on."""
         ctx = self.ctx
         self.reduced = None
-        if self.acc_has_data:
-            self.grad_acc.zero_()
-            self.acc_has_data = False
+        self._release_acc_device()
         if self.grads.tensor.dtype == torch.float32:
             self.grads.free()
         if (self.master_aliases_weights and ctx.zero in (0, 3)) or self.master.numel == 0:
@@ -322,6 +356,9 @@ class UnitBucket:
                   for b in (self.opt_state.exp_avg, self.opt_state.exp_avg_sq))
         if not self.master_aliases_weights:
             opt += nbytes(self.master.device_part)
-        grads = self.grads.tensor.untyped_storage().nbytes() + nbytes(self.grad_acc.device_part) + (
-            0 if self.reduced is self.grads.tensor else nbytes(self.reduced))
+        grad_storages = {}
+        for tensor in (self.grads.tensor, self.grad_acc.device_part, self.reduced):
+            if tensor is not None and tensor.untyped_storage().nbytes():
+                grad_storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        grads = sum(grad_storages.values())
         return {"weights": weights, "grads": grads, "opt": opt}

@@ -12,7 +12,6 @@ import functools
 import math
 
 import sympy
-import torch
 import torch.fx as fx
 
 from ..passes.cost_annotation import ATTENTION_FORWARD, T, annotate_graphs, op_name, program_graphs, tensor_shape

@@ -75,8 +75,10 @@ def model_state_memory(stage_params, layer_params, dtype: str, zero, dp, offload
     grad_bucket = np.where((zero >= 2) & sharded, layer_params * grad_b, 0.0)
     # offloaded weights come back one layer ahead (in use + prefetched) unless ZeRO-3's gather buffer
     # already holds them; offloaded gradients leave one layer at a time
-    weight_prefetch = np.where(gather > 0, 0.0, 2.0 * layer_params * weight_b * weight_share * np.asarray(offload_weights))
-    grad_staging = layer_params * grad_b * grad_share * np.asarray(offload_grads)
+    # (capped by the stage's own parameters: offloading never costs more than it saves)
+    in_flight = np.minimum(2.0 * layer_params, stage_params)
+    weight_prefetch = np.where(gather > 0, 0.0, in_flight * weight_b * weight_share * np.asarray(offload_weights))
+    grad_staging = np.minimum(layer_params, stage_params) * grad_b * grad_share * np.asarray(offload_grads)
     return ModelStateMemory(weights, grads, opt, gather + grad_bucket + weight_prefetch + grad_staging)
 
 

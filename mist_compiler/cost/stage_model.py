@@ -23,8 +23,9 @@ Per candidate (one pipeline stage, one device's view):
   its gradient; a stage that is not the first does the opposite;
 - channels of one phase are combined by the overlap model (``overlap.overlap``);
 - ``stable_s`` = forward + backward phases of one micro-batch; ``delta_s`` = gradient
-  synchronisation + optimizer step (device part at memory bandwidth, host part) + offload
-  traffic of the step + the first ZeRO-3 gather that nothing hides;
+  synchronisation + optimizer step (device part at memory bandwidth, host part) + zeroing the
+  gradients + offload traffic of the step + the first ZeRO-3 gather that nothing hides;
+- the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``MATH_ATTENTION_PASSES``);
 - memory: ``cost.memory`` closed forms over the per-block liveness results.
 Evaluation groups candidates by their distinct ``(micro_batch, tp, nodes, gpus_per_node)`` so
 the symbolic parts run once per distinct value, then everything is array arithmetic.
@@ -43,7 +44,7 @@ from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
 from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .memory import BlockActivationTerms, activation_peak, model_state_memory, state_bytes_per_param
-from .op_time import class_efficiency, op_class_time
+from .op_time import op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
 
@@ -113,11 +114,25 @@ class _BlockFunctions:
     tp_granularity: int
 
 
+# The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
+# reads and writes them, probs @ v reads them (4 passes); backward reads the probabilities twice
+# and writes / reads their gradient and the scores' gradient (6 passes).
+MATH_ATTENTION_PASSES = {"forward": 4, "backward": 6}
+
+
+def _class_bytes(block: BlockAnalysis, phase: str, graph_costs, attention: str) -> dict[str, sympy.Expr]:
+    nbytes = dict(graph_costs.bytes_by_class())
+    if attention == "math" and block.memory.attention_probs != 0:
+        extra = MATH_ATTENTION_PASSES[phase] * block.memory.attention_probs
+        nbytes["attention"] = nbytes.get("attention", sympy.Integer(0)) + extra
+    return nbytes
+
+
 def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
     phases = {"forward": block.costs.forward, "backward": block.costs.backward}
     return _BlockFunctions(
         flops={p: {c: _lambdify(e) for c, e in g.flops_by_class().items()} for p, g in phases.items()},
-        nbytes={p: {c: _lambdify(e) for c, e in g.bytes_by_class().items()} for p, g in phases.items()},
+        nbytes={p: {c: _lambdify(e) for c, e in _class_bytes(block, p, g, attention).items()} for p, g in phases.items()},
         collectives={p: [_lambdify(c.bytes) for c in g.collectives] for p, g in phases.items()},
         saved=_lambdify(block.memory.saved[attention]),
         input=_lambdify(block.memory.input),
@@ -218,7 +233,7 @@ class StageCostModel:
             for op_class, flops in functions.flops[phase].items():
                 time = time + op_class_time(self.hardware, self.dtype, op_class, flops(b, s, t),
                                             functions.nbytes[phase][op_class](b, s, t))
-            terms[f"{phase}_compute"] = time + functions.op_count[phase] * getattr(self.hardware, "op_overhead", 0.0)
+            terms[f"{phase}_compute"] = time + functions.op_count[phase] * self.hardware.op_overhead
             comm = np.zeros(b.shape)
             for payload in functions.collectives[phase]:
                 comm = comm + collective_time(self.hardware, "all_reduce", np.maximum(payload(b, s, t), 0.0), *tp_shape)
@@ -231,24 +246,42 @@ class StageCostModel:
         terms["params"] = functions.params_per_device(b, s, t)
         return terms
 
+    def _candidate_terms(self, c: StageCandidates):
+        """Per-block terms for every candidate (computed once per distinct (b, tp, TP group shape)),
+        and the data-parallel group shape."""
+        b = np.asarray(c.micro_batch, dtype=np.int64)
+        tp = np.asarray(c.tp, dtype=np.int64)
+        (tp_nodes, tp_gpus), dp_shape = _group_shapes(tp, np.asarray(c.dp, dtype=np.int64),
+                                                      np.asarray(c.nodes, dtype=np.int64),
+                                                      np.asarray(c.gpus_per_node, dtype=np.int64))
+        if len(c) and (b.max() >= 1 << 20 or tp.max() >= 1 << 14 or tp_nodes.max() >= 1 << 14 or tp_gpus.max() >= 1 << 14):
+            raise StageModelError("micro_batch must be < 2^20 and tp, nodes, gpus_per_node < 2^14")
+        keys = ((b << 42) | (tp << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        unique_b, unique_t = b[first].astype(float), tp[first].astype(float)
+        shape = (tp_nodes[first], tp_gpus[first])
+        per_kind = {kind: {name: value[inverse] for name, value in self._block_terms(kind, unique_b, unique_t, shape).items()}
+                    for kind in BLOCK_KINDS}
+        return per_kind, dp_shape
+
+    def _infeasible(self, tp: np.ndarray, present: dict[str, np.ndarray]) -> np.ndarray:
+        """Tensor parallelism on a structure the sharding rules do not know, or a degree that
+        does not divide the heads / sharded dimensions."""
+        infeasible = np.zeros(len(tp), dtype=bool)
+        for kind, functions in self._functions.items():
+            if not functions.tp_supported:
+                infeasible |= present[kind] & (tp > 1)
+            elif functions.tp_granularity:
+                infeasible |= present[kind] & (functions.tp_granularity % tp != 0)
+        return infeasible
+
     def evaluate(self, candidates: StageCandidates) -> StageEstimates:
         c = candidates
         count = len(c)
-        b = np.asarray(c.micro_batch, dtype=np.int64)
-        tp = np.asarray(c.tp, dtype=np.int64)
         dp = np.asarray(c.dp, dtype=np.int64)
         nodes = np.asarray(c.nodes, dtype=np.int64)
-        gpus = np.asarray(c.gpus_per_node, dtype=np.int64)
-        (tp_nodes, tp_gpus), (dp_nodes, dp_gpus) = _group_shapes(tp, dp, nodes, gpus)
-        if count and (b.max() >= 1 << 20 or tp.max() >= 1 << 14 or tp_nodes.max() >= 1 << 14 or tp_gpus.max() >= 1 << 14):
-            raise StageModelError("micro_batch must be < 2^20 and tp, nodes, gpus_per_node < 2^14")
-        keys = ((b << 42) | (tp << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
-        unique_keys, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        ub, ut = b[first].astype(float), tp[first].astype(float)
-        shape = (tp_nodes[first], tp_gpus[first])
-        per_kind = {kind: {name: value[inverse] for name, value in self._block_terms(kind, ub, ut, shape).items()}
-                    for kind in BLOCK_KINDS}
+        per_kind, (dp_nodes, dp_gpus) = self._candidate_terms(c)
         layer, pre, post = per_kind["layer"], per_kind["pre"], per_kind["post"]
         n = np.asarray(c.num_layers, dtype=float)
         ckpt = np.asarray(c.ckpt_layers, dtype=float)
@@ -308,20 +341,17 @@ class StageCostModel:
         host_step = offload_o * shard_params / HOST_ADAM_PARAMS_PER_S
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
-        step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step
+        # gradients are zeroed once per iteration: a memset of the rank's gradient buffer (its
+        # offloaded part is zeroed on the host, counted at the same rate)
+        grad_share = np.where(zero >= 2, 1.0 / dp, 1.0)
+        zero_grads = op_class_time(self.hardware, self.dtype, "elementwise", 0.0, grad_bytes * grad_share)
+        step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step + zero_grads
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
                                                            dp_nodes, dp_gpus), 0.0)
         delta = sync + step + after_step_gather + first_gather
 
-        # ---- infeasible: tensor parallelism on a structure the sharding rules do not know, or a
-        # degree that does not divide the heads / sharded dimensions ---------------------------
-        unsupported = np.zeros(count, dtype=bool)
-        for kind, functions in self._functions.items():
-            present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}[kind]
-            if not functions.tp_supported:
-                unsupported |= present & (tp > 1)
-            elif functions.tp_granularity:
-                unsupported |= present & (functions.tp_granularity % tp != 0)
+        present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}
+        unsupported = self._infeasible(np.asarray(c.tp, dtype=np.int64), present)
         stable = np.where(unsupported, np.inf, stable)
         peak = np.where(unsupported, np.inf, peak)
 
@@ -348,6 +378,15 @@ class StageCostModel:
         return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak, breakdown=breakdown)
 
 
+def _capture_seq_len(name: str, seq_len: int) -> int:
+    """Sizes stay symbolic in s, so one capture serves every sequence length up to the model's
+    maximum (only a longer one changes the model: a larger position table)."""
+    from ..models import resolve_model
+
+    config = resolve_model(name).config if not name.startswith("hf:") and ":" not in name else None
+    return config.max_seq if config is not None and seq_len <= config.max_seq else seq_len
+
+
 def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float16",
                            attention: str = "flash") -> StageCostModel:
     """Capture (if given a name) and analyse ``model`` once; return the vectorised stage model.
@@ -364,7 +403,7 @@ def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float
     state_bytes_per_param(dtype)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     if isinstance(model, str):
-        blocks, num_layers, name = analyse_named_model(model, seq_len, dtype)
+        blocks, num_layers, name = analyse_named_model(model, _capture_seq_len(model, seq_len), dtype)
     else:
         (blocks, num_layers), name = analyse_program(model), model.model_name
     return StageCostModel(blocks, profile, seq_len, dtype, attention, model_name=name, num_layers=num_layers)

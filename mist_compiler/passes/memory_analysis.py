@@ -79,6 +79,7 @@ class BlockMemory:
     input: sympy.Expr
     output: sympy.Expr
     saved_names: list[str] = field(default_factory=list)
+    attention_probs: sympy.Expr = sympy.Integer(0)  # bytes of the b*h*s*s probabilities (math kernel)
 
 
 def _last_uses(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -234,6 +235,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
                             "math": prune_candidates([p + probs - lse for p in bw] + [saved_total + 3 * probs])},
             input=input_bytes, output=sympy.expand(output_bytes[label]),
             saved_names=[b.name for b in saved_of[label]],
+            attention_probs=sympy.expand(probs),
         )
     return results
 
