@@ -12,6 +12,8 @@ import sys
 DTYPE_CHOICES = ("float32", "float16", "bfloat16")
 CAPTURE_PASSES = ("build_fake_model", "group_layers", "keep_one_layer_per_group", "check_model_output",
                   "trace_joint_graph", "shape_prop", "block_discovery", "lower_to_ir")
+# The plan-driven lowering passes of the backend (backends/codegen.py); they need --plan.
+LOWERING_PASSES = ("partition", "tp_sharding", "checkpoint", "offload_insertion")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="float16", help="weight/activation dtype (default float16)")
     parser.add_argument("--attention", choices=("flash", "math"), default="flash",
                         help="target attention kernel: decides what attention saves (default flash)")
-    parser.add_argument("--after", action="append", default=[], metavar="PASS", choices=CAPTURE_PASSES,
-                        help=f"also print the state after this capture pass (repeatable): {', '.join(CAPTURE_PASSES)}")
+    parser.add_argument("--plan", help="plan file: with --after LOWERING_PASS, dump each stage's program after that pass")
+    parser.add_argument("--after", action="append", default=[], metavar="PASS", choices=CAPTURE_PASSES + LOWERING_PASSES,
+                        help="also print the state after this pass (repeatable); capture passes: "
+                             f"{', '.join(CAPTURE_PASSES)}; lowering passes (need --plan): {', '.join(LOWERING_PASSES)}")
 
 
 def summary(program, micro_batch: int, seq: int, attention: str) -> dict:
@@ -62,6 +66,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     if args.seq is not None and args.seq < 1:
         raise ValueError(f"--seq must be >= 1, got {args.seq}")
+
+    lowering_after = [name for name in args.after if name in LOWERING_PASSES]
+    if lowering_after and not args.plan:
+        raise ValueError(f"--after {lowering_after[0]} is a lowering pass: it needs --plan PLAN")
+    if args.plan:
+        from ..backends.codegen import dump_lowered
+
+        for name in lowering_after or ["offload_insertion"]:
+            print(dump_lowered(args.model, args.plan, name))
+        return 0
 
     def dump(name: str, state) -> None:
         print(f"=== after {name} ===\n{state}\n", file=sys.stderr if args.json else sys.stdout)
