@@ -332,6 +332,19 @@ def _thin(indices: np.ndarray, stable: np.ndarray, limit: int) -> np.ndarray:
     return ordered[picks]
 
 
+class CountingModel:
+    """Passes evaluations through to a cost model, counting the candidates priced."""
+
+    def __init__(self, model: StageCostModel) -> None:
+        self.model = model
+        self.device_memory_bytes = model.device_memory_bytes
+        self.rows = 0
+
+    def evaluate(self, candidates: StageCandidates) -> StageEstimates:
+        self.rows += len(candidates)
+        return self.model.evaluate(candidates)
+
+
 @dataclass
 class IncumbentBound:
     """The best iteration time found so far, used to drop configurations that cannot beat it."""
@@ -354,6 +367,7 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
                     grad_accum: int, max_stages: int, incumbent: float = math.inf) -> FrontierTable:
     """Evaluate every stage configuration for this G and keep each cell's Pareto frontier."""
     stats: dict = {"grad_accum": grad_accum}
+    model = CountingModel(model)
     bound = IncumbentBound(grad_accum, incumbent, work.num_layers, cluster.world)
     limit = float(model.device_memory_bytes)
     bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
@@ -363,24 +377,24 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     table_bases = bases.take(rows)
     offload = combos[combo] if len(combo) else np.zeros((0, 4))
     ckpt = ckpt.copy()
-    # exact evaluation at k = 1 and 2, raising the checkpoint count where a prediction fell short
+    # exact evaluation at k = 1 (times, memory) and, for stages that can hold more than one
+    # micro-batch, at their largest k (memory slope); raise the checkpoint count where a
+    # prediction fell short
     first = evaluate(model, table_bases, shapes, ckpt, offload, 1)
-    second = evaluate(model, table_bases, shapes, ckpt, offload, 2)
-    mem1, mem2 = first.peak_memory_bytes.astype(float), second.peak_memory_bytes.astype(float)
+    mem1 = first.peak_memory_bytes.astype(float)
     _, high = _knob_limits(space, table_bases.layers)
+    slope = _inflight_slope(model, table_bases, shapes, ckpt, offload, mem1, np.arange(len(rows)))
     for _ in range(3):
         short = ~_fits(mem1, limit) & (ckpt < high) if space.ckpt == "tune" else np.zeros(len(ckpt), bool)
         if not short.any():
             break
         ckpt[short] += 1
-        part = table_bases.take(np.flatnonzero(short))
-        redo1 = evaluate(model, part, shapes, ckpt[short], offload[short], 1)
-        redo2 = evaluate(model, part, shapes, ckpt[short], offload[short], 2)
-        for target, source in ((first, redo1), (second, redo2)):
-            target.stable_s[short] = source.stable_s
-            target.delta_s[short] = source.delta_s
-        mem1[short], mem2[short] = redo1.peak_memory_bytes, redo2.peak_memory_bytes
-    slope = np.maximum(mem2 - mem1, 0.0)
+        redo_rows = np.flatnonzero(short)
+        redo = evaluate(model, table_bases.take(redo_rows), shapes, ckpt[short], offload[short], 1)
+        first.stable_s[short] = redo.stable_s
+        first.delta_s[short] = redo.delta_s
+        mem1[short] = redo.peak_memory_bytes
+        slope[short] = _inflight_slope(model, table_bases, shapes, ckpt, offload, mem1, redo_rows)
     with np.errstate(divide="ignore", invalid="ignore"):
         fit_k = np.where(slope > 0, np.floor((limit * (1 + MEMORY_TOLERANCE) - mem1) / slope) + 1, np.inf)
     fit_k = np.where(_fits(mem1, limit), np.minimum(fit_k, table_bases.max_inflight), 0).astype(int)
@@ -403,11 +417,25 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
         offload_acts=offload[keep, 3], inflight=np.ones(len(keep), dtype=int),
     ) if len(keep) else None
     stats["frontier_points"] = len(keep)
+    stats["evaluated"] = model.rows
     stats["cells"] = len(cells)
     return FrontierTable(
         grad_accum=grad_accum, shapes=shapes, configs=configs, stable=stable[keep], delta=delta[keep],
         memory_k1=mem1[keep], memory_per_inflight=slope[keep], cells=cells, fit_k=fit_k[keep], stats=stats,
     )
+
+
+def _inflight_slope(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
+                    offload: np.ndarray, mem1: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Memory per extra in-flight micro-batch of ``rows``, from an evaluation at their largest k."""
+    slope = np.zeros(len(rows))
+    deep = np.flatnonzero(bases.max_inflight[rows] >= 2)
+    if len(deep):
+        picked = rows[deep]
+        k = bases.max_inflight[picked]
+        top = evaluate(model, bases.take(picked), shapes, ckpt[picked], offload[picked], k).peak_memory_bytes
+        slope[deep] = np.maximum((top - mem1[picked]) / (k - 1), 0.0)
+    return slope
 
 
 def _verify_fit(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
