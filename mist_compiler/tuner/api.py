@@ -234,14 +234,14 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
     stats["probe_s"] = time.perf_counter() - started
     tables: dict[int, FrontierTable] = {}
     best = None
-    best_g = None
+    best_table: FrontierTable | None = None
     incumbent = math.inf
 
-    def consider(solution, g: int) -> None:
-        nonlocal best, best_g, incumbent
+    def consider(solution, table: FrontierTable) -> None:
+        nonlocal best, best_table, incumbent
         if solution is not None and solution.objective < incumbent:
-            incumbent, best, best_g = solution.objective, solution, g
-            say(f"S={len(solution.rows)} G={g}: {solution.objective * 1e3:.1f} ms per iteration "
+            incumbent, best, best_table = solution.objective, solution, table
+            say(f"S={len(solution.rows)} G={table.grad_accum}: {solution.objective * 1e3:.1f} ms per iteration "
                 f"({solution.status}, {time.perf_counter() - started:.1f}s)")
 
     # phase 1: frontiers per G, each followed by quick even-split plans that set the incumbent
@@ -259,13 +259,13 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
             continue
         tables[g] = table
         for stages in stage_options:
-            consider(uniform_solution(table, stages, work, cluster, space), g)
+            consider(uniform_solution(table, stages, work, cluster, space), table)
     stats["frontier_s"] = time.perf_counter() - started
     # phase 2: MILPs in order of their lower bound, skipping those that cannot beat the incumbent
     bounds = []
     sum_bounds = {}
     for g, table in tables.items():
-        sum_bounds[g] = StageSumBounds(table, work, cluster, space)
+        sum_bounds[g] = StageSumBounds.for_table(table, work, cluster, space)
         for stages in stage_options:
             pools = role_pools(table, stages, work, cluster, space)
             bound = lower_bound(pools, stages, g, work.num_layers, cluster.world, sum_bounds[g].total(stages),
@@ -288,11 +288,11 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
             continue
         stats["max_gap"] = max(stats["max_gap"], solution.gap)
         stats["statuses"][solution.status] = stats["statuses"].get(solution.status, 0) + 1
-        consider(solution, g)
+        consider(solution, tables[g])
     stats["search_s"] = time.perf_counter() - started
     if best is None:
         raise TuneError(_memory_diagnosis(cost_model, work, cluster, space))
-    result = _result(cost_model, work, space, tables[best_g], best, stats)
+    result = _result(cost_model, work, space, best_table, best, stats)
     result.model_config = config
     result.peak_flops = profile.peak_flops.get(dtype) if profile is not None else None
     return result

@@ -213,6 +213,7 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
     if stats["work_bound"] >= bound.incumbent:
         alive[:] = False
     alive &= bound.grad_accum * fastest < bound.incumbent
+    alive &= _useful_bases(bases, fastest, alive, shapes, bound, stats)
     easy = alive & _fits(least_saving.peak_memory_bytes, limit)
     tight = np.flatnonzero(alive & ~easy)
     stats["bases"] = stats.get("bases", 0) + n
@@ -228,6 +229,42 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
         ckpts.append(picked_ckpt)
         offload_ids.append(picked_combo)
     return np.concatenate(rows), np.concatenate(ckpts), np.concatenate(offload_ids)
+
+
+def _useful_bases(bases: Bases, fastest: np.ndarray, alive: np.ndarray, shapes: list[DeviceShape],
+                  bound: IncumbentBound, stats: dict) -> np.ndarray:
+    """Bases that can be part of a plan beating the incumbent, judged by each base's fastest time
+    (no knobs, memory ignored): a DP over (layers, devices) bounds the other stages (exact pruning)."""
+    from .inter_stage import ChoicePool, StageSumBounds
+
+    if not math.isfinite(bound.incumbent) or bound.cluster is None or not alive.any():
+        return np.ones(len(bases), dtype=bool)
+    counts = np.array([s.count for s in shapes])[bases.shape]
+    pools = {}
+    for pp in (PP_NONE, PP_PRE, PP_POST, PP_BOTH):
+        index = np.flatnonzero(alive & (bases.pp == pp))
+        pools[pp] = ChoicePool(index, bases.layers[index], counts[index], fastest[index], np.zeros(len(index)),
+                               np.full(len(index), 1 << 30))
+    sums = StageSumBounds(bound.total_layers, bound.cluster, bound.grad_accum, pools[PP_NONE], pools[PP_POST],
+                          pools[PP_BOTH], lambda stages: pools[PP_PRE])
+    if not sums.enabled:
+        return np.ones(len(bases), dtype=bool)
+    useful = np.zeros(len(bases), dtype=bool)
+    live_stages = 0
+    for stages in bound.stage_options:
+        if sums.least_iteration(stages) >= bound.incumbent:
+            continue
+        live_stages += 1
+        if stages == 1:
+            useful[pools[PP_BOTH].rows] = True
+            continue
+        roles = {"first": pools[PP_PRE], "last": pools[PP_POST]}
+        if stages > 2:
+            roles["middle"] = pools[PP_NONE]
+        for pool in sums.prune(roles, stages, bound.incumbent, sums.slowest(stages)).values():
+            useful[pool.rows] = True
+    stats["live_stage_counts"] = live_stages
+    return useful
 
 
 def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape], space: SearchSpace,
@@ -353,6 +390,8 @@ class IncumbentBound:
     incumbent: float
     total_layers: int
     world: int
+    cluster: Cluster | None = None
+    stage_options: tuple[int, ...] = ()
 
     def work_bound(self, bases: Bases, fastest: np.ndarray, alive: np.ndarray, shapes: list[DeviceShape]) -> float:
         """``G * L * min(device-seconds per layer) / world``: every plan of this G takes at least this."""
@@ -368,7 +407,8 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     """Evaluate every stage configuration for this G and keep each cell's Pareto frontier."""
     stats: dict = {"grad_accum": grad_accum}
     model = CountingModel(model)
-    bound = IncumbentBound(grad_accum, incumbent, work.num_layers, cluster.world)
+    options = tuple(space.stage_count_options(work.num_layers, cluster.world))
+    bound = IncumbentBound(grad_accum, incumbent, work.num_layers, cluster.world, cluster, options)
     limit = float(model.device_memory_bytes)
     bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
     combos = space.offload_combos()
