@@ -74,7 +74,19 @@ def test_single_device_profile_borrows_links(monkeypatch):
     assert ("h2d", "d2h") in profile.slowdown  # measured locally
     assert "copied from profile 'l4'" in profile.description
     assert profile.efficiency == {"matmul": 0.8, "attention": 0.4, "elementwise": 0.8, "reduction": 0.9,
-                                  "norm": 0.6, "softmax": 0.7, "default": 0.4}
+                                  "norm": 0.6, "softmax": 0.7, "default": 0.75}
+
+
+def test_recalibrate_compute_keeps_links_and_replaces_compute(monkeypatch):
+    from mist_compiler.cost.profiler import recalibrate_compute
+
+    monkeypatch.setattr("mist_compiler.cost.profiler.measure_compute", _fake_compute)
+    l4 = load_profile("l4")
+    profile = recalibrate_compute(l4, ProfilerOptions(device="cpu", log=lambda m: None))
+    assert profile.links == l4.links and profile.slowdown == l4.slowdown and profile.h2d_bandwidth == l4.h2d_bandwidth
+    assert profile.peak_flops["float32"] == pytest.approx(5e10) and profile.peak_flops["bfloat16"] == l4.peak_flops["bfloat16"]
+    assert profile.memory_bandwidth == pytest.approx(2e10) and profile.op_overhead == pytest.approx(4e-6)
+    assert profile.efficiency["matmul"] == pytest.approx(0.8) and "re-measured" in profile.description
 
 
 def test_no_collective_group_without_links_from_is_an_error():
@@ -129,3 +141,77 @@ def test_overrunning_ranks_are_killed_with_a_clear_error(monkeypatch):
         profiler.run_collective_group(2, "cpu", ProfilerOptions(quick=True, log=lambda m: None),
                                       measure_concurrency=False, timeout_s=0.3)
     assert len(started) == 2 and all(process.poll() is not None for process in started)
+
+
+@pytest.mark.heavy
+def test_torchrun_over_two_simulated_nodes_measures_the_inter_node_shape(tmp_path):
+    """Two torchrun agents on this machine, one rank each, stand in for two nodes (shape 2x1)."""
+    import os
+    import subprocess
+    import sys
+
+    from mist_compiler.cost.profiler import _free_port
+
+    script = tmp_path / "profile_rank.py"
+    script.write_text("import argparse, sys\n"
+                      "from mist_compiler.cost import profile_command\n"
+                      "parser = argparse.ArgumentParser(); profile_command.add_arguments(parser)\n"
+                      "sys.exit(profile_command.run(parser.parse_args(sys.argv[1:])))\n")
+    output = tmp_path / "cluster.yaml"
+    port = str(_free_port())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
+                                str(script), "-o", str(output), "--quick", "--name", "two-nodes"], env=env)
+              for node in (0, 1)]
+    try:
+        assert [agent.wait(timeout=240) for agent in agents] == [0, 0]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    profile = load_profile(str(output))
+    assert profile.name == "two-nodes" and profile.gpus_per_node == 1
+    assert set(profile.links) == {(2, 1)} and profile.links[(2, 1)].bandwidth > 0
+    assert "torchrun over 2 node(s)" in profile.description
+
+
+@pytest.mark.heavy
+def test_overlap_model_predicts_three_cpu_channels_run_together():
+    """Pairwise factors measured here, combined by overlap.py, against compute + h2d + d2h run at once."""
+    import threading
+    import time
+
+    import torch
+
+    from mist_compiler.cost.hardware import HardwareProfile
+    from mist_compiler.cost.overlap import overlap
+    from mist_compiler.cost.profiler import _Channel, measure_slowdowns
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        factors = measure_slowdowns("cpu", ProfilerOptions(log=lambda m: None), distributed=False)
+        data = load_profile("cpu").to_dict()
+        data["slowdown"] = factors
+        profile = HardwareProfile.from_dict(data)
+        channels = {name: _Channel(name, "cpu", False) for name in ("compute", "h2d", "d2h")}
+        steps = {"compute": 400, "h2d": 60, "d2h": 60}
+        alone = {name: min(channels[name].run(steps[name]) for _ in range(2)) for name in channels}
+        finished: dict[str, float] = {}
+        start = time.perf_counter()
+
+        def run(name: str) -> None:
+            channels[name].run(steps[name])
+            finished[name] = time.perf_counter() - start
+
+        workers = [threading.Thread(target=run, args=(name,)) for name in channels]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    predicted = float(overlap(profile, alone["compute"], 0.0, alone["h2d"], alone["d2h"]).total_s)
+    assert predicted == pytest.approx(max(finished.values()), rel=0.35)

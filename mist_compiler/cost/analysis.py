@@ -8,11 +8,14 @@ traces one layer per layer class between the pre and post blocks) and returns, p
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import sympy
 import torch
 import torch.fx as fx
 
-from ..passes.cost_annotation import CANONICAL_SYMBOLS, T, annotate_graphs, tensor_shape
+from ..passes.cost_annotation import ATTENTION_FORWARD, T, annotate_graphs, op_name, program_graphs, tensor_shape
 from ..passes.memory_analysis import analyse_memory
 from .stage_model import BLOCK_KINDS, BlockAnalysis, StageModelError
 
@@ -26,33 +29,18 @@ def capture_program(model, *, seq_len: int, dtype: str):
     return capture(model, seq_len=seq_len, dtype=dtype)
 
 
-def parameter_placeholders(forward: fx.GraphModule, backward: fx.GraphModule) -> set[str]:
-    """Forward placeholders that receive a gradient (the backward's outputs follow the primals)."""
-    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
-    output = next(n for n in backward.graph.nodes if n.op == "output")
-    grads = output.args[0] if isinstance(output.args[0], (tuple, list)) else output.args
-    return {placeholders[i].name for i, grad in enumerate(grads)
-            if isinstance(grad, fx.Node) and i < len(placeholders)
-            and isinstance(placeholders[i].meta.get("val"), torch.Tensor)
-            and placeholders[i].meta["val"].dtype.is_floating_point
-            and all(isinstance(d, int) for d in placeholders[i].meta["val"].shape)}
+@functools.lru_cache(maxsize=16)
+def captured_named_model(name: str, seq_len: int, dtype: str):
+    """``capture`` of a model name, once per process (treat the program as read-only)."""
+    return capture_program(name, seq_len=seq_len, dtype=dtype)
 
 
-def symbol_names(program, forward: fx.GraphModule) -> dict[str, sympy.Symbol]:
-    """Graph size symbols (``s72``...) -> canonical ``b``/``s``, matched against the IR's shapes."""
-    values = {n.name: n.meta.get("val") for n in forward.graph.nodes}
-    mapping: dict[str, sympy.Symbol] = {}
-    for block_class in program.block_classes.values():
-        for ir_node in block_class.forward_nodes:
-            value = values.get(ir_node.name)
-            if not isinstance(value, torch.Tensor) or not ir_node.outputs:
-                continue
-            for size, ir_size in zip(value.shape, ir_node.outputs[0].shape):
-                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                    ir_size = sympy.sympify(ir_size)
-                    if isinstance(ir_size, sympy.Symbol) and ir_size.name in CANONICAL_SYMBOLS:
-                        mapping[size.node.expr.name] = CANONICAL_SYMBOLS[ir_size.name]
-    return mapping
+@functools.lru_cache(maxsize=16)
+def analyse_named_model(name: str, seq_len: int, dtype: str) -> tuple[dict[str, BlockAnalysis], int, str]:
+    """Capture and analyse a model by name once per process (the tuner and analyze reuse it)."""
+    program = captured_named_model(name, seq_len, dtype)
+    blocks, num_layers = analyse_program(program)
+    return blocks, num_layers, program.model_name
 
 
 def _param_elements(forward: fx.GraphModule, names: set[str], params: set[str], states: dict[str, str]) -> tuple[sympy.Expr, int]:
@@ -65,22 +53,17 @@ def _param_elements(forward: fx.GraphModule, names: set[str], params: set[str], 
     return per_device, total
 
 
-def _reattribute_unsourced(classes: dict, backward: fx.GraphModule) -> dict[str, set[str]]:
-    """Block node sets, with backward nodes no module issued (gradient-accumulation adds) moved
-    to the block of their users: the capture cannot place them by module and files them last."""
-    blocks = {kind: set(block_class.graphs["nodes"]) for kind, block_class in classes.items()}
-    unsourced = {node.name for block_class in classes.values() for node in block_class.backward_nodes if not node.source}
-    block_of = {name: kind for kind, names in blocks.items() for name in names}
-    for node in reversed(list(backward.graph.nodes)):
-        if node.name not in unsourced:
+def _tp_granularity(forward: fx.GraphModule, names: set[str], states: dict[str, str]) -> int:
+    """gcd of the block's attention head counts and the sizes of its sharded parameters' dims."""
+    sizes = []
+    for node in forward.graph.nodes:
+        if node.name not in names:
             continue
-        targets = {block_of.get(user.name) for user in node.users} - {None}
-        if len(targets) == 1:
-            target = targets.pop()
-            blocks[block_of[node.name]].discard(node.name)
-            blocks[target].add(node.name)
-            block_of[node.name] = target
-    return blocks
+        if op_name(node) in ATTENTION_FORWARD:
+            sizes.append(int(node.args[0].meta["val"].shape[1]))
+        elif node.op == "placeholder" and states.get(node.name) == "S":
+            sizes.extend(int(d) for d in node.meta["val"].shape)
+    return math.gcd(*sizes) if sizes else 0
 
 
 def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
@@ -94,18 +77,17 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
             raise StageModelError(f"captured program {program.model_name!r} has {len(class_ids)} different {kind} "
                                   "block classes; the stage model needs identical layers")
         classes[kind] = program.block_class(class_ids[0])
-    graphs = classes["layer"].graphs or {}
-    forward, backward = graphs.get("forward"), graphs.get("backward")
-    if forward is None or backward is None:
-        raise StageModelError("the captured program carries no live forward/backward graphs; "
-                              "analyse a freshly captured program, not one loaded from JSON")
-    params = parameter_placeholders(forward, backward)
-    symbols = {**CANONICAL_SYMBOLS, **symbol_names(program, forward)}
+    try:
+        graphs = program_graphs(program)
+    except ValueError as error:
+        raise StageModelError(str(error)) from None
+    forward, backward, params, symbols = graphs.forward, graphs.backward, graphs.params, graphs.symbols
     costs = annotate_graphs(forward, backward, params, symbols)
-    blocks = _reattribute_unsourced(classes, backward)
+    blocks = {kind: graphs.blocks[block_class.class_id] for kind, block_class in classes.items()}
     memory = analyse_memory(forward, backward, costs, params, blocks, symbols)
     result = {}
     for kind, names in blocks.items():
         per_device, total = _param_elements(forward, names, params, costs.param_states)
-        result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total)
+        granularity = _tp_granularity(forward, names, costs.param_states)
+        result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total, granularity)
     return result, sum(1 for block in program.blocks if block.kind == "layer")

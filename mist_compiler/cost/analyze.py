@@ -100,6 +100,10 @@ def _check_plan(plan: Plan, cost_model: StageCostModel, profile: HardwareProfile
         if stage.gpus_per_node > profile.gpus_per_node:
             raise PlanError(f"plan field stages[{index}].gpus_per_node: {stage.gpus_per_node} exceeds the "
                             f"{profile.gpus_per_node} devices per node of hardware {profile.name!r}")
+        granularity = cost_model.tp_granularity
+        if stage.tp > 1 and granularity and granularity % stage.tp:
+            raise PlanError(f"plan field stages[{index}].tp: {stage.tp} does not divide the model's attention heads "
+                            f"and sharded weight dimensions (their gcd is {granularity})")
 
 
 def analyze(model, plan, hardware, *, attention: str = "flash",

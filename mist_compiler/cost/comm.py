@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from mist_compiler.cost.hardware import COLLECTIVES, HardwareProfile
 
@@ -74,14 +75,14 @@ def _inter_curves(profile: HardwareProfile) -> dict[int, _Curve]:
     return {g: _curve(points) for g, points in sorted(by_gpus.items())}
 
 
-def _as_sizes(value, name: str) -> np.ndarray:
+def _as_sizes(value: ArrayLike, name: str) -> np.ndarray:
     array = np.asarray(value, dtype=float)
     if np.any(~np.isfinite(array)) or np.any(array < 1) or np.any(array != np.round(array)):
         raise CommError(f"{name} must be positive integers, got {value!r}")
     return array
 
 
-def _nbytes(value) -> np.ndarray:
+def _nbytes(value: ArrayLike) -> np.ndarray:
     array = np.asarray(value, dtype=float)
     if np.any(~np.isfinite(array)) or np.any(array < 0):
         raise CommError(f"nbytes must be finite and >= 0, got {value!r}")
@@ -107,7 +108,7 @@ def _inter_link(curves: dict[int, _Curve], nodes: np.ndarray, gpus: np.ndarray) 
     return bandwidth, latency
 
 
-def group_link(profile: HardwareProfile, nodes, gpus_per_node) -> tuple[np.ndarray, np.ndarray]:
+def group_link(profile: HardwareProfile, nodes: ArrayLike, gpus_per_node: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     """(bandwidth bytes/s, latency s) of a collective group of shape ``nodes x gpus_per_node``.
 
     Exact fits come from ``profile.links``; other shapes follow the rules in the module docstring.
@@ -152,7 +153,8 @@ def _link_of_shapes(profile: HardwareProfile, nodes_a: np.ndarray, gpus_a: np.nd
     return bandwidth, latency
 
 
-def collective_time(profile: HardwareProfile, kind: str, nbytes, nodes, gpus_per_node) -> np.ndarray:
+def collective_time(profile: HardwareProfile, kind: str, nbytes: ArrayLike, nodes: ArrayLike,
+                    gpus_per_node: ArrayLike) -> np.ndarray:
     """Seconds for collective ``kind`` over ``nbytes`` (full buffer) in a ``nodes x gpus_per_node`` group."""
     if kind not in COLLECTIVES or kind == "p2p":
         raise CommError(f"collective kind {kind!r} unknown; use one of {[k for k in COLLECTIVES if k != 'p2p']} (p2p_time for p2p)")
@@ -166,7 +168,7 @@ def collective_time(profile: HardwareProfile, kind: str, nbytes, nodes, gpus_per
     return np.where((n > 1) & (size > 0), time, 0.0)
 
 
-def p2p_time(profile: HardwareProfile, nbytes, inter_node) -> np.ndarray:
+def p2p_time(profile: HardwareProfile, nbytes: ArrayLike, inter_node: ArrayLike) -> np.ndarray:
     """Seconds to send ``nbytes`` from one device to another (pipeline activations).
 
     Uses the two-device link (``1x2`` intra-node, ``2x1`` across nodes): a pair's alpha-beta
@@ -180,7 +182,7 @@ def p2p_time(profile: HardwareProfile, nbytes, inter_node) -> np.ndarray:
     return np.where(size > 0, time, 0.0)
 
 
-def copy_time(profile: HardwareProfile, nbytes, direction: str) -> np.ndarray:
+def copy_time(profile: HardwareProfile, nbytes: ArrayLike, direction: str) -> np.ndarray:
     """Seconds to copy ``nbytes`` between pinned host memory and the device ("h2d" or "d2h")."""
     if direction not in COPY_DIRECTIONS:
         raise CommError(f"copy direction {direction!r} unknown; use one of {list(COPY_DIRECTIONS)}")

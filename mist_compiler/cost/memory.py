@@ -9,9 +9,10 @@ forward and backward peaks of live memory. The outer terms are closed forms here
   first and second moments); float32 training keeps 4 + 4 + 8 (no master copy).
   ZeRO over the ``dp`` ranks: level 1 shards optimizer states, 2 also gradients, 3 also weights.
   Offload ratios move that fraction of each state to the host.
-- **ZeRO buffers**: level 3 gathers full layer weights on use, one layer in use and one
-  prefetched (``2 * layer weight bytes``); levels 2-3 hold one layer's full gradients before the
-  reduce-scatter.
+- **buffers**: ZeRO-3 gathers full layer weights on use, one layer in use and one prefetched
+  (``2 * layer weight bytes``); levels 2-3 hold one layer's full gradients before the
+  reduce-scatter; offloaded weights are brought back one layer ahead (two layers' offloaded
+  part on the device) and offloaded gradients leave through one layer's staging buffer.
 - **activations** under 1F1B: ``inflight`` micro-batches are alive at once (stage i of S holds
   S-i). A checkpointed layer keeps only its input ``I``; its activations come back during its
   backward (the recompute) and are transient there. Activation offload moves a fraction of the
@@ -72,7 +73,11 @@ def model_state_memory(stage_params, layer_params, dtype: str, zero, dp, offload
     sharded = dp > 1
     gather = np.where((zero >= 3) & sharded, 2.0 * layer_params * weight_b, 0.0)
     grad_bucket = np.where((zero >= 2) & sharded, layer_params * grad_b, 0.0)
-    return ModelStateMemory(weights, grads, opt, gather + grad_bucket)
+    # offloaded weights come back one layer ahead (in use + prefetched) unless ZeRO-3's gather buffer
+    # already holds them; offloaded gradients leave one layer at a time
+    weight_prefetch = np.where(gather > 0, 0.0, 2.0 * layer_params * weight_b * weight_share * np.asarray(offload_weights))
+    grad_staging = layer_params * grad_b * grad_share * np.asarray(offload_grads)
+    return ModelStateMemory(weights, grads, opt, gather + grad_bucket + weight_prefetch + grad_staging)
 
 
 @dataclass

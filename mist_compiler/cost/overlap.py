@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from mist_compiler.cost.hardware import CHANNELS, HardwareProfile
 
@@ -58,34 +59,38 @@ def _slowdown_table(profile: HardwareProfile) -> np.ndarray:
     return np.exp(log_slowdown @ active)
 
 
-def _work(value, name: str) -> np.ndarray:
+def _work(value: ArrayLike, name: str) -> np.ndarray:
     array = np.asarray(value, dtype=float)
     if np.any(~np.isfinite(array)) or np.any(array < 0):
         raise OverlapError(f"{name} must be finite and >= 0 seconds, got {value!r}")
     return array
 
 
-def overlap(profile: HardwareProfile, compute_s, collective_s=0.0, h2d_s=0.0, d2h_s=0.0) -> OverlapResult:
+def overlap(profile: HardwareProfile, compute_s: ArrayLike, collective_s: ArrayLike = 0.0,
+            h2d_s: ArrayLike = 0.0, d2h_s: ArrayLike = 0.0) -> OverlapResult:
     """Simulate channels running together; each argument is that channel's time alone (broadcast)."""
     named = {"compute": compute_s, "collective": collective_s, "h2d": h2d_s, "d2h": d2h_s}
     work = np.stack(np.broadcast_arrays(*(_work(named[c], f"{c}_s") for c in CHANNELS)))  # (4, ...)
     table = _slowdown_table(profile)
-    bits = (1 << np.arange(len(CHANNELS))).reshape((-1,) + (1,) * (work.ndim - 1))
+    bits = 1 << np.arange(len(CHANNELS))
+    shape = work.shape[1:]
+    work = work.reshape(len(CHANNELS), -1)  # (4, candidates); shapes restored at the end
     remaining = np.where(work > 0, work, np.inf)  # inf marks a channel that is done (or never ran)
     finish = np.zeros_like(work)
-    now = np.zeros(work.shape[1:])
+    now = np.zeros(work.shape[1])
     for _ in range(len(CHANNELS)):  # every step finishes at least one channel
         active = remaining < np.inf
         if not active.any():
             break
-        slow = table[:, (active * bits).sum(axis=0)]  # (4, ...): product of the active others' factors
+        slow = table[:, bits @ active]  # (4, candidates): product of the active others' factors
         to_finish = remaining * slow
         step = to_finish.min(axis=0)
-        step = np.where(step < np.inf, step, 0.0)
+        step[step == np.inf] = 0.0
         done = to_finish <= step * (1 + 1e-12)
         now += step
-        finish[done] = np.broadcast_to(now, done.shape)[done]
+        finish = np.where(done, now, finish)
         remaining = np.where(done, np.inf, remaining - step / slow)
+    work, finish = work.reshape((len(CHANNELS),) + shape), finish.reshape((len(CHANNELS),) + shape)
     total = finish.max(axis=0)
     compute_finish = finish[0]
     exposed = {c: np.maximum(0.0, finish[i] - compute_finish) for i, c in enumerate(CHANNELS) if c != "compute"}
@@ -97,6 +102,7 @@ def overlap(profile: HardwareProfile, compute_s, collective_s=0.0, h2d_s=0.0, d2
     )
 
 
-def overlapped_time(profile: HardwareProfile, compute_s, collective_s=0.0, h2d_s=0.0, d2h_s=0.0) -> np.ndarray:
+def overlapped_time(profile: HardwareProfile, compute_s: ArrayLike, collective_s: ArrayLike = 0.0,
+                    h2d_s: ArrayLike = 0.0, d2h_s: ArrayLike = 0.0) -> np.ndarray:
     """Duration of a phase whose channels run concurrently (see :func:`overlap`)."""
     return overlap(profile, compute_s, collective_s, h2d_s, d2h_s).total_s

@@ -3,6 +3,8 @@ into a hardware profile YAML that ``--hardware FILE`` and ``load_profile(FILE)``
 
 Progress goes to stderr, one line per measurement. On CPU every core is one rank (gloo); on GPUs
 every GPU is one rank (NCCL). Takes well under five minutes; ``--quick`` is a smaller, rougher pass.
+For inter-node links run it on every node under torchrun, e.g.
+``torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:PORT -m mist_compiler.cli profile -o cluster.yaml``.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mist_compiler.cost.profiler import ProfilerOptions, profile_machine
+    from mist_compiler.cost.profiler import ProfilerOptions, launched_by_torchrun, profile_cluster, profile_machine
 
     directory = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(directory):
@@ -45,7 +47,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout: must be positive, got {args.timeout}")
     options = ProfilerOptions(quick=args.quick, device=args.device, world_sizes=args.world_sizes, name=args.name,
                               links_from=args.links_from, timeout_s=args.timeout)
-    profile = profile_machine(options)
+    if launched_by_torchrun():  # one rank of a (multi-node) job: the first rank writes the file
+        for flag, value in (("--world-sizes", args.world_sizes), ("--links-from", args.links_from)):
+            if value is not None:
+                raise ValueError(f"{flag}: not used under torchrun (the job's own nodes x ranks are measured)")
+        profile = profile_cluster(options)
+        if profile is None:
+            return 0
+    else:
+        profile = profile_machine(options)
     save_profile(profile, args.output)
     matmul = max(profile.peak_flops.values()) * profile.efficiency_of("matmul")
     links = ", ".join(f"{n}x{g} {fit.bandwidth / 1e9:.3g} GB/s + {fit.latency * 1e6:.0f} us"

@@ -18,6 +18,7 @@ All distributed work runs in spawned processes with timeouts; nothing is left ru
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -77,8 +78,12 @@ def _sync_for(device: str) -> Callable[[], None]:
     return lambda: None
 
 
-def seconds_per_call(fn: Callable[[], object], sync: Callable[[], None], target_s: float, repeats: int = 3) -> float:
-    """Best per-call time over ``repeats`` batches, each batch sized to last about ``target_s / repeats``."""
+def seconds_per_call(fn: Callable[[], object], sync: Callable[[], None], target_s: float, repeats: int = 5) -> float:
+    """Best per-call time over ``repeats`` batches, each batch sized to last about ``target_s / repeats``.
+
+    The best batch, not the mean: on a shared machine other processes only ever make a batch slower,
+    and the profile describes the machine, not its momentary load.
+    """
     fn()
     sync()
     start = time.perf_counter()
@@ -208,6 +213,8 @@ class _Channel:
         self.name, self.device = name, device
         on_gpu = device == "cuda"
         self.stream = torch.cuda.Stream() if on_gpu else None
+        # OpenMP thread counts are per thread: a channel on a fresh thread would otherwise use every core
+        self.threads = torch.get_num_threads()
         if name == "compute":
             n = 4096 if on_gpu else 256
             dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -230,6 +237,8 @@ class _Channel:
         """Run ``steps`` units; seconds elapsed on this thread until they are done."""
         import torch
 
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         start = time.perf_counter()
         if self.stream is None:
             for _ in range(steps):
@@ -249,27 +258,16 @@ def _backend_device() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def _agree_max(value: float, distributed: bool) -> float:
-    """The maximum of ``value`` over ranks (all ranks must make identical collective calls)."""
+def _agree(value: float, distributed: bool, group=None, mean: bool = False) -> float:
+    """The maximum (or mean) of ``value`` over the ranks of ``group``; all of them must call it."""
     if not distributed:
         return value
     import torch
     import torch.distributed as dist
 
     tensor = torch.tensor([float(value)], dtype=torch.float64, device=_backend_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
-
-
-def _agree_mean(value: float, distributed: bool) -> float:
-    if not distributed:
-        return value
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor([float(value)], dtype=torch.float64, device=_backend_device())
-    dist.all_reduce(tensor)
-    return float(tensor.item()) / dist.get_world_size()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if mean else dist.ReduceOp.MAX, group=group)
+    return float(tensor.item()) / (dist.get_world_size(group) if mean else 1)
 
 
 def _run_together(fore: _Channel, steps: int, back: _Channel, back_steps: int) -> float:
@@ -305,8 +303,8 @@ def measure_slowdowns(device: str, options: ProfilerOptions, distributed: bool) 
     for name, channel in channels.items():
         channel.run(2)  # warm-up; fixed counts so that collectives match across ranks
         seconds = channel.run(3) / 3
-        steps = int(_agree_max(max(1, int(options.bench_s / 3 / max(seconds, 1e-7))), distributed))
-        per_step[name] = _agree_max(channel.run(steps) / steps, distributed)
+        steps = int(_agree(max(1, int(options.bench_s / 3 / max(seconds, 1e-7))), distributed))
+        per_step[name] = _agree(channel.run(steps) / steps, distributed)
     factors: dict[str, float] = {}
     for fore in names:
         steps = max(2, math.ceil(options.bench_s / per_step[fore]))
@@ -322,7 +320,7 @@ def measure_slowdowns(device: str, options: ProfilerOptions, distributed: bool) 
                 if distributed:
                     dist.barrier()
                 ratios.append(_run_together(channels[fore], steps, channels[back], back_steps) / alone)
-            factor = _agree_mean(float(np.median(ratios)), distributed)
+            factor = _agree(float(np.median(ratios)), distributed, mean=True)
             factors[f"{fore}|{back}"] = round(max(1.0, factor), 4)
             options.log(f"slowdown {fore} while {back} runs: x{factor:.3f}")
     return factors
@@ -336,56 +334,73 @@ def _message_sizes(device: str, quick: bool) -> list[int]:
     return [64 << 10, 1 << 20, 8 << 20] if not quick else [64 << 10, 1 << 20]
 
 
-def _collective_call(kind: str, nbytes: int, device: str, world: int):
-    """A zero-argument callable running collective ``kind`` on an ``nbytes`` full buffer."""
+def _collective_call(kind: str, nbytes: int, device: str, members: list[int], group=None):
+    """A zero-argument callable running collective ``kind`` on an ``nbytes`` full buffer within ``group``.
+
+    ``members`` are the group's global ranks in order; point-to-point goes from the first to the second.
+    """
     import torch
     import torch.distributed as dist
 
-    numel = max(world, nbytes // 4 // world * world)
+    size = len(members)
+    numel = max(size, nbytes // 4 // size * size)
     full = torch.ones(numel, device=device)
-    shard = torch.ones(numel // world, device=device)
+    shard = torch.ones(numel // size, device=device)
     if kind == "all_gather":
-        return lambda: dist.all_gather_single(full, shard)
+        return lambda: dist.all_gather_single(full, shard, group=group)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(shard, full)
+        return lambda: dist.reduce_scatter_single(shard, full, group=group)
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(full)
+        return lambda: dist.all_reduce(full, group=group)
     if kind == "broadcast":
-        return lambda: dist.broadcast(full, src=0)
+        return lambda: dist.broadcast(full, src=members[0], group=group)
     if kind == "all_to_all":
         out = torch.empty_like(full)
-        return lambda: dist.all_to_all_single(out, full)
+        return lambda: dist.all_to_all_single(out, full, group=group)
     if kind == "p2p":
         rank = dist.get_rank()
-        if rank == 0:
-            return lambda: dist.send(full, dst=1)
-        if rank == 1:
-            return lambda: dist.recv(full, src=0)
+        if rank == members[0]:
+            return lambda: dist.send(full, dst=members[1], group=group)
+        if rank == members[1]:
+            return lambda: dist.recv(full, src=members[0], group=group)
         return lambda: None
     raise ValueError(f"unknown collective {kind!r}")
 
 
-def _time_collective(call, sync, target_s: float) -> float:
-    """Per-call seconds, slowest rank, best of two rounds; iteration counts agreed across ranks."""
+def _time_collective(call, sync, target_s: float, group=None, rounds: int = 3) -> float:
+    """Per-call seconds, slowest rank of ``group``, best of ``rounds``; iteration counts agreed."""
     import torch.distributed as dist
 
     call()
     sync()
-    dist.barrier()
+    dist.barrier(group=group)
     start = time.perf_counter()
     call()
     sync()
-    once = _agree_max(time.perf_counter() - start, True)
-    calls = int(max(1, min(200, target_s / 2 / max(once, 1e-6))))
+    once = _agree(time.perf_counter() - start, True, group)
+    calls = int(max(1, min(200, target_s / rounds / max(once, 1e-6))))
     best = math.inf
-    for _ in range(2):
-        dist.barrier()
+    for _ in range(rounds):
+        dist.barrier(group=group)
         start = time.perf_counter()
         for _ in range(calls):
             call()
         sync()
-        best = min(best, _agree_max((time.perf_counter() - start) / calls, True))
+        best = min(best, _agree((time.perf_counter() - start) / calls, True, group))
     return best
+
+
+def time_group_collectives(device: str, quick: bool, bench_s: float, members: list[int], group, log) -> dict:
+    """``{kind: [(nbytes, seconds), ...]}`` for every collective in one group (p2p in pairs); members call it."""
+    sync = _sync_for(device)
+    times: dict[str, list[tuple[int, float]]] = {}
+    for kind in KINDS + (("p2p",) if len(members) == 2 else ()):
+        for nbytes in _message_sizes(device, quick):
+            call = _collective_call(kind, nbytes, device, members, group)
+            seconds = _time_collective(call, sync, bench_s, group, rounds=2 if quick else 3)
+            times.setdefault(kind, []).append((nbytes, seconds))
+            log(f"{kind} {nbytes / 1e6:.3f} MB: {seconds * 1e3:.3f} ms")
+    return times
 
 
 def _collective_worker(rank: int, world: int, port: int, device: str, quick: bool, bench_s: float,
@@ -402,15 +417,9 @@ def _collective_worker(rank: int, world: int, port: int, device: str, quick: boo
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    sync = _sync_for(device)
     quiet = lambda message: None  # noqa: E731
     options = ProfilerOptions(quick=quick, log=(lambda m: _stderr(f"[{world} ranks] {m}")) if rank == 0 else quiet)
-    times: dict[str, list[tuple[int, float]]] = {}
-    for kind in KINDS + ("p2p",):
-        for nbytes in _message_sizes(device, quick):
-            seconds = _time_collective(_collective_call(kind, nbytes, device, world), sync, bench_s)
-            times.setdefault(kind, []).append((nbytes, seconds))
-            options.log(f"{kind} {nbytes / 1e6:.3f} MB: {seconds * 1e3:.3f} ms")
+    times = time_group_collectives(device, quick, bench_s, list(range(world)), None, options.log)
     slowdown = measure_slowdowns(device, options, distributed=True) if measure_concurrency else {}
     dist.barrier()
     if rank == 0:  # written whole, then renamed: the parent never reads half a file
@@ -451,16 +460,18 @@ def run_collective_group(world: int, device: str, options: ProfilerOptions, meas
                 ranks.append(subprocess.Popen([sys.executable, "-m", "mist_compiler.cost.profiler", "--worker", config],
                                               env=env, stdin=subprocess.DEVNULL))
             deadline = time.monotonic() + timeout_s
-            while any(p.poll() is None for p in ranks):
-                if os.path.exists(result_path):  # every rank is past its last collective: let them exit briefly
-                    deadline = min(deadline, time.monotonic() + 2.0)
-                    if time.monotonic() > deadline:
-                        break
-                elif time.monotonic() > deadline:
+            while not os.path.exists(result_path):
+                codes = [p.poll() for p in ranks]
+                if any(code not in (None, 0) for code in codes) or all(code is not None for code in codes):
+                    break  # a rank failed, or all exited without a result
+                if time.monotonic() > deadline:
                     raise RuntimeError(f"profile: {world}-rank collective measurement did not finish within {timeout_s:.0f} s")
-                if any(p.poll() not in (None, 0) for p in ranks):
-                    break
                 time.sleep(0.1)
+            for process in ranks:  # past the last collective: a moment to exit, then the finally kills
+                try:
+                    process.wait(timeout=2.0)
+                except subprocess.TimeoutExpired:
+                    pass
             codes = [p.poll() for p in ranks]
             if not os.path.exists(result_path):
                 raise RuntimeError(f"profile: a {world}-rank collective worker failed (exit codes {codes}; "
@@ -488,21 +499,29 @@ def _factor(z: np.ndarray, excess: np.ndarray) -> float:
     return max(1e-3, float(np.dot(z, excess) / np.dot(z, z)))
 
 
+def _shape_of(result: dict) -> tuple[int, int]:
+    """A result's group shape: ``shape`` [nodes, gpus_per_node], or ``world`` local ranks on one node."""
+    nodes, gpus = result.get("shape", (1, result.get("world")))
+    return int(nodes), int(gpus)
+
+
 def fit_collectives(results: list[dict]) -> tuple[dict[str, dict], dict[str, float]]:
     """Alpha-beta fits per group shape and collective factors relative to all-gather.
 
     The all-gather timings give each shape's bandwidth and latency. The profile keeps one latency
     per shape, so each other kind's factor is the least-squares fit of ``time - latency`` against
-    ``bytes * (n-1)/n / bandwidth``; over shapes the factors are averaged geometrically.
+    ``bytes * (n-1)/n / bandwidth``; over shapes the factors are averaged geometrically. Point-to-point
+    comes from the two-device shapes (``1x2``, ``2x1``).
     """
     links: dict[str, dict] = {}
     ratios: dict[str, list[float]] = {k: [] for k in KINDS + ("p2p",)}
-    for result in sorted(results, key=lambda r: r["world"]):
-        n = result["world"]
+    for result in sorted(results, key=_shape_of):
+        nodes, gpus = _shape_of(result)
+        n = nodes * gpus
         times = {kind: np.array(pairs, dtype=float) for kind, pairs in result["times"].items()}
         gathered = times["all_gather"]
         bandwidth, latency = fit_alpha_beta(gathered[:, 0] * (n - 1) / n, gathered[:, 1])
-        links[f"1x{n}"] = {"bandwidth_gbps": round(bandwidth / 1e9, 6), "latency_s": float(f"{latency:.3g}")}
+        links[f"{nodes}x{gpus}"] = {"bandwidth_gbps": round(bandwidth / 1e9, 6), "latency_s": float(f"{latency:.3g}")}
         for kind in KINDS:
             z = times[kind][:, 0] * (n - 1) / n / bandwidth
             ratios[kind].append(_factor(z, times[kind][:, 1] - latency))
@@ -555,7 +574,7 @@ def _efficiencies(measured: ComputeMeasurements, peaks: dict[str, float]) -> dic
         "norm": clamp(measured.norm_bytes_per_s / measured.copy_bytes_per_s),
         "softmax": clamp(measured.softmax_bytes_per_s / measured.copy_bytes_per_s),
     }
-    efficiency["default"] = min(efficiency.values())  # unknown ops: the worst class measured
+    efficiency["default"] = round(float(np.median(list(efficiency.values()))), 4)  # unknown ops: the typical class
     return efficiency
 
 
@@ -571,12 +590,9 @@ def _group_sizes(device: str, options: ProfilerOptions) -> list[int]:
     return [size for size in wanted if size <= available]
 
 
-def profile_machine(options: ProfilerOptions) -> HardwareProfile:
-    """Measure this machine and return its profile (validated like any YAML profile)."""
+def _resolve_device(options: ProfilerOptions) -> str:
     import torch
 
-    started = time.perf_counter()
-    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     device = options.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -584,58 +600,46 @@ def profile_machine(options: ProfilerOptions) -> HardwareProfile:
         raise ProfileError(f"profile option device: expected 'cpu', 'cuda' or 'auto', got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ProfileError("profile option device: 'cuda' asked for but no CUDA device is available")
-    per_node = _device_count(device)
-    sizes = _group_sizes(device, options)
-    if not sizes and options.links_from is None:
-        raise ProfileError(f"collectives: no group of >= 2 {device} ranks to measure here ({per_node} available); "
-                           "pass links_from (--links-from PROFILE) to take the fits from a shipped profile")
-    base = load_profile(options.links_from) if options.links_from and not sizes else None
-    options.log(f"profiling {device}: {per_node} {'GPUs' if device == 'cuda' else 'cores (one rank each, 1 thread)'}")
+    return device
+
+
+@contextlib.contextmanager
+def _as_one_rank(device: str):
+    """Torch limited to one thread on CPU, as the CPU backend runs its ranks; GPU memory handed back after."""
+    import torch
 
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)
     try:
-        measured = measure_compute(device, options)
-        local_slowdown = measure_slowdowns(device, options, distributed=False) if not sizes else {}
+        yield
     finally:
         torch.set_num_threads(threads)
         if device == "cuda":
             torch.cuda.empty_cache()  # leave GPU 0's memory to the rank processes
 
-    results = []
-    for index, world in enumerate(sizes):
-        options.log(f"collectives over {world} local ranks ({'NCCL' if device == 'cuda' else 'gloo'}), spawning them")
-        results.append(run_collective_group(world, device, options, measure_concurrency=index == 0,
-                                            timeout_s=options.timeout_s))
-    notes = [f"{_device_count(device)} {device} devices here, 1-minute load average {load_before:.1f} when it started "
-             "(other work on the machine slows every measurement)"]
-    if results:
-        links, factors = fit_collectives(results)
-        slowdown = results[0]["slowdown"]
-    else:
-        links = {f"{n}x{g}": {"bandwidth_gbps": f.bandwidth / 1e9, "latency_s": f.latency} for (n, g), f in base.links.items()}
-        factors = dict(base.collective_factor)
-        slowdown = dict(local_slowdown)
-        slowdown.update({f"{a}|{b}": v for (a, b), v in base.slowdown.items() if "collective" in (a, b)})
-        notes.append(f"collective fits, collective slowdowns and devices per node ({base.gpus_per_node}) copied from "
-                     f"profile {base.name!r}: no group of 2+ devices was measured here")
 
+def _load_note() -> str:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"1-minute load average {load:.1f} when it started (other work on the machine slows every measurement)"
+
+
+def _assemble(options: ProfilerOptions, device: str, per_node: int, measured: ComputeMeasurements,
+              links: dict, factors: dict, slowdown: dict, notes: list[str], started: float,
+              gpus_per_node: int | None = None) -> HardwareProfile:
+    """Turn measurements into a validated profile (the same checks as a YAML file gets)."""
     peaks, peak_note = _peaks(device, measured)
-    notes.append(peak_note)
+    notes = notes + [peak_note]
     if device == "cpu":
         notes.append("one 'device' is one core running one rank with torch limited to 1 thread; device memory is "
                      "total RAM divided by the cores; h2d/d2h are a CPU->CPU copy standing in for host<->device; "
                      "slowdowns include the CPU contention of threads sharing the cores")
-    if base is None:
-        notes.append("inter-node shapes not measured (single machine); cost.comm derives them from the intra-node fits")
-    name = options.name or (f"measured-{device}")
     data = {
-        "name": name,
+        "name": options.name or f"measured-{device}",
         "description": f"Measured by `mistc profile` in {time.perf_counter() - started:.0f} s"
                        f"{' (--quick)' if options.quick else ''}. " + "; ".join(notes) + ".",
         "device_memory_gb": round(_device_memory(device, per_node) / 1e9, 3),
-        "gpus_per_node": max(per_node, base.gpus_per_node) if base else per_node,
+        "gpus_per_node": gpus_per_node or per_node,
         "peak_tflops": {k: float(f"{v / 1e12:.6g}") for k, v in peaks.items()},
         "efficiency": _efficiencies(measured, peaks),
         "memory_bandwidth_gbps": round(measured.copy_bytes_per_s / 1e9, 3),
@@ -649,6 +653,136 @@ def profile_machine(options: ProfilerOptions) -> HardwareProfile:
     profile = HardwareProfile.from_dict(data, source="measured profile")
     options.log(f"done in {time.perf_counter() - started:.1f} s")
     return profile
+
+
+def profile_machine(options: ProfilerOptions) -> HardwareProfile:
+    """Measure this machine (spawning local ranks for collectives) and return its profile."""
+    started = time.perf_counter()
+    notes = [_load_note()]
+    device = _resolve_device(options)
+    per_node = _device_count(device)
+    sizes = _group_sizes(device, options)
+    if not sizes and options.links_from is None:
+        raise ProfileError(f"collectives: no group of >= 2 {device} ranks to measure here ({per_node} available); "
+                           "pass links_from (--links-from PROFILE) to take the fits from a shipped profile")
+    base = load_profile(options.links_from) if options.links_from and not sizes else None
+    options.log(f"profiling {device}: {per_node} {'GPUs' if device == 'cuda' else 'cores (one rank each, 1 thread)'}")
+
+    with _as_one_rank(device):
+        measured = measure_compute(device, options)
+        local_slowdown = measure_slowdowns(device, options, distributed=False) if not sizes else {}
+
+    results = []
+    for index, world in enumerate(sizes):
+        options.log(f"collectives over {world} local ranks ({'NCCL' if device == 'cuda' else 'gloo'}), spawning them")
+        results.append(run_collective_group(world, device, options, measure_concurrency=index == 0,
+                                            timeout_s=options.timeout_s))
+    if base is None:
+        links, factors = fit_collectives(results)
+        slowdown = results[0]["slowdown"]
+        notes.append("inter-node shapes not measured (run `mistc profile` under torchrun on several nodes for them); "
+                     "cost.comm derives them from the intra-node fits")
+    else:
+        links = {f"{n}x{g}": {"bandwidth_gbps": f.bandwidth / 1e9, "latency_s": f.latency} for (n, g), f in base.links.items()}
+        factors = dict(base.collective_factor)
+        slowdown = dict(local_slowdown)
+        slowdown.update({f"{a}|{b}": v for (a, b), v in base.slowdown.items() if "collective" in (a, b)})
+        notes.append(f"collective fits, collective slowdowns and devices per node ({base.gpus_per_node}) copied from "
+                     f"profile {base.name!r}: no group of 2+ devices was measured here")
+    return _assemble(options, device, per_node, measured, links, factors, slowdown, notes, started,
+                     gpus_per_node=max(per_node, base.gpus_per_node) if base else per_node)
+
+
+def recalibrate_compute(base: HardwareProfile, options: ProfilerOptions | None = None) -> HardwareProfile:
+    """``base`` with its compute side (peaks, efficiencies, memory bandwidth, op overhead) measured here.
+
+    Links, copies and slowdowns stay as ``base`` has them: a quick way to re-anchor a shipped or
+    older profile to the machine's current speed (seconds, no ranks spawned).
+    """
+    import dataclasses
+
+    options = options or ProfilerOptions()
+    device = _resolve_device(options)
+    with _as_one_rank(device):
+        measured = measure_compute(device, options)
+    peaks, peak_note = _peaks(device, measured)
+    profile = dataclasses.replace(
+        base, peak_flops={**base.peak_flops, **peaks}, efficiency=_efficiencies(measured, peaks),
+        memory_bandwidth=measured.copy_bytes_per_s, op_overhead=measured.op_overhead_s,
+        description=f"{base.description} Compute side re-measured by recalibrate_compute ({peak_note}; {_load_note()}).")
+    return HardwareProfile.from_dict(profile.to_dict(), source="recalibrated profile")
+
+
+# --------------------------------------------------------------------------- a cluster, under torchrun
+
+def launched_by_torchrun() -> bool:
+    """True when this process is one rank of a ``torchrun`` job with more than one rank."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "LOCAL_WORLD_SIZE" in os.environ
+
+
+def _powers_up_to(limit: int) -> list[int]:
+    sizes = [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
+    return sizes + ([limit] if limit not in sizes else [])
+
+
+def profile_cluster(options: ProfilerOptions) -> HardwareProfile | None:
+    """Run as one rank of ``torchrun --nnodes N --nproc-per-node G``: measure every group shape
+    ``n x g`` (n, g powers of two up to N, G, and N, G themselves), intra- and inter-node.
+
+    The rank on the first node with local rank 0 measures compute and writes nothing itself; it gets
+    the profile back, every other rank gets None.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    notes = [_load_note()]
+    device = _resolve_device(options)
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=options.timeout_s))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        places: list = [None] * world
+        dist.all_gather_object(places, (int(os.environ.get("GROUP_RANK", "0")), local_rank))
+        node_ids = sorted({node for node, _ in places})
+        if world != len(node_ids) * local_world:
+            raise ProfileError(f"torchrun layout: {world} ranks over {len(node_ids)} nodes is not "
+                               f"{local_world} per node on every node")
+        rank_of = {place: r for r, place in enumerate(places)}
+        reporter = rank_of[(node_ids[0], 0)]
+        log = options.log if rank == reporter else (lambda message: None)
+        quiet_options = ProfilerOptions(quick=options.quick, device=device, log=log)
+        log(f"profiling a cluster: {len(node_ids)} nodes x {local_world} {device} ranks ({dist.get_backend()})")
+        measured = measure_compute(device, quiet_options) if rank == reporter else None
+        dist.barrier()
+        results = []
+        for nodes in _powers_up_to(len(node_ids)):
+            for gpus in _powers_up_to(local_world):
+                if nodes * gpus < 2:
+                    continue
+                members = [rank_of[(node_ids[i], local)] for i in range(nodes) for local in range(gpus)]
+                group = dist.new_group(members)  # every rank creates every group, in the same order
+                if rank in members:
+                    shape_log = (lambda m, s=f"{nodes}x{gpus}": log(f"[{s}] {m}"))
+                    times = time_group_collectives(device, options.quick, options.bench_s, members, group, shape_log)
+                    results.append({"shape": [nodes, gpus], "times": times})
+                dist.barrier()
+        slowdown = measure_slowdowns(device, quiet_options, distributed=True)
+    finally:
+        dist.destroy_process_group()
+    if rank != reporter:
+        return None
+    links, factors = fit_collectives(results)
+    notes.append(f"measured under torchrun over {len(node_ids)} node(s) x {local_world} rank(s); slowdowns with the "
+                 "collective spanning all of them")
+    return _assemble(options, device, local_world, measured, links, factors, slowdown, notes, started)
 
 
 if __name__ == "__main__":

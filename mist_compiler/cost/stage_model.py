@@ -23,14 +23,16 @@ Per candidate (one pipeline stage, one device's view):
   its gradient; a stage that is not the first does the opposite;
 - channels of one phase are combined by the overlap model (``overlap.overlap``);
 - ``stable_s`` = forward + backward phases of one micro-batch; ``delta_s`` = gradient
-  synchronisation + optimizer step (device part at memory bandwidth, host part) + offload
-  traffic of the step + the first ZeRO-3 gather that nothing hides;
+  synchronisation + optimizer step (device part at memory bandwidth, host part) + zeroing the
+  gradients + offload traffic of the step + the first ZeRO-3 gather that nothing hides;
+- the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``MATH_ATTENTION_PASSES``);
 - memory: ``cost.memory`` closed forms over the per-block liveness results.
 Evaluation groups candidates by their distinct ``(micro_batch, tp, nodes, gpus_per_node)`` so
 the symbolic parts run once per distinct value, then everything is array arithmetic.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,7 +48,12 @@ from .op_time import class_efficiency, op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
 
-OPTIMIZER_BYTES_PER_PARAM = 28.0  # Adam step traffic: read master/grad/m/v, write master/m/v (+ low-precision copy)
+# Adam step memory traffic per parameter. A fused step (the backend's flat-shard kernel) reads
+# master weight, gradient, both moments and writes them back with the low-precision copy: 28 bytes.
+# torch.optim.AdamW's single-tensor loop makes ~10 passes (mul_, lerp_, mul_+addcmul_, sqrt, div,
+# add_, addcdiv_): 80 bytes per fp32 parameter.
+FUSED_ADAM_BYTES_PER_PARAM = 28.0
+TORCH_ADAMW_BYTES_PER_PARAM = 80.0
 HOST_ADAM_PARAMS_PER_S = 1.0e9  # CPU Adam throughput for offloaded optimizer states (DeepSpeed CPU-Adam order)
 BLOCK_KINDS = ("pre", "layer", "post")
 
@@ -78,6 +85,7 @@ class BlockAnalysis:
     memory: BlockMemory
     params_per_device: sympy.Expr  # parameter elements on one device under tensor parallelism
     params: int  # parameter elements, unsharded
+    tp_granularity: int = 1  # tp must divide this (gcd of attention heads and sharded weight dims); 0: no sharding
 
     @property
     def tp_supported(self) -> bool:
@@ -103,13 +111,28 @@ class _BlockFunctions:
     params_per_device: Callable
     tp_supported: bool
     op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
+    tp_granularity: int
+
+
+# The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
+# reads and writes them, probs @ v reads them (4 passes); backward reads the probabilities twice
+# and writes / reads their gradient and the scores' gradient (6 passes).
+MATH_ATTENTION_PASSES = {"forward": 4, "backward": 6}
+
+
+def _class_bytes(block: BlockAnalysis, phase: str, graph_costs, attention: str) -> dict[str, sympy.Expr]:
+    nbytes = dict(graph_costs.bytes_by_class())
+    if attention == "math" and block.memory.attention_probs != 0:
+        extra = MATH_ATTENTION_PASSES[phase] * block.memory.attention_probs
+        nbytes["attention"] = nbytes.get("attention", sympy.Integer(0)) + extra
+    return nbytes
 
 
 def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
     phases = {"forward": block.costs.forward, "backward": block.costs.backward}
     return _BlockFunctions(
         flops={p: {c: _lambdify(e) for c, e in g.flops_by_class().items()} for p, g in phases.items()},
-        nbytes={p: {c: _lambdify(e) for c, e in g.bytes_by_class().items()} for p, g in phases.items()},
+        nbytes={p: {c: _lambdify(e) for c, e in _class_bytes(block, p, g, attention).items()} for p, g in phases.items()},
         collectives={p: [_lambdify(c.bytes) for c in g.collectives] for p, g in phases.items()},
         saved=_lambdify(block.memory.saved[attention]),
         input=_lambdify(block.memory.input),
@@ -119,6 +142,7 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         params_per_device=_lambdify(block.params_per_device),
         tp_supported=block.tp_supported,
         op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
+        tp_granularity=block.tp_granularity,
     )
 
 
@@ -168,6 +192,7 @@ class StageCostModel:
     attention: str = "flash"
     model_name: str = ""
     num_layers: int = 0
+    optimizer_bytes_per_param: float = FUSED_ADAM_BYTES_PER_PARAM
     _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -192,6 +217,11 @@ class StageCostModel:
     def tp_message(self) -> str:
         return "; ".join(f"{kind}: {block.tp_message}" for kind, block in self.blocks.items() if not block.tp_supported)
 
+    @property
+    def tp_granularity(self) -> int:
+        """Tensor-parallel degrees must divide this (attention heads, sharded weight dimensions)."""
+        return math.gcd(*(block.tp_granularity for block in self.blocks.values()))
+
     # ---- per distinct (b, t, nodes, gpus) quantities -------------------------------------------
 
     def _block_terms(self, kind: str, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, np.ndarray]:
@@ -203,7 +233,7 @@ class StageCostModel:
             for op_class, flops in functions.flops[phase].items():
                 time = time + op_class_time(self.hardware, self.dtype, op_class, flops(b, s, t),
                                             functions.nbytes[phase][op_class](b, s, t))
-            terms[f"{phase}_compute"] = time + functions.op_count[phase] * getattr(self.hardware, "op_overhead", 0.0)
+            terms[f"{phase}_compute"] = time + functions.op_count[phase] * self.hardware.op_overhead
             comm = np.zeros(b.shape)
             for payload in functions.collectives[phase]:
                 comm = comm + collective_time(self.hardware, "all_reduce", np.maximum(payload(b, s, t), 0.0), *tp_shape)
@@ -289,21 +319,26 @@ class StageCostModel:
         opt_share = np.where(zero >= 1, 1.0 / dp, 1.0)
         shard_params = stage_params * opt_share
         device_step = op_class_time(self.hardware, self.dtype, "optimizer", 0.0,
-                                    (1.0 - offload_o) * shard_params * OPTIMIZER_BYTES_PER_PARAM)
+                                    (1.0 - offload_o) * shard_params * self.optimizer_bytes_per_param)
         host_step = offload_o * shard_params / HOST_ADAM_PARAMS_PER_S
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
-        step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step
+        # gradients are zeroed once per iteration (a memset of the device-resident gradient buffer)
+        zero_grads = op_class_time(self.hardware, self.dtype, "elementwise", 0.0, states.grads)
+        step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step + zero_grads
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
                                                            dp_nodes, dp_gpus), 0.0)
         delta = sync + step + after_step_gather + first_gather
 
-        # ---- infeasible: tensor parallelism on a structure the sharding rules do not know -------
+        # ---- infeasible: tensor parallelism on a structure the sharding rules do not know, or a
+        # degree that does not divide the heads / sharded dimensions ---------------------------
         unsupported = np.zeros(count, dtype=bool)
         for kind, functions in self._functions.items():
+            present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}[kind]
             if not functions.tp_supported:
-                present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}[kind]
                 unsupported |= present & (tp > 1)
+            elif functions.tp_granularity:
+                unsupported |= present & (functions.tp_granularity % tp != 0)
         stable = np.where(unsupported, np.inf, stable)
         peak = np.where(unsupported, np.inf, peak)
 
@@ -337,7 +372,7 @@ def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float
     ``model``: a model name (zoo, ``hf:``, ``module:function``) or a captured ``MistProgram``;
     ``hardware``: a profile name/path or a :class:`HardwareProfile`.
     """
-    from .analysis import analyse_program, capture_program  # noqa: circular at import time
+    from .analysis import analyse_named_model, analyse_program  # noqa: circular at import time
 
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise StageModelError(f"seq_len must be a positive integer, got {seq_len!r}")
@@ -345,7 +380,8 @@ def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float
         raise StageModelError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
     state_bytes_per_param(dtype)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    program = capture_program(model, seq_len=seq_len, dtype=dtype)
-    blocks, num_layers = analyse_program(program)
-    return StageCostModel(blocks, profile, seq_len, dtype, attention,
-                          model_name=getattr(program, "model_name", str(model)), num_layers=num_layers)
+    if isinstance(model, str):
+        blocks, num_layers, name = analyse_named_model(model, seq_len, dtype)
+    else:
+        (blocks, num_layers), name = analyse_program(model), model.model_name
+    return StageCostModel(blocks, profile, seq_len, dtype, attention, model_name=name, num_layers=num_layers)

@@ -1,1 +1,23 @@
-"""Capture: dynamo backend entry, joint forward+backward ATen graphs under FakeTensorMode, block discovery."""
+"""Capture: dynamo backend entry, joint forward+backward ATen graphs under FakeTensorMode, block discovery.
+
+Names are imported lazily (torch is heavy). ``capture`` is also the submodule's name, so use
+``mist_compiler.capture`` or ``mist_compiler.frontend.capture.capture`` for the function.
+Importing ``mist_compiler.frontend.dynamo_backend`` registers the "mist" torch.compile backend.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "CaptureState": "capture",
+    "mist_backend": "dynamo_backend", "last_program": "dynamo_backend",
+    "ModelOutputError": "joint", "UnsupportedOpError": "lowering",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'mist_compiler.frontend' has no attribute {name!r}")

@@ -17,17 +17,23 @@ from typing import Any, Callable, Sequence
 import networkx as nx
 import torch
 from torch import nn
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..ir.program import ATTENTION_KERNELS, IRError, MistProgram
 from ..models import resolve_model
-from ..passes.block_discovery import BlockPartition, block_discovery
-from ..passes.manager import PassManager
+from ..passes.block_discovery import BlockPartition, block_discovery, wl_hash
+from ..passes.manager import PassManager, PassResult
 from ..passes.shape_prop import shape_prop
-from .joint import JointCapture, loss_of, trace_joint
+from .joint import CaptureError, JointCapture, loss_of, trace_joint
 from .lowering import lower_to_ir
 
+# what a forward that depends on tensor *values* raises under FakeTensorMode
+FAKE_TENSOR_LIMITS = (
+    fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+    fake_tensor.UnsupportedOperatorException, GuardOnDataDependentSymNode,
+)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 EXAMPLE_BATCH = 2
 
@@ -41,6 +47,7 @@ class CaptureState:
     attention: str
     dtype: str | None = None
     seq_len: int | None = None
+    token_dtypes: tuple = (torch.long, torch.long)  # input_ids, labels
     model: nn.Module | None = None  # FakeTensor weights
     fake_mode: FakeTensorMode | None = None
     config: dict | None = None
@@ -77,15 +84,17 @@ def capture(
 ) -> MistProgram:
     """Capture ``model`` (an nn.Module, a zoo name, ``hf:config.json`` or ``module:function``).
 
-    ``example_inputs`` (optional ``(input_ids,)`` or ``(input_ids, labels)``) only fixes the
-    token dtype; shapes are always symbolic in ``b`` and ``s``. ``seq_len`` is the default value of
-    ``s`` (the model's maximum sequence length when omitted); ``dtype`` casts the floating-point
-    weights (default: as built); ``attention`` is the target kernel (``flash`` or ``math``).
+    ``example_inputs`` (optional ``(input_ids,)`` or ``(input_ids, labels)``, 2-D integer
+    tensors) fix the token dtypes; their sizes do not matter: shapes are always symbolic in ``b``
+    and ``s``. ``seq_len`` is the default value of ``s`` (the model's maximum sequence length
+    when omitted); ``dtype`` casts the floating-point weights (default: as built);
+    ``attention`` is the target kernel (``flash`` or ``math``). ``print_after`` / ``on_dump``
+    show the state after the named passes (``mistc ir --after``).
     """
     if attention not in ATTENTION_KERNELS:
         raise IRError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
     state = CaptureState(model, model if isinstance(model, str) else type(model).__name__, attention,
-                         _dtype_name(dtype), seq_len)
+                         _dtype_name(dtype), seq_len, token_dtypes=_token_dtypes(example_inputs))
     passes = [
         build_fake_model,  # weights become FakeTensors (no memory), cast to dtype
         group_layers,  # layers with the same module structure form a group
@@ -100,6 +109,19 @@ def capture(
     return manager(state).program.program
 
 
+def _token_dtypes(example_inputs: Sequence[torch.Tensor] | None) -> tuple:
+    if example_inputs is None:
+        return (torch.long, torch.long)
+    inputs = list(example_inputs)
+    if not 1 <= len(inputs) <= 2:
+        raise IRError(f"example_inputs: expected (input_ids,) or (input_ids, labels), got {len(inputs)} values")
+    for name, tensor in zip(("input_ids", "labels"), inputs):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2 or tensor.is_floating_point():
+            described = f"shape {tuple(tensor.shape)}, {tensor.dtype}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise IRError(f"example_inputs: {name} must be a 2-D integer tensor [batch, seq], got {described}")
+    return (inputs[0].dtype, inputs[-1].dtype)
+
+
 def _dtype_name(dtype: str | torch.dtype | None) -> str | None:
     if dtype is None:
         return None
@@ -110,33 +132,33 @@ def _dtype_name(dtype: str | torch.dtype | None) -> str | None:
 
 
 def fake_copy(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are FakeTensors (ties preserved)."""
-    memo: dict[int, torch.Tensor] = {}
+    """A copy of ``model`` whose parameters and buffers are FakeTensors (ties and shared modules kept).
 
-    def fake(tensor: torch.Tensor) -> torch.Tensor:
-        if id(tensor) not in memo:
-            value = fake_mode.from_tensor(tensor.detach())
-            memo[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
-        return memo[id(tensor)]
+    Module objects are shallow-copied (their code and plain attributes are shared); ``model``
+    itself is not modified.
+    """
+    tensors: dict[int, torch.Tensor] = {}
+    modules: dict[int, nn.Module] = {}
 
-    copied = copy.copy(model)
-    copied._modules = {}
-    copied._parameters = {k: (fake(v) if v is not None else None) for k, v in model._parameters.items()}
-    copied._buffers = {k: (fake(v) if v is not None else None) for k, v in model._buffers.items()}
-    for name, child in model._modules.items():
-        copied._modules[name] = _fake_copy_child(child, fake, {}) if child is not None else None
-    return copied
+    def fake(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        if id(tensor) not in tensors:
+            value = fake_mode.from_tensor(tensor.detach(), static_shapes=True)
+            tensors[id(tensor)] = nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value
+        return tensors[id(tensor)]
 
+    def copy_module(module: nn.Module | None) -> nn.Module | None:
+        if module is None:
+            return None
+        if id(module) not in modules:
+            copied = modules[id(module)] = copy.copy(module)
+            copied._parameters = {k: fake(v) for k, v in module._parameters.items()}
+            copied._buffers = {k: fake(v) for k, v in module._buffers.items()}
+            copied._modules = {k: copy_module(v) for k, v in module._modules.items()}
+        return modules[id(module)]
 
-def _fake_copy_child(module: nn.Module, fake, seen: dict) -> nn.Module:
-    if id(module) in seen:
-        return seen[id(module)]
-    copied = copy.copy(module)
-    seen[id(module)] = copied
-    copied._parameters = {k: (fake(v) if v is not None else None) for k, v in module._parameters.items()}
-    copied._buffers = {k: (fake(v) if v is not None else None) for k, v in module._buffers.items()}
-    copied._modules = {k: (_fake_copy_child(v, fake, seen) if v is not None else None) for k, v in module._modules.items()}
-    return copied
+    return copy_module(model)
 
 
 def build_fake_model(state: CaptureState) -> CaptureState:
@@ -154,6 +176,8 @@ def build_fake_model(state: CaptureState) -> CaptureState:
         config = cfg.to_dict() if hasattr(cfg, "to_dict") else None
     else:
         raise IRError(f"capture: model must be an nn.Module or a model name, got {type(state.source).__name__}")
+    if config is None and hasattr(getattr(model, "config", None), "to_dict"):
+        config = model.config.to_dict()  # Hugging Face models
     if state.dtype is not None:
         with fake_mode:
             cast_floating(model, DTYPES[state.dtype])
@@ -209,7 +233,7 @@ def module_signature(module: nn.Module) -> str:
         tree.add_node(name, label=f"{type(sub).__qualname__}|{forward}|{tensors}")
         if name:
             tree.add_edge(name.rpartition(".")[0], name)
-    return hashlib.sha1(nx.weisfeiler_lehman_graph_hash(tree, node_attr="label").encode()).hexdigest()[:16]
+    return hashlib.sha1(wl_hash(tree).encode()).hexdigest()[:16]
 
 
 def group_layers(state: CaptureState) -> CaptureState:
@@ -245,18 +269,25 @@ def keep_one_layer_per_group(state: CaptureState) -> CaptureState:
 def _example_tokens(state: CaptureState) -> tuple[torch.Tensor, torch.Tensor]:
     seq = max(3, min(16, state.seq_len or 16))
     with state.fake_mode:
-        input_ids = torch.zeros(EXAMPLE_BATCH, seq, dtype=torch.long)
-        labels = torch.zeros(EXAMPLE_BATCH, seq, dtype=torch.long)
+        input_ids = torch.zeros(EXAMPLE_BATCH, seq, dtype=state.token_dtypes[0])
+        labels = torch.zeros(EXAMPLE_BATCH, seq, dtype=state.token_dtypes[1])
     return input_ids, labels
 
 
-def check_model_output(state: CaptureState) -> CaptureState:
+def check_model_output(state: CaptureState) -> PassResult:
     """Pass (check): one eager fake forward; the output must be a scalar loss or logits."""
     input_ids, labels = _example_tokens(state)
-    with state.fake_mode, torch.no_grad():
-        output = state.model(input_ids=input_ids, labels=labels)
+    try:
+        with state.fake_mode, torch.no_grad():
+            output = state.model(input_ids=input_ids, labels=labels)
+    except FAKE_TENSOR_LIMITS as error:
+        caused = [line.strip() for line in str(error).splitlines() if "Caused by" in line]
+        raise CaptureError(
+            f"capture: {state.model_name}'s forward cannot run without real data (it depends on tensor values): "
+            f"{str(error).splitlines()[0]} {' '.join(caused)}".rstrip()
+        ) from None
     loss_of(output, state.model_name)
-    return replace(state)
+    return PassResult(state, modified=False)
 
 
 def trace_joint_graph(state: CaptureState) -> CaptureState:

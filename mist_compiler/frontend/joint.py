@@ -7,10 +7,11 @@ reports a :class:`JointCapture`. The compiled forward/backward are boxed callabl
 partitioned graphs, so the same backend also trains (``mist_backend``).
 
 ``trace_joint(model, input_ids, labels)`` runs that backend once on a model whose weights are
-FakeTensors, with the input's batch and sequence dimensions marked dynamic.
+FakeTensors, compiled with ``dynamic=True`` so the batch and sequence sizes are symbols.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -22,6 +23,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
 
 from ..ir.program import B, S
+from ..passes.block_discovery import module_paths
 
 
 @dataclass
@@ -45,14 +47,12 @@ def _is_parameter(node: torch.fx.Node, example) -> bool:
 
 def _parameter_path(node: torch.fx.Node) -> str:
     """``blocks.0.attn.q.weight`` from the placeholder's module stack and its dynamo name."""
-    from ..passes.block_discovery import module_paths
-
     leaf = node.name.split("_parameters_")[-1].strip("_")
     paths = module_paths(node)
     return f"{paths[-1]}.{leaf}" if paths else leaf
 
 
-def batch_seq_symbols(gm: torch.fx.GraphModule, example_inputs: list) -> dict:
+def batch_seq_symbols(gm: torch.fx.GraphModule) -> dict:
     """Map the ShapeEnv symbols of the token input's two dimensions to ``b`` and ``s``."""
     candidates = []
     for node in gm.graph.nodes:
@@ -88,7 +88,7 @@ def joint_backend(on_capture: Callable[[JointCapture], None]):
                 else:
                     inputs[primal.name] = node.name
             on_capture(JointCapture(gm, joint, forward, backward, num_fwd_outputs, saved,
-                                    batch_seq_symbols(gm, example_inputs), params, inputs))
+                                    batch_seq_symbols(gm), params, inputs))
             return forward, backward
 
         def boxed(graph: torch.fx.GraphModule, _inputs):
@@ -104,7 +104,8 @@ def _run_model(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Te
 
 
 def loss_of(output, model_name: str = "model") -> torch.Tensor:
-    """The scalar loss in a model's output (tensor, ``.loss``, dict or tuple), else a clear error."""
+    """The scalar loss (or the logits) in a model's output: a tensor, ``.loss``, ``["loss"]``,
+    a tuple's first item or ``.logits``; anything else is a clear error."""
     loss = output
     if not isinstance(loss, torch.Tensor):
         loss = getattr(output, "loss", None)
@@ -112,6 +113,8 @@ def loss_of(output, model_name: str = "model") -> torch.Tensor:
             loss = output.get("loss")
         if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
             loss = output[0]
+        if loss is None:
+            loss = getattr(output, "logits", None)
     if isinstance(loss, torch.Tensor) and (loss.dim() == 0 or loss.dim() == 3):
         return loss
     described = f"a tensor of shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else type(output).__name__
@@ -123,6 +126,23 @@ def loss_of(output, model_name: str = "model") -> torch.Tensor:
 
 class ModelOutputError(ValueError):
     """A model whose forward returns neither a scalar loss nor logits."""
+
+
+class CaptureError(ValueError):
+    """torch.compile could not trace the model into one graph; the message says where."""
+
+
+def _short_dynamo_message(error: Exception) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    head = lines[0] if lines else type(error).__name__
+    user = [line.strip() for line in lines if line.strip().startswith("File ") and "mist_compiler" not in line]
+    where = f" (at {user[-1]})" if user else ""
+    return f"{head}{where}"
+
+
+def _logging_functions() -> set:
+    names = [n for n in dir(logging.Logger) if n in ("debug", "info", "warning", "warn", "error") or n.endswith("_once")]
+    return set(torch._dynamo.config.ignore_logging_functions) | {getattr(logging.Logger, n) for n in names}
 
 
 def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> JointCapture:
@@ -142,8 +162,14 @@ def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
     try:
         # module float attributes (eps) stay constants: otherwise dynamo lifts them to inputs,
         # fails in aot_autograd and traces everything a second time
-        with torch._dynamo.config.patch(specialize_float=True):
+        # logging calls in model code (Hugging Face's warning_once) are dropped, not graph breaks
+        with torch._dynamo.config.patch(specialize_float=True, ignore_logging_functions=_logging_functions()):
             compiled(model, input_ids, labels)
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as error:
+        raise CaptureError(
+            f"capture: torch.compile cannot trace the model's forward and backward into one graph: "
+            f"{_short_dynamo_message(error)}"
+        ) from None
     finally:
         torch._dynamo.reset_code(run.__code__)
     if not captured:

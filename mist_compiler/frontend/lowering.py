@@ -19,8 +19,9 @@ import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
-from ..ir.program import AttentionInfo, Block, BlockClass, IRNode, MistProgram, SavedTensor, TensorInfo
+from ..ir.program import AttentionInfo, Block, BlockClass, IRNode, MistProgram, SavedTensor
 from ..passes.block_discovery import POST, PRE, is_backward_node, layer_label, module_paths
+from ..passes.shape_prop import to_sympy
 
 aten = torch.ops.aten
 
@@ -122,10 +123,29 @@ def _attention_attrs(node: torch.fx.Node) -> dict:
     }
 
 
-def _ir_node(node: torch.fx.Node, shapes: dict, phase: str) -> IRNode:
-    attrs = _attention_attrs(node) if node.target in ATTENTION_FORWARD_OPS else {}
-    if node.target is operator.getitem:
+def _argument(value):
+    """An op argument as plain data: other values as ``%name``, sizes as sympy strings."""
+    if isinstance(value, torch.fx.Node):
+        return f"%{value.name}"
+    if isinstance(value, (list, tuple)):
+        return [_argument(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return str(value)
+
+
+def _ir_node(node: torch.fx.Node, shapes: dict, phase: str, symbol_map: dict) -> IRNode:
+    if node.target in ATTENTION_FORWARD_OPS:
+        attrs = _attention_attrs(node)
+    elif node.target is operator.getitem:
         attrs = {"index": node.args[1]}
+    else:
+        attrs = {"args": _argument(list(node.args))}
+        if node.kwargs:
+            attrs["kwargs"] = {k: _argument(v) for k, v in node.kwargs.items()}
+    value = node.meta.get("val")
+    if isinstance(value, (torch.SymInt, int)) and not isinstance(value, bool):
+        attrs["value"] = str(to_sympy(value, symbol_map))  # a size computed in the graph, e.g. b*s
     paths = module_paths(node)
     return IRNode(node.name, op_name(node), [a.name for a in node.all_input_nodes], list(shapes.get(node.name, [])),
                   phase, attrs, paths[-1] if paths else "")
@@ -185,13 +205,24 @@ def lower_block_class(class_id, kind, label, representative, joint, partition, s
     covered = _attention_storages(forward)
     kept = [t for t in saved.get(label, []) if t.name not in covered]
     count = sum(int(shapes[n.name][0].numel()) for n in params.values())
+    own = {n.name for n in forward + backward}
+    external = {a.name: shapes[a.name][0] for n in forward + backward for a in n.all_input_nodes
+                if a.name not in own and shapes.get(a.name)}
+    # forward values the next blocks read: what a pipeline stage boundary sends
+    sent = {n.name: shapes[n.name][0] for n in forward for u in n.users
+            if shapes.get(n.name) and not is_backward_node(u) and u.op != "output"
+            and partition.node_block.get(u.name, label) != label}
+    sizes = {a.name: to_sympy(a.meta["val"], joint.symbol_map) for n in forward + backward for a in n.all_input_nodes
+             if a.name not in own and isinstance(a.meta.get("val"), torch.SymInt)}
     return BlockClass(
         class_id, kind, partition.layer_hash.get(int(label[6:]), "") if kind == "layer" else kind,
         representative, count, param_shapes, param_dtypes[0] if param_dtypes else "float32",
-        [_ir_node(n, shapes, "forward") for n in forward], [_ir_node(n, shapes, "backward") for n in backward],
+        [_ir_node(n, shapes, "forward", joint.symbol_map) for n in forward],
+        [_ir_node(n, shapes, "backward", joint.symbol_map) for n in backward],
         kept, [_attention_info(n, shapes) for n in forward if n.target in ATTENTION_FORWARD_OPS],
         {"joint": joint.joint_graph, "forward": joint.forward_graph, "backward": joint.backward_graph,
          "nodes": [n.name for n in nodes]},
+        external, sizes, sent,
     )
 
 
@@ -205,18 +236,21 @@ def lower_to_ir(state):
     classes[0] = pre
     class_of_hash: dict[str, int] = {}
     layer_list = state.layer_list or partition.layer_prefix or ""
-    originals = state.layer_groups or tuple((k,) for k in partition.layer_indices)
+    # traced layer number -> the original layers it stands for (capture traces one per group)
+    if state.layer_groups:
+        originals = dict(enumerate(state.layer_groups))
+    else:
+        originals = {k: (k,) for k in partition.layer_indices}
     layer_blocks: list[Block] = []
-    for position, traced in enumerate(partition.layer_indices):
+    for traced in partition.layer_indices:
         digest = partition.layer_hash[traced]
         if digest not in class_of_hash:
-            class_of_hash[digest] = len(classes)
-            path = f"{partition.layer_prefix}.{traced}" if partition.layer_prefix else str(traced)
-            classes[len(classes)] = lower_block_class(
-                len(classes), "layer", layer_label(traced), path, joint, partition, shapes, saved)
-            classes[class_of_hash[digest]].representative = f"{layer_list}.{originals[position][0]}"
+            class_id = class_of_hash[digest] = len(classes)
+            traced_path = f"{partition.layer_prefix}.{traced}" if partition.layer_prefix else str(traced)
+            cls = lower_block_class(class_id, "layer", layer_label(traced), traced_path, joint, partition, shapes, saved)
+            classes[class_id] = replace(cls, representative=f"{layer_list}.{originals[traced][0]}")
         cls = classes[class_of_hash[digest]]
-        for index in originals[position]:
+        for index in originals[traced]:
             layer_blocks.append(Block(index, "layer", f"{layer_list}.{index}", cls.class_id, cls.param_count))
     post_id = len(classes)
     classes[post_id] = lower_block_class(post_id, POST, POST, "", joint, partition, shapes, saved)

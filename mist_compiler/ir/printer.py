@@ -4,11 +4,23 @@ from __future__ import annotations
 from .program import BlockClass, IRNode, MistProgram
 
 
+def _format_argument(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_format_argument(v) for v in value) + "]"
+    return str(value)
+
+
 def _format_node(node: IRNode) -> str:
     outputs = ", ".join(str(o) for o in node.outputs) or "-"
-    attrs = "" if not node.attrs else " {" + ", ".join(f"{k}={v}" for k, v in node.attrs.items()) + "}"
+    if "args" in node.attrs:
+        arguments = [_format_argument(a) for a in node.attrs["args"]]
+        arguments += [f"{k}={_format_argument(v)}" for k, v in node.attrs.get("kwargs", {}).items()]
+    else:
+        arguments = ["%" + i for i in node.inputs]
+    rest = {k: v for k, v in node.attrs.items() if k not in ("args", "kwargs")}
+    attrs = "" if not rest else " {" + ", ".join(f"{k}={v}" for k, v in rest.items()) + "}"
     source = f"  # {node.source}" if node.source else ""
-    return f"    %{node.name}: {outputs} = {node.op}({', '.join('%' + i for i in node.inputs)}){attrs}{source}"
+    return f"    %{node.name}: {outputs} = {node.op}({', '.join(arguments)}){attrs}{source}"
 
 
 def _ranges(indices: list[int]) -> str:
@@ -31,12 +43,16 @@ def format_block_class(program: MistProgram, cls: BlockClass, nodes: bool = True
         f"{len(cls.backward_nodes)} backward ops",
         f"  saved for backward (attention={program.attention}): {cls.saved_bytes_expr(program.attention)} bytes",
     ]
+    if cls.outputs:
+        lines.append("  sends to the next block: " + ", ".join(f"%{k}: {v}" for k, v in cls.outputs.items()))
     for name, info in cls.saved_tensors(program.attention):
         lines.append(f"    saved %{name}: {info}")
     for attn in cls.attention:
         lines.append(f"  attention %{attn.node}: q {attn.query}, k {attn.key}, causal={attn.is_causal}, "
                      f"captured as {attn.captured_op}")
     if nodes:
+        if cls.sizes:
+            lines.append("  sizes: " + ", ".join(f"%{k} = {v}" for k, v in cls.sizes.items()))
         lines.append("  forward:")
         lines += [_format_node(n) for n in cls.forward_nodes]
         lines.append("  backward:")

@@ -207,6 +207,19 @@ class BlockClass:
     saved: list[SavedTensor] = field(default_factory=list)
     attention: list[AttentionInfo] = field(default_factory=list)
     graphs: dict = field(default_factory=dict, repr=False, compare=False)  # live torch graphs, not serialised
+    # values the nodes read but do not produce (weights, the block input, other blocks' values)
+    inputs: dict = field(default_factory=dict)  # name -> TensorInfo
+    sizes: dict = field(default_factory=dict)  # name -> sympy expr of size values read (b, s, b*s ...)
+    outputs: dict = field(default_factory=dict)  # name -> TensorInfo of forward values later blocks read
+
+    def tensor(self, name: str) -> TensorInfo | None:
+        """Shape/dtype of any value a node of this class produces or reads (first output for multi-output ops)."""
+        if name in self.inputs:
+            return self.inputs[name]
+        for node in self.forward_nodes + self.backward_nodes:
+            if node.name == name:
+                return node.outputs[0] if node.outputs else None
+        return None
 
     def saved_tensors(self, attention: str = "flash") -> list[tuple[str, TensorInfo]]:
         """Tensors kept for backward by one micro-batch, for the given target attention kernel."""
@@ -230,6 +243,9 @@ class BlockClass:
             "backward_nodes": [n.to_json() for n in self.backward_nodes],
             "saved": [t.to_json() for t in self.saved],
             "attention": [a.to_json() for a in self.attention],
+            "inputs": {k: v.to_json() for k, v in self.inputs.items()},
+            "sizes": {k: expr_str(v) for k, v in self.sizes.items()},
+            "outputs": {k: v.to_json() for k, v in self.outputs.items()},
         }
 
     @classmethod
@@ -242,6 +258,9 @@ class BlockClass:
             [IRNode.from_json(n) for n in data["backward_nodes"]],
             [SavedTensor.from_json(t) for t in data["saved"]],
             [AttentionInfo.from_json(a) for a in data["attention"]],
+            {}, {k: TensorInfo.from_json(v) for k, v in data.get("inputs", {}).items()},
+            {k: parse_expr(v) for k, v in data.get("sizes", {}).items()},
+            {k: TensorInfo.from_json(v) for k, v in data.get("outputs", {}).items()},
         )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import warnings
 from dataclasses import dataclass, field, replace
 
 import networkx as nx
@@ -178,15 +179,34 @@ def _op_label(node: torch.fx.Node) -> str:
         shape = getattr(value, "shape", None)
         static = shape is not None and all(isinstance(d, int) for d in shape)
         return f"param{tuple(shape)}:{dtype}" if static else f"input:{dtype}"
+    if node.op == "get_attr":  # constants: named by position (_tensor_constant3), labelled by shape
+        return f"constant{tuple(getattr(value, 'shape', ()))}:{dtype}"
     target = node.target
     name = getattr(target, "__qualname__", None) if callable(target) and not hasattr(target, "_schema") else str(target)
     return f"{node.op}:{name or target}:{dtype}"
 
 
+def wl_hash(graph: nx.Graph, iterations: int = 3) -> str:
+    """networkx's Weisfeiler-Lehman hash over the ``label`` node attribute (its version note silenced)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The hashes produced for directed graphs changed")
+        return nx.weisfeiler_lehman_graph_hash(graph, node_attr="label", iterations=iterations)
+
+
+def _is_size_value(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val", node.meta.get("example_value"))
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
 def structural_hash(graph: torch.fx.Graph, members: set[str]) -> str:
-    """Weisfeiler-Lehman hash of the op graph induced by ``members`` (external inputs collapsed)."""
+    """Weisfeiler-Lehman hash of the op graph induced by ``members`` (external inputs collapsed).
+
+    Size arithmetic (``b*s`` as a SymInt) is left out: dynamo computes it once and later layers
+    reuse it, which would make the first layer look different.
+    """
     digraph = nx.DiGraph()
     by_name = {n.name: n for n in graph.nodes}
+    members = {name for name in members if not _is_size_value(by_name[name])}
     for name in members:
         digraph.add_node(name, label=_op_label(by_name[name]))
     for name in members:
@@ -196,7 +216,7 @@ def structural_hash(graph: torch.fx.Graph, members: set[str]) -> str:
                 digraph.add_edge(f"external:{argument.name}", name)
             else:
                 digraph.add_edge(argument.name, name)
-    wl = nx.weisfeiler_lehman_graph_hash(digraph, node_attr="label", iterations=3)
+    wl = wl_hash(digraph)
     params = sorted(_op_label(by_name[n]) for n in members if by_name[n].op == "placeholder")
     return hashlib.sha1((wl + "|" + ";".join(params)).encode()).hexdigest()[:16]
 

@@ -220,8 +220,10 @@ def _depends_on_input(node: fx.Node, memo: dict[fx.Node, bool], params: set[str]
     """Whether a node depends on an activation input (else it is a constant such as rotary tables)."""
     if node in memo:
         return memo[node]
-    if node.op == "placeholder":
-        memo[node] = isinstance(node.meta.get("val"), torch.Tensor) and node.name not in params
+    if node.op == "placeholder":  # activations have symbolic sizes; parameters and buffers do not
+        value = node.meta.get("val")
+        memo[node] = (isinstance(value, torch.Tensor) and node.name not in params
+                      and any(isinstance(size, torch.SymInt) for size in value.shape))
         return memo[node]
     memo[node] = False
     result = any(_depends_on_input(arg, memo, params) for arg in node.all_input_nodes)
@@ -331,7 +333,7 @@ def recognise_sharding(graph: fx.Graph, params: set[str]) -> Sharding:
         sharding.message = "column-parallel linears found but no row-parallel linear closes them"
         return sharding
     leftovers = [mm.name for mm in weight_mms if mm not in column and mm not in row and mm.name not in sharding.vocab_head]
-    if attentions and leftovers:
+    if leftovers:
         sharding.supported = False
         sharding.message = f"linear layers {leftovers} fit no column/row-parallel pair"
         return sharding
@@ -536,3 +538,128 @@ def annotate_graphs(forward: fx.GraphModule, backward: fx.GraphModule, params: s
     param_states = {name: ("S" if name in sharding.sharded_params and sharding.supported else "R") for name in params}
     return ProgramCosts(forward_costs, backward_costs, sharding, param_states)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# the pass over a captured MistProgram
+
+
+@dataclass
+class ProgramGraphs:
+    """A captured program's live forward/backward graphs and what their placeholders are."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    params: set[str]  # forward placeholders that are trainable parameters
+    symbols: dict[str, sympy.Symbol]  # graph size symbols (s72 ...) -> canonical b, s
+    blocks: dict[int, set[str]]  # block class id -> names of its graph nodes
+
+
+def parameter_placeholders(forward: fx.GraphModule, backward: fx.GraphModule) -> set[str]:
+    """Forward placeholders that receive a gradient (the backward's outputs follow the primals)."""
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in backward.graph.nodes if n.op == "output")
+    grads = output.args[0] if isinstance(output.args[0], (tuple, list)) else output.args
+    return {placeholders[i].name for i, grad in enumerate(grads)
+            if isinstance(grad, fx.Node) and i < len(placeholders)
+            and isinstance(placeholders[i].meta.get("val"), torch.Tensor)
+            and placeholders[i].meta["val"].dtype.is_floating_point
+            and all(isinstance(d, int) for d in placeholders[i].meta["val"].shape)}
+
+
+def _symbol_names(program, forward: fx.GraphModule) -> dict[str, sympy.Symbol]:
+    """Graph size symbols -> canonical ``b``/``s``, matched against the IR's symbolic shapes."""
+    values = {n.name: n.meta.get("val") for n in forward.graph.nodes}
+    mapping: dict[str, sympy.Symbol] = {}
+    for block_class in program.block_classes.values():
+        for ir_node in block_class.forward_nodes:
+            value = values.get(ir_node.name)
+            if not isinstance(value, torch.Tensor) or not ir_node.outputs:
+                continue
+            for size, ir_size in zip(value.shape, ir_node.outputs[0].shape):
+                ir_size = sympy.sympify(ir_size)
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol) \
+                        and isinstance(ir_size, sympy.Symbol) and ir_size.name in CANONICAL_SYMBOLS:
+                    mapping[size.node.expr.name] = CANONICAL_SYMBOLS[ir_size.name]
+    return {**CANONICAL_SYMBOLS, **mapping}
+
+
+def _block_node_sets(program, backward: fx.GraphModule) -> dict[int, set[str]]:
+    """Node names per block class, with backward nodes no module issued (gradient-accumulation
+    adds) moved to the block of their users: the capture cannot place them by module."""
+    classes = program.block_classes
+    blocks = {cid: set(c.graphs["nodes"]) for cid, c in classes.items()}
+    unsourced = {node.name for c in classes.values() for node in c.backward_nodes if not node.source}
+    block_of = {name: cid for cid, names in blocks.items() for name in names}
+    for node in reversed(list(backward.graph.nodes)):
+        if node.name not in unsourced:
+            continue
+        targets = {block_of.get(user.name) for user in node.users} - {None}
+        if len(targets) == 1:
+            target = targets.pop()
+            blocks[block_of[node.name]].discard(node.name)
+            blocks[target].add(node.name)
+            block_of[node.name] = target
+    return blocks
+
+
+def program_graphs(program) -> ProgramGraphs:
+    """The live graphs of a freshly captured program (a program read back from JSON has none)."""
+    graphs = next(iter(program.block_classes.values())).graphs or {}
+    forward, backward = graphs.get("forward"), graphs.get("backward")
+    if forward is None or backward is None or any("nodes" not in (c.graphs or {}) for c in program.block_classes.values()):
+        raise ValueError("the program carries no live forward/backward graphs; analyse a freshly captured "
+                         "program, not one loaded from JSON")
+    return ProgramGraphs(forward, backward, parameter_placeholders(forward, backward), _symbol_names(program, forward),
+                         _block_node_sets(program, backward))
+
+
+def _annotated_nodes(ir_nodes, costs: dict[str, NodeCost], collectives: dict[str, list[Collective]], ir_node_type,
+                     phase: str) -> list:
+    annotated = []
+    for node in ir_nodes:
+        cost = costs.get(node.name)
+        attrs = dict(node.attrs)
+        if cost is not None and cost.op_class != "view":
+            attrs.update(op_class=cost.op_class, flops=cost.flops, bytes=cost.bytes, tp=cost.tp)
+        annotated.append(ir_node_type(node.name, node.op, list(node.inputs), list(node.outputs), node.phase, attrs,
+                                      node.source))
+        for index, collective in enumerate(collectives.get(node.name, [])):
+            annotated.append(ir_node_type(f"{node.name}_{collective.kind}{index or ''}", collective.kind, [node.name],
+                                          [], phase, {"group": "tp", "bytes": collective.bytes, "reason": collective.reason},
+                                          node.source))
+    return annotated
+
+
+def cost_annotation(program):
+    """Pass: every IR node gets ``op_class``, ``flops``, ``bytes`` and ``tp`` attributes
+    (expressions in b, s, t); the collectives the tensor-parallel sharding implies become IR
+    nodes (``all_reduce`` with its ``bytes``) right after the node they reduce. Pure: returns a
+    new program; the input is not modified."""
+    import copy
+
+    from .manager import PassResult
+
+    graphs = program_graphs(program)
+    costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols)
+    annotated = copy.copy(program)
+    annotated.block_classes = {}
+    from ..ir.program import IRNode
+
+    node_costs = {phase: {c.name: c for c in graph_costs.nodes}
+                  for phase, graph_costs in (("forward", costs.forward), ("backward", costs.backward))}
+    by_after: dict[str, dict[str, list[Collective]]] = {"forward": {}, "backward": {}}
+    for phase, graph_costs in (("forward", costs.forward), ("backward", costs.backward)):
+        for collective in graph_costs.collectives:  # placed after the IR node they reduce, wherever it lives
+            by_after[phase].setdefault(collective.after, []).append(collective)
+    for class_id, block_class in program.block_classes.items():
+        new_class = copy.copy(block_class)
+        new_class.forward_nodes = _annotated_nodes(block_class.forward_nodes, node_costs["forward"], by_after["forward"],
+                                                   IRNode, "forward")
+        new_class.backward_nodes = _annotated_nodes(block_class.backward_nodes, node_costs["backward"],
+                                                    by_after["backward"], IRNode, "backward")
+        annotated.block_classes[class_id] = new_class
+    annotated.tensor_parallel = {"supported": costs.sharding.supported, "message": costs.sharding.message,
+                                 "column": costs.sharding.column, "row": costs.sharding.row,
+                                 "vocab_head": costs.sharding.vocab_head, "vocab_embedding": costs.sharding.vocab_embedding}
+    return PassResult(annotated, True)

@@ -79,6 +79,7 @@ class BlockMemory:
     input: sympy.Expr
     output: sympy.Expr
     saved_names: list[str] = field(default_factory=list)
+    attention_probs: sympy.Expr = sympy.Integer(0)  # bytes of the b*h*s*s probabilities (math kernel)
 
 
 def _last_uses(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -234,5 +235,24 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
                             "math": prune_candidates([p + probs - lse for p in bw] + [saved_total + 3 * probs])},
             input=input_bytes, output=sympy.expand(output_bytes[label]),
             saved_names=[b.name for b in saved_of[label]],
+            attention_probs=sympy.expand(probs),
         )
     return results
+
+
+def memory_analysis(program):
+    """Pass: per block class memory (saved activations per attention kernel, forward/backward
+    peak candidates, input/output bytes), attached to a copy of the program as
+    ``program.memory`` (class id -> :class:`BlockMemory`). IR nodes are unchanged."""
+    import copy
+
+    from .cost_annotation import annotate_graphs, program_graphs
+    from .manager import PassResult
+
+    graphs = program_graphs(program)
+    costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols)
+    blocks = {str(class_id): names for class_id, names in graphs.blocks.items()}
+    results = analyse_memory(graphs.forward, graphs.backward, costs, graphs.params, blocks, graphs.symbols)
+    analysed = copy.copy(program)
+    analysed.memory = {int(label): memory for label, memory in results.items()}
+    return PassResult(analysed, False)

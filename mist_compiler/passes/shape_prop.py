@@ -8,6 +8,7 @@ fake inputs made from ``input_specs``, whose named dimensions become the symbols
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
@@ -91,6 +92,7 @@ def propagate_symbolic_shapes(
             raise ValueError(f"input_specs: graph has {len(placeholders)} placeholders, got {len(input_specs)} specs")
         fakes, made, fake_mode = symbolic_fake_inputs(input_specs)
         symbol_map.update(made)
+        gm = copy.deepcopy(gm)  # FakeTensorProp writes meta["val"]: keep the caller's graph untouched
         FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*fakes)
     missing = [n.name for n in gm.graph.nodes if n.op == "call_function" and "val" not in n.meta and "example_value" not in n.meta]
     if missing:

@@ -1,0 +1,109 @@
+"""The ``torch.compile(model, backend="mist")`` entry point.
+
+Without a plan, the backend analyses the dynamo graph into a MistProgram (kept as
+:func:`last_program`) and runs it on this process exactly like eager: aot_autograd with
+forward/backward compilers that return the partitioned graphs as boxed callables. With
+``options={"plan": ...}`` (or any option other than the analysis ones) it hands over to
+``mist_compiler.backends.dynamo_runtime.compile_with_plan`` (the distributed runtime).
+
+Registered as "mist" on import (``torch._dynamo.register_backend``) and through the
+``torch_dynamo_backends`` entry point when the package is installed.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.fx
+
+from ..ir.program import ATTENTION_KERNELS, MistProgram
+from ..passes.block_discovery import block_discovery
+from ..passes.manager import PassManager
+from ..passes.shape_prop import shape_prop
+from .capture import CaptureState
+from .joint import JointCapture, joint_backend
+from .lowering import lower_to_ir
+
+ANALYSIS_OPTIONS = {"attention": "target attention kernel for saved-tensor analysis (flash|math)",
+                    "name": "model name recorded in the program"}
+RUNTIME_MODULE = "mist_compiler.backends.dynamo_runtime"
+
+_last: dict[str, MistProgram | None] = {"program": None}
+_history: list[MistProgram] = []  # one program per graph compiled, oldest first (bounded)
+HISTORY_LIMIT = 16
+
+
+class BackendOptionError(ValueError):
+    """Bad ``torch.compile(..., options=...)`` for the mist backend; names the option."""
+
+
+def last_program() -> MistProgram | None:
+    """The MistProgram of the most recent graph the mist backend compiled (None before any)."""
+    return _last["program"]
+
+
+def compiled_programs() -> list[MistProgram]:
+    """Programs of the last graphs compiled, oldest first: a model with graph breaks gives several."""
+    return list(_history)
+
+
+def forget_programs() -> None:
+    """Drop the analyses kept so far (last_program() becomes None)."""
+    _history.clear()
+    _last["program"] = None
+
+
+def analyse(joint: JointCapture, name: str = "dynamo", attention: str = "flash") -> MistProgram:
+    """The analysis passes of ``capture`` applied to a graph dynamo handed us (no layer reduction)."""
+    dtypes = sorted({str(n.meta["val"].dtype).replace("torch.", "") for n in joint.joint_graph.graph.nodes
+                     if n.name in joint.primal_params and isinstance(n.meta.get("val"), torch.Tensor)
+                     and n.meta["val"].is_floating_point()})
+    tokens = [n.meta.get("val") for n in joint.joint_graph.graph.nodes if n.name in joint.primal_inputs]
+    seq = next((int(t.shape[1]) for t in tokens if isinstance(t, torch.Tensor) and t.dim() == 2
+                and not t.is_floating_point() and not isinstance(t.shape[1], torch.SymInt)), 2048)
+    state = CaptureState(None, name, attention, dtypes[0] if dtypes else "float32", seq, joint=joint)
+    return PassManager([shape_prop, block_discovery, lower_to_ir])(state).program.program
+
+
+def _delegate(gm: torch.fx.GraphModule, example_inputs: list, options: dict):
+    try:
+        runtime = importlib.import_module(RUNTIME_MODULE)
+    except ModuleNotFoundError as error:
+        if error.name != RUNTIME_MODULE:
+            raise
+        raise BackendOptionError(
+            f"mist backend: options {sorted(set(options) - set(ANALYSIS_OPTIONS))} need the distributed runtime "
+            f"({RUNTIME_MODULE}), which is not available in this installation"
+        ) from None
+    return runtime.compile_with_plan(gm, example_inputs, options)
+
+
+def mist_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any):
+    """Dynamo backend: analyse into a MistProgram and run like eager, or run a plan."""
+    options = dict(kwargs.get("options") or {})
+    if "plan" in options or set(options) - set(ANALYSIS_OPTIONS):
+        return _delegate(gm, example_inputs, options)
+    attention = options.get("attention", "flash")
+    if attention not in ATTENTION_KERNELS:
+        raise BackendOptionError(f"mist backend: option 'attention' must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
+    name = str(options.get("name", "dynamo"))
+
+    def on_capture(joint: JointCapture) -> None:
+        program = analyse(joint, name, attention)
+        _last["program"] = program
+        _history.append(program)
+        del _history[:-HISTORY_LIMIT]
+
+    return joint_backend(on_capture)(gm, example_inputs)
+
+
+def _register() -> None:
+    from torch._dynamo.backends.registry import _COMPILER_FNS
+
+    if _COMPILER_FNS.get("mist") is not mist_backend:
+        _COMPILER_FNS.pop("mist", None)
+        torch._dynamo.register_backend(name="mist")(mist_backend)
+
+
+_register()

@@ -1,0 +1,49 @@
+"""Shared fixtures: captures of the tiny zoo models (once per session) and tiny Hugging Face configs."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def gpt_tiny_program():
+    from mist_compiler.frontend.capture import capture
+
+    return capture("gpt-tiny")
+
+
+@pytest.fixture(scope="session")
+def llama_tiny_program():
+    from mist_compiler.frontend.capture import capture
+
+    return capture("llama-tiny")
+
+
+def tiny_hf_config(kind: str):
+    """A 2-layer Hugging Face GPT-2 or Llama config (no dropout, SDPA attention)."""
+    transformers = pytest.importorskip("transformers")
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         bos_token_id=0, eos_token_id=0)
+    else:
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@pytest.fixture
+def hf_config_path(tmp_path):
+    """Write a tiny HF config to ``tmp_path/<kind>/config.json``; returns (path, config)."""
+
+    def write(kind: str):
+        config = tiny_hf_config(kind)
+        folder = tmp_path / kind
+        folder.mkdir()
+        config.save_pretrained(str(folder))
+        return os.path.join(str(folder), "config.json"), config
+
+    return write

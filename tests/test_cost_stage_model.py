@@ -1,0 +1,125 @@
+"""The vectorised stage cost model: behaviour across knobs, speed, errors."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from mist_compiler.cost.stage_api import StageCandidates
+from mist_compiler.cost.stage_model import StageModelError, build_stage_cost_model
+from mist_compiler.passes.cost_annotation import Sharding
+
+SEQ = 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="float32")
+
+
+def one(**overrides) -> StageCandidates:
+    base = dict(num_layers=4, has_pre=True, has_post=True, nodes=1, gpus_per_node=1, micro_batch=4, dp=1, tp=1,
+                zero=0, ckpt_layers=0, offload_weights=0.0, offload_grads=0.0, offload_opt=0.0, offload_acts=0.0,
+                inflight=1)
+    base.update(overrides)
+    return StageCandidates(**base)
+
+
+def test_signature_fields(model):
+    estimate = model.evaluate(one())
+    assert model.num_layers == 4 and model.device_memory_bytes == pytest.approx(24.15e9)
+    for name in ("compute", "exposed_comm", "exposed_copy", "params", "grads", "opt", "acts"):
+        assert name in estimate.breakdown
+    parts = sum(estimate.breakdown[k] for k in ("params", "grads", "opt", "buffers", "acts"))
+    assert estimate.peak_memory_bytes[0] == pytest.approx(parts[0])
+    assert estimate.stable_s[0] > 0 and estimate.delta_s[0] > 0
+
+
+def test_micro_batch_scales_time_and_activations(model):
+    small, large = model.evaluate(one(micro_batch=2)), model.evaluate(one(micro_batch=8))
+    assert large.stable_s[0] > small.stable_s[0]
+    assert large.breakdown["acts"][0] > 3 * small.breakdown["acts"][0]
+    assert large.breakdown["params"][0] == small.breakdown["params"][0]
+
+
+def test_checkpointing_trades_time_for_memory(model):
+    plain, ckpt = model.evaluate(one(micro_batch=8)), model.evaluate(one(micro_batch=8, ckpt_layers=4))
+    assert ckpt.breakdown["acts"][0] < plain.breakdown["acts"][0]
+    assert ckpt.stable_s[0] > plain.stable_s[0]
+    assert ckpt.breakdown["recompute"][0] > 0 == plain.breakdown["recompute"][0]
+
+
+def test_zero_and_offload_reduce_memory(model):
+    dp4 = dict(gpus_per_node=4, dp=4)
+    levels = [float(model.evaluate(one(zero=z, **dp4)).peak_memory_bytes[0]) for z in range(4)]
+    assert levels[0] > levels[1] > levels[2]
+    plain = model.evaluate(one(**dp4))
+    offloaded = model.evaluate(one(offload_opt=1.0, offload_weights=0.5, **dp4))
+    assert offloaded.peak_memory_bytes[0] < plain.peak_memory_bytes[0]
+    assert offloaded.delta_s[0] > plain.delta_s[0]  # the host steps the offloaded optimizer states
+
+
+def test_tensor_parallel_splits_compute_and_adds_all_reduces(model):
+    tp1 = model.evaluate(one(micro_batch=16))
+    tp2 = model.evaluate(one(micro_batch=16, gpus_per_node=2, tp=2))
+    assert tp2.breakdown["compute"][0] < tp1.breakdown["compute"][0]
+    assert tp2.breakdown["tp_comm"][0] > 0 == tp1.breakdown["tp_comm"][0]
+    assert tp2.breakdown["params"][0] < tp1.breakdown["params"][0]
+
+
+def test_tensor_parallel_degree_must_divide_heads(model):
+    assert model.tp_granularity == 4  # gpt-tiny: 4 heads
+    estimate = model.evaluate(one(tp=np.array([2, 3, 4, 8]), gpus_per_node=8, dp=np.array([4, 2, 2, 1])))
+    assert list(np.isfinite(estimate.stable_s)) == [True, False, True, False]
+
+
+def test_math_attention_costs_time_and_memory(model):
+    math = build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="float32", attention="math")
+    flash_estimate, math_estimate = model.evaluate(one()), math.evaluate(one())
+    assert math_estimate.stable_s[0] > flash_estimate.stable_s[0]
+    assert math_estimate.breakdown["acts"][0] > flash_estimate.breakdown["acts"][0]
+
+
+def test_inflight_micro_batches_hold_activations(model):
+    one_mb, three = model.evaluate(one(inflight=1)), model.evaluate(one(inflight=3))
+    held = three.breakdown["acts"][0] - one_mb.breakdown["acts"][0]
+    assert held == pytest.approx(2 * one_mb.breakdown["acts_per_microbatch"][0])
+
+
+def test_unrecognised_structure_forbids_tensor_parallelism(model):
+    layer = model.blocks["layer"]
+    broken = dataclasses.replace(layer, costs=dataclasses.replace(layer.costs, sharding=Sharding(supported=False, message="x")))
+    other = type(model)({**model.blocks, "layer": broken}, model.hardware, SEQ, "float32")
+    estimate = other.evaluate(one(tp=np.array([1, 2]), gpus_per_node=2, dp=np.array([2, 1])))
+    assert np.isfinite(estimate.stable_s[0]) and np.isinf(estimate.stable_s[1])
+    assert not other.tp_supported and "layer: x" in other.tp_message
+
+
+def test_hundred_thousand_candidates_under_a_second(model):
+    rng = np.random.default_rng(0)
+    n = 100_000
+    candidates = StageCandidates(
+        num_layers=rng.integers(1, 5, n), has_pre=rng.random(n) < 0.5, has_post=rng.random(n) < 0.5,
+        nodes=np.ones(n, int), gpus_per_node=np.full(n, 8), micro_batch=rng.choice([1, 2, 4, 8, 16], n),
+        dp=np.full(n, 2), tp=np.full(n, 4), zero=rng.integers(0, 4, n), ckpt_layers=np.zeros(n, int),
+        offload_weights=np.zeros(n), offload_grads=np.zeros(n), offload_opt=np.where(rng.random(n) < 0.2, 0.5, 0.0),
+        offload_acts=np.zeros(n), inflight=rng.integers(1, 4, n))
+    start = time.perf_counter()
+    estimate = model.evaluate(candidates)
+    elapsed = time.perf_counter() - start
+    print(f"benchmark: 100,000 stage candidates evaluated in {elapsed:.3f} s")
+    assert len(estimate.stable_s) == n and np.isfinite(estimate.stable_s).all()
+    assert elapsed < 3.0  # generous: the machine is shared; about 0.5 s when idle
+
+
+def test_bad_arguments_name_the_field():
+    with pytest.raises(StageModelError, match="attention"):
+        build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="float32", attention="paged")
+    with pytest.raises(StageModelError, match="seq_len"):
+        build_stage_cost_model("gpt-tiny", "l4", seq_len=0, dtype="float32")
+    with pytest.raises(ValueError, match="dtype"):
+        build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="int8")
+    with pytest.raises(ValueError, match="unknown hardware"):
+        build_stage_cost_model("gpt-tiny", "no-such-gpu", seq_len=SEQ, dtype="float32")
