@@ -7,9 +7,12 @@ ZeRO level, checkpointed layers and the four offload ratios; all are evaluated v
 
 Work is kept small by three exact-or-checked shortcuts, each relying on a property every sane
 cost model has (the tests check them on the real one):
-- *monotone knobs*: checkpointing or offloading more never makes a stage faster (except that
-  checkpointing more shrinks offloaded-activation traffic: with activation offload on, the
-  midpoint and all-layers checkpoint counts are candidates too), so a base
+- *monotone knobs*: checkpointing or offloading more never makes a stage faster (exceptions are
+  handled: checkpointing more shrinks offloaded-activation traffic, so with activation offload
+  on the midpoint and all-layers checkpoint counts are candidates too; an offload family that
+  can lower stable or delta — offloaded gradients move work out of delta — is found by probing
+  and all its grid values stay candidates; weights offload needs a prefetch buffer, so
+  "fits at all" is also tried without it), so a base
   configuration (layers, devices, TP, ZeRO) that fits with no checkpointing and no offload needs
   nothing else, and one that does not fit with every knob at its maximum is dropped;
 - *affine in-flight memory*: peak memory is affine in the in-flight micro-batch count (one more
@@ -30,6 +33,7 @@ from .space import Cluster, DeviceShape, SearchSpace, Workload
 PP_NONE, PP_PRE, PP_POST, PP_BOTH = 0, 1, 2, 3
 PP_NAMES = {PP_NONE: "middle", PP_PRE: "first", PP_POST: "last", PP_BOTH: "only"}
 EVAL_CHUNK = 250_000
+OFFLOAD_NAMES = ("weights", "grads", "opt", "acts")
 MEMORY_TOLERANCE = 1e-9  # relative slack against float rounding in the memory comparisons
 
 
@@ -205,8 +209,9 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
     low, high = _knob_limits(space, bases.layers)
     no_offload = np.zeros((n, 4))
     max_offload = np.tile(combos.max(axis=0), (n, 1))
-    most_saving = evaluate(model, bases, shapes, high, max_offload, 1)
-    alive = _fits(most_saving.peak_memory_bytes, limit)
+    alive = _fits_most_saving(model, bases, shapes, high, combos, limit)
+    trade = _trade_families(model, bases, shapes, space, combos, low)
+    stats["trade_families"] = [OFFLOAD_NAMES[f] for f in trade]
     least_saving = evaluate(model, bases, shapes, low, no_offload, bases.max_inflight)
     fastest = least_saving.stable_s.astype(float)
     stats["work_bound"] = bound.work_bound(bases, fastest, alive, shapes)
@@ -223,8 +228,14 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
     rows = [easy_rows]
     ckpts = [low[easy_rows]]
     offload_ids = [np.zeros(len(easy_rows), dtype=int)]
+    for family in trade:  # a knob that can lower stable or delta: its grid values are candidates too
+        for combo in np.flatnonzero((combos[:, family] > 0) & (np.delete(combos, family, axis=1) == 0).all(axis=1)):
+            rows.append(easy_rows)
+            ckpts.append(low[easy_rows])
+            offload_ids.append(np.full(len(easy_rows), combo))
     if len(tight):
-        picked_base, picked_ckpt, picked_combo = _minimal_knobs(model, bases.take(tight), shapes, space, combos, limit)
+        picked_base, picked_ckpt, picked_combo = _minimal_knobs(model, bases.take(tight), shapes, space, combos, limit,
+                                                                trade)
         rows.append(tight[picked_base])
         ckpts.append(picked_ckpt)
         offload_ids.append(picked_combo)
@@ -267,8 +278,48 @@ def _useful_bases(bases: Bases, fastest: np.ndarray, alive: np.ndarray, shapes: 
     return useful
 
 
+def _fits_most_saving(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], high: np.ndarray,
+                      combos: np.ndarray, limit: float) -> np.ndarray:
+    """Fits one micro-batch with every knob at its maximum (weights offload also tried at 0: its
+    prefetch buffer can cost more than it frees on a small stage)."""
+    most = combos.max(axis=0)
+    alive = _fits(evaluate(model, bases, shapes, high, np.tile(most, (len(bases), 1)), 1).peak_memory_bytes, limit)
+    if most[0] > 0:
+        no_weights = most.copy()
+        no_weights[0] = 0.0
+        rest = np.flatnonzero(~alive)
+        if len(rest):
+            other = evaluate(model, bases.take(rest), shapes, high[rest], np.tile(no_weights, (len(rest), 1)), 1)
+            alive[rest[_fits(other.peak_memory_bytes, limit)]] = True
+    return alive
+
+
+def _trade_families(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], space: SearchSpace,
+                    combos: np.ndarray, low: np.ndarray, sample: int = 256) -> list[int]:
+    """Offload families that can make stable or delta *smaller* (e.g. offloaded gradients move
+    optimizer traffic out of delta), found by probing a sample of bases with each family at its
+    largest ratio. Such a knob is a time trade-off, not only a memory saving, so no shortcut may
+    assume its zero setting dominates."""
+    if len(bases) == 0:
+        return []
+    pick = np.unique(np.linspace(0, len(bases) - 1, min(sample, len(bases))).astype(int))
+    probe = bases.take(pick)
+    plain = evaluate(model, probe, shapes, low[pick], np.zeros((len(pick), 4)), 1)
+    trade = []
+    for family in range(4):
+        top = combos[:, family].max()
+        if top <= 0:
+            continue
+        ratios = np.zeros((len(pick), 4))
+        ratios[:, family] = top
+        moved = evaluate(model, probe, shapes, low[pick], ratios, 1)
+        if (moved.stable_s < plain.stable_s * (1 - 1e-9)).any() or (moved.delta_s < plain.delta_s * (1 - 1e-9)).any():
+            trade.append(family)
+    return trade
+
+
 def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape], space: SearchSpace,
-                   combos: np.ndarray, limit: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   combos: np.ndarray, limit: float, trade: list[int] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each tight base and in-flight count, the minimal (offload combo, ckpt) pairs that fit.
 
     Combos form a grid over the four families. For every combo the smallest fitting checkpoint
@@ -309,7 +360,7 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
         cost = np.where(ok, ckpt, np.inf).reshape((n,) + grid_shape)
         minimal = np.isfinite(cost)
         for axis in range(1, 5):
-            if cost.shape[axis] < 2:
+            if cost.shape[axis] < 2 or axis - 1 in trade:
                 continue
             lower = np.take(cost, np.arange(cost.shape[axis] - 1), axis=axis)
             upper = np.take(cost, np.arange(1, cost.shape[axis]), axis=axis)
@@ -535,8 +586,7 @@ def probe_work_bound(model: StageCostModel, work: Workload, cluster: Cluster, sp
         return math.inf
     combos = space.offload_combos()
     low, high = _knob_limits(space, bases.layers)
-    most_saving = evaluate(model, bases, shapes, high, np.tile(combos.max(axis=0), (len(bases), 1)), 1)
-    alive = _fits(most_saving.peak_memory_bytes, float(model.device_memory_bytes))
+    alive = _fits_most_saving(model, bases, shapes, high, combos, float(model.device_memory_bytes))
     fastest = evaluate(model, bases, shapes, low, np.zeros((len(bases), 4)), 1).stable_s.astype(float)
     bound = IncumbentBound(grad_accum, math.inf, work.num_layers, cluster.world)
     return bound.work_bound(bases, fastest, alive, shapes)
