@@ -17,12 +17,12 @@ from typing import Callable
 
 import numpy as np
 
-from ..cost.stage_api import StageCandidates, StageCostModel, StageEstimates, pipeline_iteration_time
+from ..cost.stage_api import StageCandidates, StageCostModel, pipeline_iteration_time
 from ..ir.plan import Offload, Plan, StagePlan
 from .inter_stage import (StageSumBounds, lower_bound, role_pools, solve_stages, solver_name, uniform_solution,
                           work_slowest_bound)
 from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable, build_frontiers, probe_work_bound
-from .space import Cluster, SearchSpace, TuneError, Workload, divisors
+from .space import Cluster, SearchSpace, TuneError, Workload
 
 Progress = Callable[[str], None]
 
