@@ -382,7 +382,7 @@ class StageSumBounds:
         self.total_layers, self.world = total_layers, cluster.world
         self.grad_accum = grad_accum
         # big clusters: count devices in whole nodes (rounded down), a relaxation that keeps it a bound
-        self.unit = cluster.gpus_per_node if cluster.world > 128 else 1
+        self.unit = cluster.gpus_per_node if (total_layers + 1) * (cluster.world + 1) > 30_000 else 1
         self.width = cluster.world // self.unit
         self.enabled = (self.total_layers + 1) * (self.width + 1) <= 200_000
         self._first_pool = first_pool
