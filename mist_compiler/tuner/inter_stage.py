@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -376,27 +377,42 @@ class StageSumBounds:
     beat the incumbent. Disabled (no pruning, bound 0) when the table would be too large.
     """
 
-    def __init__(self, table: FrontierTable, work: Workload, cluster: Cluster, space: SearchSpace) -> None:
-        self.total_layers, self.world = work.num_layers, cluster.world
-        self.grad_accum = table.grad_accum
+    def __init__(self, total_layers: int, cluster: Cluster, grad_accum: int, middle: ChoicePool, last: ChoicePool,
+                 only: ChoicePool, first_pool: Callable[[int], ChoicePool]) -> None:
+        self.total_layers, self.world = total_layers, cluster.world
+        self.grad_accum = grad_accum
         # big clusters: count devices in whole nodes (rounded down), a relaxation that keeps it a bound
-        self.unit = cluster.gpus_per_node if cluster.world > 128 else 1
+        self.unit = cluster.gpus_per_node if (total_layers + 1) * (cluster.world + 1) > 30_000 else 1
         self.width = cluster.world // self.unit
         self.enabled = (self.total_layers + 1) * (self.width + 1) <= 200_000
-        self._table, self._work, self._cluster = table, work, cluster
-        self._relaxed = space.restrict(layer_slack=None, uniform_devices=False)
+        self._first_pool = first_pool
         self._firsts: dict[int, np.ndarray] = {}
         self._rests: dict[tuple[str, int], np.ndarray] = {}
         if not self.enabled:
             return
-        g = table.grad_accum
-        self.middle = self._min(_pool(table, PP_NONE, min(2, g), 3, work, cluster, self._relaxed))
-        self.last = self._min(_pool(table, PP_POST, 1, 2, work, cluster, self._relaxed))
-        self.only = self._min(_pool(table, PP_BOTH, 1, 1, work, cluster, self._relaxed))
+        self.middle, self.last, self.only = self._min(middle), self._min(last), self._min(only)
         start = np.full_like(self.middle, np.inf)
         start[0, 0] = 0.0
         self._chains = {0: start}
         self._bottleneck_chains = {0: start}
+
+    @classmethod
+    def for_table(cls, table: FrontierTable, work: Workload, cluster: Cluster, space: SearchSpace) -> "StageSumBounds":
+        """Bounds over a frontier table's choices (filters relaxed: any split, any devices)."""
+        relaxed = space.restrict(layer_slack=None, uniform_devices=False)
+        g = table.grad_accum
+
+        def first_pool(stages: int) -> ChoicePool:
+            return _pool(table, PP_PRE, min(stages, g), stages, work, cluster, relaxed)
+
+        return cls(work.num_layers, cluster, g, _pool(table, PP_NONE, min(2, g), 3, work, cluster, relaxed),
+                   _pool(table, PP_POST, 1, 2, work, cluster, relaxed), _pool(table, PP_BOTH, 1, 1, work, cluster, relaxed),
+                   first_pool)
+
+    def least_iteration(self, stages: int) -> float:
+        """``(G-1) * least slowest stage + least sum``: no plan of S stages is faster."""
+        total = self.total(stages)
+        return (self.grad_accum - 1) * max(self.slowest(stages), total / stages) + total
 
     def _min(self, pool: ChoicePool) -> np.ndarray:
         table = np.full((self.total_layers + 1, self.width + 1), np.inf)
@@ -435,9 +451,7 @@ class StageSumBounds:
 
     def first(self, stages: int) -> np.ndarray:
         if stages not in self._firsts:
-            g = self.grad_accum
-            pool = _pool(self._table, PP_PRE, min(stages, g), stages, self._work, self._cluster, self._relaxed)
-            self._firsts[stages] = self._min(pool)
+            self._firsts[stages] = self._min(self._first_pool(stages))
         return self._firsts[stages]
 
     def rest(self, role: str, stages: int) -> np.ndarray:

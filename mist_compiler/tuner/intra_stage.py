@@ -7,9 +7,12 @@ ZeRO level, checkpointed layers and the four offload ratios; all are evaluated v
 
 Work is kept small by three exact-or-checked shortcuts, each relying on a property every sane
 cost model has (the tests check them on the real one):
-- *monotone knobs*: checkpointing or offloading more never makes a stage faster (except that
-  checkpointing more shrinks offloaded-activation traffic: with activation offload on, the
-  midpoint and all-layers checkpoint counts are candidates too), so a base
+- *monotone knobs*: checkpointing or offloading more never makes a stage faster (exceptions are
+  handled: checkpointing more shrinks offloaded-activation traffic, so with activation offload
+  on the midpoint and all-layers checkpoint counts are candidates too; an offload family that
+  can lower stable or delta — offloaded gradients move work out of delta — is found by probing
+  and all its grid values stay candidates; weights offload needs a prefetch buffer, so
+  "fits at all" is also tried without it), so a base
   configuration (layers, devices, TP, ZeRO) that fits with no checkpointing and no offload needs
   nothing else, and one that does not fit with every knob at its maximum is dropped;
 - *affine in-flight memory*: peak memory is affine in the in-flight micro-batch count (one more
@@ -30,6 +33,7 @@ from .space import Cluster, DeviceShape, SearchSpace, Workload
 PP_NONE, PP_PRE, PP_POST, PP_BOTH = 0, 1, 2, 3
 PP_NAMES = {PP_NONE: "middle", PP_PRE: "first", PP_POST: "last", PP_BOTH: "only"}
 EVAL_CHUNK = 250_000
+OFFLOAD_NAMES = ("weights", "grads", "opt", "acts")
 MEMORY_TOLERANCE = 1e-9  # relative slack against float rounding in the memory comparisons
 
 
@@ -205,14 +209,16 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
     low, high = _knob_limits(space, bases.layers)
     no_offload = np.zeros((n, 4))
     max_offload = np.tile(combos.max(axis=0), (n, 1))
-    most_saving = evaluate(model, bases, shapes, high, max_offload, 1)
-    alive = _fits(most_saving.peak_memory_bytes, limit)
+    alive = _fits_most_saving(model, bases, shapes, high, combos, limit)
+    trade = _trade_families(model, bases, shapes, space, combos, low)
+    stats["trade_families"] = [OFFLOAD_NAMES[f] for f in trade]
     least_saving = evaluate(model, bases, shapes, low, no_offload, bases.max_inflight)
     fastest = least_saving.stable_s.astype(float)
     stats["work_bound"] = bound.work_bound(bases, fastest, alive, shapes)
     if stats["work_bound"] >= bound.incumbent:
         alive[:] = False
     alive &= bound.grad_accum * fastest < bound.incumbent
+    alive &= _useful_bases(bases, fastest, alive, shapes, bound, stats)
     easy = alive & _fits(least_saving.peak_memory_bytes, limit)
     tight = np.flatnonzero(alive & ~easy)
     stats["bases"] = stats.get("bases", 0) + n
@@ -222,16 +228,98 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
     rows = [easy_rows]
     ckpts = [low[easy_rows]]
     offload_ids = [np.zeros(len(easy_rows), dtype=int)]
+    for family in trade:  # a knob that can lower stable or delta: its grid values are candidates too
+        for combo in np.flatnonzero((combos[:, family] > 0) & (np.delete(combos, family, axis=1) == 0).all(axis=1)):
+            rows.append(easy_rows)
+            ckpts.append(low[easy_rows])
+            offload_ids.append(np.full(len(easy_rows), combo))
     if len(tight):
-        picked_base, picked_ckpt, picked_combo = _minimal_knobs(model, bases.take(tight), shapes, space, combos, limit)
+        picked_base, picked_ckpt, picked_combo = _minimal_knobs(model, bases.take(tight), shapes, space, combos, limit,
+                                                                trade)
         rows.append(tight[picked_base])
         ckpts.append(picked_ckpt)
         offload_ids.append(picked_combo)
     return np.concatenate(rows), np.concatenate(ckpts), np.concatenate(offload_ids)
 
 
+def _useful_bases(bases: Bases, fastest: np.ndarray, alive: np.ndarray, shapes: list[DeviceShape],
+                  bound: IncumbentBound, stats: dict) -> np.ndarray:
+    """Bases that can be part of a plan beating the incumbent, judged by each base's fastest time
+    (no knobs, memory ignored): a DP over (layers, devices) bounds the other stages (exact pruning)."""
+    from .inter_stage import ChoicePool, StageSumBounds
+
+    if not math.isfinite(bound.incumbent) or bound.cluster is None or not alive.any():
+        return np.ones(len(bases), dtype=bool)
+    counts = np.array([s.count for s in shapes])[bases.shape]
+    pools = {}
+    for pp in (PP_NONE, PP_PRE, PP_POST, PP_BOTH):
+        index = np.flatnonzero(alive & (bases.pp == pp))
+        pools[pp] = ChoicePool(index, bases.layers[index], counts[index], fastest[index], np.zeros(len(index)),
+                               np.full(len(index), 1 << 30))
+    sums = StageSumBounds(bound.total_layers, bound.cluster, bound.grad_accum, pools[PP_NONE], pools[PP_POST],
+                          pools[PP_BOTH], lambda stages: pools[PP_PRE])
+    if not sums.enabled:
+        return np.ones(len(bases), dtype=bool)
+    useful = np.zeros(len(bases), dtype=bool)
+    live_stages = 0
+    for stages in bound.stage_options:
+        if sums.least_iteration(stages) >= bound.incumbent:
+            continue
+        live_stages += 1
+        if stages == 1:
+            useful[pools[PP_BOTH].rows] = True
+            continue
+        roles = {"first": pools[PP_PRE], "last": pools[PP_POST]}
+        if stages > 2:
+            roles["middle"] = pools[PP_NONE]
+        for pool in sums.prune(roles, stages, bound.incumbent, sums.slowest(stages)).values():
+            useful[pool.rows] = True
+    stats["live_stage_counts"] = live_stages
+    return useful
+
+
+def _fits_most_saving(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], high: np.ndarray,
+                      combos: np.ndarray, limit: float) -> np.ndarray:
+    """Fits one micro-batch with every knob at its maximum (weights offload also tried at 0: its
+    prefetch buffer can cost more than it frees on a small stage)."""
+    most = combos.max(axis=0)
+    alive = _fits(evaluate(model, bases, shapes, high, np.tile(most, (len(bases), 1)), 1).peak_memory_bytes, limit)
+    if most[0] > 0:
+        no_weights = most.copy()
+        no_weights[0] = 0.0
+        rest = np.flatnonzero(~alive)
+        if len(rest):
+            other = evaluate(model, bases.take(rest), shapes, high[rest], np.tile(no_weights, (len(rest), 1)), 1)
+            alive[rest[_fits(other.peak_memory_bytes, limit)]] = True
+    return alive
+
+
+def _trade_families(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], space: SearchSpace,
+                    combos: np.ndarray, low: np.ndarray, sample: int = 256) -> list[int]:
+    """Offload families that can make stable or delta *smaller* (e.g. offloaded gradients move
+    optimizer traffic out of delta), found by probing a sample of bases with each family at its
+    largest ratio. Such a knob is a time trade-off, not only a memory saving, so no shortcut may
+    assume its zero setting dominates."""
+    if len(bases) == 0:
+        return []
+    pick = np.unique(np.linspace(0, len(bases) - 1, min(sample, len(bases))).astype(int))
+    probe = bases.take(pick)
+    plain = evaluate(model, probe, shapes, low[pick], np.zeros((len(pick), 4)), 1)
+    trade = []
+    for family in range(4):
+        top = combos[:, family].max()
+        if top <= 0:
+            continue
+        ratios = np.zeros((len(pick), 4))
+        ratios[:, family] = top
+        moved = evaluate(model, probe, shapes, low[pick], ratios, 1)
+        if (moved.stable_s < plain.stable_s * (1 - 1e-9)).any() or (moved.delta_s < plain.delta_s * (1 - 1e-9)).any():
+            trade.append(family)
+    return trade
+
+
 def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape], space: SearchSpace,
-                   combos: np.ndarray, limit: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   combos: np.ndarray, limit: float, trade: list[int] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each tight base and in-flight count, the minimal (offload combo, ckpt) pairs that fit.
 
     Combos form a grid over the four families. For every combo the smallest fitting checkpoint
@@ -272,7 +360,7 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
         cost = np.where(ok, ckpt, np.inf).reshape((n,) + grid_shape)
         minimal = np.isfinite(cost)
         for axis in range(1, 5):
-            if cost.shape[axis] < 2:
+            if cost.shape[axis] < 2 or axis - 1 in trade:
                 continue
             lower = np.take(cost, np.arange(cost.shape[axis] - 1), axis=axis)
             upper = np.take(cost, np.arange(1, cost.shape[axis]), axis=axis)
@@ -332,6 +420,19 @@ def _thin(indices: np.ndarray, stable: np.ndarray, limit: int) -> np.ndarray:
     return ordered[picks]
 
 
+class CountingModel:
+    """Passes evaluations through to a cost model, counting the candidates priced."""
+
+    def __init__(self, model: StageCostModel) -> None:
+        self.model = model
+        self.device_memory_bytes = model.device_memory_bytes
+        self.rows = 0
+
+    def evaluate(self, candidates: StageCandidates) -> StageEstimates:
+        self.rows += len(candidates)
+        return self.model.evaluate(candidates)
+
+
 @dataclass
 class IncumbentBound:
     """The best iteration time found so far, used to drop configurations that cannot beat it."""
@@ -340,6 +441,8 @@ class IncumbentBound:
     incumbent: float
     total_layers: int
     world: int
+    cluster: Cluster | None = None
+    stage_options: tuple[int, ...] = ()
 
     def work_bound(self, bases: Bases, fastest: np.ndarray, alive: np.ndarray, shapes: list[DeviceShape]) -> float:
         """``G * L * min(device-seconds per layer) / world``: every plan of this G takes at least this."""
@@ -354,7 +457,9 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
                     grad_accum: int, max_stages: int, incumbent: float = math.inf) -> FrontierTable:
     """Evaluate every stage configuration for this G and keep each cell's Pareto frontier."""
     stats: dict = {"grad_accum": grad_accum}
-    bound = IncumbentBound(grad_accum, incumbent, work.num_layers, cluster.world)
+    model = CountingModel(model)
+    options = tuple(space.stage_count_options(work.num_layers, cluster.world))
+    bound = IncumbentBound(grad_accum, incumbent, work.num_layers, cluster.world, cluster, options)
     limit = float(model.device_memory_bytes)
     bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
     combos = space.offload_combos()
@@ -363,24 +468,24 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     table_bases = bases.take(rows)
     offload = combos[combo] if len(combo) else np.zeros((0, 4))
     ckpt = ckpt.copy()
-    # exact evaluation at k = 1 and 2, raising the checkpoint count where a prediction fell short
+    # exact evaluation at k = 1 (times, memory) and, for stages that can hold more than one
+    # micro-batch, at their largest k (memory slope); raise the checkpoint count where a
+    # prediction fell short
     first = evaluate(model, table_bases, shapes, ckpt, offload, 1)
-    second = evaluate(model, table_bases, shapes, ckpt, offload, 2)
-    mem1, mem2 = first.peak_memory_bytes.astype(float), second.peak_memory_bytes.astype(float)
+    mem1 = first.peak_memory_bytes.astype(float)
     _, high = _knob_limits(space, table_bases.layers)
+    slope = _inflight_slope(model, table_bases, shapes, ckpt, offload, mem1, np.arange(len(rows)))
     for _ in range(3):
         short = ~_fits(mem1, limit) & (ckpt < high) if space.ckpt == "tune" else np.zeros(len(ckpt), bool)
         if not short.any():
             break
         ckpt[short] += 1
-        part = table_bases.take(np.flatnonzero(short))
-        redo1 = evaluate(model, part, shapes, ckpt[short], offload[short], 1)
-        redo2 = evaluate(model, part, shapes, ckpt[short], offload[short], 2)
-        for target, source in ((first, redo1), (second, redo2)):
-            target.stable_s[short] = source.stable_s
-            target.delta_s[short] = source.delta_s
-        mem1[short], mem2[short] = redo1.peak_memory_bytes, redo2.peak_memory_bytes
-    slope = np.maximum(mem2 - mem1, 0.0)
+        redo_rows = np.flatnonzero(short)
+        redo = evaluate(model, table_bases.take(redo_rows), shapes, ckpt[short], offload[short], 1)
+        first.stable_s[short] = redo.stable_s
+        first.delta_s[short] = redo.delta_s
+        mem1[short] = redo.peak_memory_bytes
+        slope[short] = _inflight_slope(model, table_bases, shapes, ckpt, offload, mem1, redo_rows)
     with np.errstate(divide="ignore", invalid="ignore"):
         fit_k = np.where(slope > 0, np.floor((limit * (1 + MEMORY_TOLERANCE) - mem1) / slope) + 1, np.inf)
     fit_k = np.where(_fits(mem1, limit), np.minimum(fit_k, table_bases.max_inflight), 0).astype(int)
@@ -403,11 +508,25 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
         offload_acts=offload[keep, 3], inflight=np.ones(len(keep), dtype=int),
     ) if len(keep) else None
     stats["frontier_points"] = len(keep)
+    stats["evaluated"] = model.rows
     stats["cells"] = len(cells)
     return FrontierTable(
         grad_accum=grad_accum, shapes=shapes, configs=configs, stable=stable[keep], delta=delta[keep],
         memory_k1=mem1[keep], memory_per_inflight=slope[keep], cells=cells, fit_k=fit_k[keep], stats=stats,
     )
+
+
+def _inflight_slope(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
+                    offload: np.ndarray, mem1: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Memory per extra in-flight micro-batch of ``rows``, from an evaluation at their largest k."""
+    slope = np.zeros(len(rows))
+    deep = np.flatnonzero(bases.max_inflight[rows] >= 2)
+    if len(deep):
+        picked = rows[deep]
+        k = bases.max_inflight[picked]
+        top = evaluate(model, bases.take(picked), shapes, ckpt[picked], offload[picked], k).peak_memory_bytes
+        slope[deep] = np.maximum((top - mem1[picked]) / (k - 1), 0.0)
+    return slope
 
 
 def _verify_fit(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
@@ -467,8 +586,7 @@ def probe_work_bound(model: StageCostModel, work: Workload, cluster: Cluster, sp
         return math.inf
     combos = space.offload_combos()
     low, high = _knob_limits(space, bases.layers)
-    most_saving = evaluate(model, bases, shapes, high, np.tile(combos.max(axis=0), (len(bases), 1)), 1)
-    alive = _fits(most_saving.peak_memory_bytes, float(model.device_memory_bytes))
+    alive = _fits_most_saving(model, bases, shapes, high, combos, float(model.device_memory_bytes))
     fastest = evaluate(model, bases, shapes, low, np.zeros((len(bases), 4)), 1).stable_s.astype(float)
     bound = IncumbentBound(grad_accum, math.inf, work.num_layers, cluster.world)
     return bound.work_bound(bases, fastest, alive, shapes)

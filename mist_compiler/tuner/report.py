@@ -66,6 +66,8 @@ def format_result(result: TuneResult, config=None, peak_flops: float | None = No
         f"final {stats.get('final_status')}, gap {_gap(stats):.2%}",
         f"space: {stats.get('space')}",
     ]
+    if stats.get("warning"):
+        lines.append(f"WARNING: {stats['warning']}")
     return "\n".join(lines)
 
 
