@@ -80,6 +80,13 @@ class SplitBuffer:
         """``(start offset, tensor)`` of the non-empty parts."""
         return [(start, part) for start, part in ((0, self.device_part), (self.boundary, self.host_part)) if part.numel()]
 
+    def overlapping(self, start: int, end: int):
+        """For each part meeting ``[start, end)``: (that slice of the part, the same range relative to ``start``)."""
+        for offset, part in self.parts():
+            lo, hi = max(start, offset), min(end, offset + part.numel())
+            if lo < hi:
+                yield part[lo - offset:hi - offset], slice(lo - start, hi - start)
+
     def zero_(self) -> None:
         self.device_part.zero_()
         self.host_part.zero_()
@@ -87,13 +94,8 @@ class SplitBuffer:
     def read_into(self, dst: torch.Tensor, streams: Streams, start: int = 0):
         """Copy elements ``[start, start + dst.numel())`` into ``dst``; returns the last copy's event."""
         event = None
-        end = start + dst.numel()
-        for offset, part in self.parts():
-            lo, hi = max(start, offset), min(end, offset + part.numel())
-            if lo >= hi:
-                continue
-            src = part[lo - offset:hi - offset]
-            out = dst[lo - start:hi - start]
+        for src, window in self.overlapping(start, start + dst.numel()):
+            out = dst[window]
             if src.device == out.device:
                 out.copy_(src)
             else:
@@ -111,13 +113,8 @@ class SplitBuffer:
 
     def write(self, start: int, values: torch.Tensor, accumulate: bool = False) -> None:
         """``self[start:start+n] = values`` (or ``+=``), copying across devices as needed (synchronous)."""
-        end = start + values.numel()
-        for offset, part in self.parts():
-            lo, hi = max(start, offset), min(end, offset + part.numel())
-            if lo >= hi:
-                continue
-            src = values[lo - start:hi - start]
-            dst = part[lo - offset:hi - offset]
+        for dst, window in self.overlapping(start, start + values.numel()):
+            src = values[window]
             if accumulate:
                 dst.add_(src.to(dst.device))
             else:
