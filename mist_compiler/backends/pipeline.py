@@ -23,6 +23,14 @@ from .topology import Topology
 FORWARD, BACKWARD = 0, 1
 
 
+
+def _piece_of(value: BoundaryValue, tensor: torch.Tensor, piece: "Piece") -> torch.Tensor | None:
+    """The part of ``tensor`` that travels with ``piece``: its sample rows, the whole of an
+    unbatched value for the one peer that carries it, or nothing."""
+    if value.batched:
+        return tensor[piece.start:piece.end]
+    return tensor if piece.whole else None
+
 class PipelineTimeout(RuntimeError):
     """A pipeline transfer did not complete within the timeout."""
 
@@ -146,11 +154,8 @@ class P2P:
             buffer = torch.empty(value.shape(self.micro_batch), dtype=value.dtype, device=self.device)
             tensors.append(buffer)
             for piece in pieces:
-                if value.batched:
-                    target = buffer[piece.start:piece.end]
-                elif piece.whole:
-                    target = buffer
-                else:
+                target = _piece_of(value, buffer, piece)
+                if target is None:
                     continue
                 tag = self._tag(micro, direction, index, len(values))
                 works.append((dist.irecv(target, src=piece.peer, tag=tag), piece.peer))
@@ -179,11 +184,8 @@ class P2P:
             if tensor is None:
                 continue
             for piece in pieces:
-                if value.batched:
-                    part = tensor[piece.start:piece.end]
-                elif piece.whole:
-                    part = tensor
-                else:
+                part = _piece_of(value, tensor, piece)
+                if part is None:
                     continue
                 part = part.detach().contiguous()
                 tag = self._tag(micro, direction, index, len(values))
