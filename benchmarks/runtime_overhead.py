@@ -114,6 +114,18 @@ def _local_batch(batch: dict, rank: int, world: int) -> dict:
     return {k: v[rank * share:(rank + 1) * share] for k, v in batch.items()}
 
 
+
+def _time_training(model: nn.Module, opt, batches: list[dict], args, device) -> float:
+    """Time plain forward/backward/AdamW steps of a hand-composed model over two alternating batches."""
+
+    def step(index: int) -> None:
+        batch = {k: v.to(device) for k, v in batches[index % 2].items()}
+        model(**batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return timed(step, args.steps, args.warmup, device)
+
 def run_ddp_or_fsdp(cfg: Config, args, device: torch.device, rank: int) -> float:
     model = build_model(args.model, seq_len=args.seq).to(device)
     if cfg.baseline == "ddp":
@@ -132,13 +144,7 @@ def run_ddp_or_fsdp(cfg: Config, args, device: torch.device, rank: int) -> float
     vocab = zoo_config(args.model).vocab
     batches = [_local_batch(synthetic_batch(vocab, args.batch, args.seq, i), rank, cfg.world) for i in range(2)]
 
-    def step(index: int) -> None:
-        batch = {k: v.to(device) for k, v in batches[index % 2].items()}
-        model(**batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return timed(step, args.steps, args.warmup, device)
+    return _time_training(model, opt, batches, args, device)
 
 
 class _FirstStage(nn.Module):
@@ -216,13 +222,7 @@ def run_tp(cfg: Config, args, device: torch.device, rank: int) -> float:
     vocab = zoo_config(args.model).vocab
     batches = [synthetic_batch(vocab, args.batch, args.seq, i) for i in range(2)]
 
-    def step(index: int) -> None:
-        batch = {k: v.to(device) for k, v in batches[index % 2].items()}
-        model(**batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return timed(step, args.steps, args.warmup, device)
+    return _time_training(model, opt, batches, args, device)
 
 
 BASELINES = {"ddp": run_ddp_or_fsdp, "fsdp": run_ddp_or_fsdp, "pipeline": run_pipeline, "tp": run_tp}
