@@ -27,6 +27,7 @@ from ..passes.block_discovery import BlockPartition, block_discovery, wl_hash
 from ..passes.manager import PassManager, PassResult
 from ..passes.shape_prop import shape_prop
 from .joint import CaptureError, JointCapture, loss_of, trace_joint
+from .layer_stack import LayerStackError, find_layer_stack
 from .lowering import lower_to_ir
 
 # what a forward that depends on tensor *values* raises under FakeTensorMode
@@ -215,12 +216,11 @@ def _max_seq(config: dict | None) -> int | None:
 
 
 def find_layer_list(model: nn.Module) -> str | None:
-    """Module path of the longest nn.ModuleList (the repeated layers), or None."""
-    best, best_len = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > best_len:
-            best, best_len = name, len(module)
-    return best
+    """Module path of the longest nn.ModuleList (the repeated layers, of any classes), or None."""
+    try:
+        return find_layer_stack(model, one_class=False).path
+    except LayerStackError:
+        return None
 
 
 def module_signature(module: nn.Module) -> str:

@@ -26,14 +26,17 @@ class LayerStack:
         return f"{self.path}.{index}" if self.path else str(index)
 
 
-def find_layer_stack(model: nn.Module) -> LayerStack:
-    """The largest ModuleList whose children all have one class (ties: the first found)."""
+def find_layer_stack(model: nn.Module, *, one_class: bool = True) -> LayerStack:
+    """The largest ModuleList whose children all have one class (ties: the first found).
+
+    ``one_class=False`` accepts lists of mixed layer classes too (capture groups such layers by
+    structure itself); the pipeline needs the default.
+    """
     best: LayerStack | None = None
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        classes = {type(child) for child in module}
-        if len(classes) != 1:
+        if one_class and len({type(child) for child in module}) != 1:
             continue
         if best is None or len(module) > len(best.blocks):
             best = LayerStack(path, module)
