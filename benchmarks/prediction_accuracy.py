@@ -2,40 +2,43 @@
 
 Runs each configuration for real on this machine and prints, per configuration, the predicted
 and measured step time (forward + backward + AdamW step) and peak memory of live tensors, each
-error, and the Kendall tau between predicted and measured step times.
+error, and the Kendall tau between predicted and measured step times (per group and overall).
 
-Configurations are a list of dataclasses, each with a ``kind``; ``RUNNERS[kind]`` measures one
-and ``PREDICTORS[kind]`` predicts it, so multi-rank kinds (pipeline / data / tensor parallel
-through the backend) can be added as new kinds. Today there is one kind, ``single``: one
-process, one pipeline stage holding the whole model, float32 AdamW, ``torch.utils.checkpoint``
-on the first ``ckpt_layers`` blocks, torch limited to one thread (one core is one device of
-the ``cpu`` hardware profile, which ``mistc profile`` measured the same way).
+Configurations are dataclasses with a ``kind``; ``RUNNERS[kind]`` measures one and
+``PREDICTORS[kind]`` predicts it:
 
-Measurement:
-- peak memory: ``torch.distributed._tools.mem_tracker.MemTracker`` over forward + backward,
-  with parameters, gradients (kept allocated, as gradient accumulation does: ``zero_grad(
-  set_to_none=False)``) and optimizer states tracked; the step's own temporaries are outside
-  that window. On a GPU the same runner would read ``torch.cuda.max_memory_allocated``.
-- step time: this process's CPU time for one step (one thread, so CPU time is the time the
-  step ran; on the shared 2-core machine wall time also counts the other jobs), after a warm-up,
-  in interleaved rounds over all the configurations, keeping each configuration's best round.
-Calibration: the profile's compute rates (peak, per-class efficiencies, memory bandwidth, op
-overhead) are re-measured once at start with ``mistc profile``'s micro-benchmarks and formulas,
-on the same CPU clock (``--no-calibrate`` keeps the shipped numbers).
-Prediction: ``build_stage_cost_model`` for the same model on that profile, one stage with
-every block, ``dp = tp = 1``, ZeRO 0, no offload, one micro-batch in flight; step time is
-``pipeline_iteration_time(stable, delta, 1)``. No per-configuration adjustment.
+- ``single``: one process, one stage holding the whole model, ``torch.optim.AdamW``,
+  ``torch.utils.checkpoint`` on the first ``ckpt_layers`` blocks, torch limited to one thread (one
+  core is one device of the ``cpu`` profile). Peak: ``MemTracker`` over forward + backward with the
+  model and optimizer states tracked (gradients appear during the backward). Step time: this
+  process's CPU time (on the shared machine wall time also counts the other jobs).
+- ``plan``: a plan trained through the backend (``mist_compiler.compile``) on 2 or 4 local gloo
+  ranks: data parallelism at every ZeRO level, checkpointing, each offload kind, 1F1B pipelines.
+  Peak: ``cost.live_memory.DevicePeakMemory`` (every storage an op creates or touches, resized flat
+  buffers re-read, the runtime's host buffers left out; CUDA memory statistics on a GPU) over one
+  whole training step after a warm-up step, per rank; the model is built on the host and dropped
+  after ``compile``, as a GPU run would. Reported per pipeline stage, the largest over its ranks, and
+  the stage furthest from its prediction is printed. Step time: wall clock of the slowest rank,
+  best of the timed steps.
 
-Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--hardware cpu]``
+Interleaved rounds over all configurations (a burst of load hits every configuration alike), each
+keeping its best time. Calibration (``--no-calibrate`` keeps the shipped profile): the profile's
+compute rates are re-measured at start with ``mistc profile``'s micro-benchmarks on the CPU clock;
+for the plan kind the collectives are measured over 1x2 and 1x4 gloo groups, and each rank's
+compute rate is scaled by the measured share of a core it gets when all ranks compute (4 ranks on
+this 2-core machine get about half a core each). No per-configuration adjustment.
+Prediction: ``single``: the stage cost model for one stage with every block (``dp = tp = 1``,
+torch AdamW traffic); ``plan``: ``mist_compiler.cost.analyze.analyze`` of the plan.
 
-Last full runs (2026-11-21, the shared 2-core CPU machine, 16 configurations, ~8 min each):
-step time mean |error| 5.2% (max 10.8%), Kendall tau 0.942, peak memory mean |error| 0.00%
-(max 0.04%). An earlier run of the same time model gave 10.1% (max 22.1%), tau 0.942: the
-run-to-run spread comes from calibrating on a loaded machine.
+Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--only single|plan]``
+
+Last full run: see the closing note of issue 3 (figures are quoted as measured there, with the
+command above).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import sys
@@ -53,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 from mist_compiler.cost.hardware import HardwareProfile, load_profile
 from mist_compiler.cost.stage_api import StageCandidates, pipeline_iteration_time
 from mist_compiler.cost.stage_model import TORCH_ADAMW_BYTES_PER_PARAM, StageCostModel
+from mist_compiler.ir.plan import Offload, Plan, StagePlan
 from mist_compiler.models import TransformerConfig, TransformerLM, zoo_config
 
 CUSTOM_MODELS: dict[str, TransformerConfig] = {
@@ -90,6 +94,7 @@ class SingleProcessConfig:
     ckpt_layers: int = 0
     attention: str = "flash"  # "math": SDPA's math backend (keeps the s x s probabilities)
     kind: str = "single"
+    world: int = 1
 
     @property
     def label(self) -> str:
@@ -102,9 +107,10 @@ class SingleProcessConfig:
 class Outcome:
     step_s: float
     peak_bytes: float
+    stage_peaks: list[float] | None = None  # multi-stage plans: peak per pipeline stage
 
 
-CONFIGS: list[SingleProcessConfig] = [
+SINGLE_CONFIGS: list[SingleProcessConfig] = [
     SingleProcessConfig("gpt-small", 2, 256),
     SingleProcessConfig("gpt-small", 4, 256),
     SingleProcessConfig("gpt-small", 8, 128),
@@ -122,7 +128,6 @@ CONFIGS: list[SingleProcessConfig] = [
     SingleProcessConfig("gpt-small", 2, 256, attention="math"),
     SingleProcessConfig("llama-small", 2, 128, ckpt_layers=2, attention="math"),
 ]
-QUICK = [CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[14]]
 
 
 class CheckpointedBlock(nn.Module):
@@ -160,7 +165,7 @@ def measure_single(config: SingleProcessConfig, timed_steps: int, measure_memory
             model(input_ids=ids, labels=labels).backward()
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=True)
         forward_backward()
         optimizer.step()
 
@@ -174,7 +179,7 @@ def measure_single(config: SingleProcessConfig, timed_steps: int, measure_memory
     if measure_memory:
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=True)
         with tracker:
             forward_backward()
         peak = float(sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values()))
@@ -236,6 +241,54 @@ def calibrated_profile(name: str) -> HardwareProfile:
                                memory_bandwidth=copy_rate, op_overhead=overhead)
 
 
+def _compute_share_rank(rank: int, world: int, seconds: float) -> float:
+    """One of ``world`` concurrent ranks: its matmul rate (wall clock) over ``seconds``."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a @ b
+    import torch.distributed as dist
+
+    dist.barrier()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        calls += 1
+    return calls / (time.perf_counter() - start)
+
+
+def compute_share(world: int, seconds: float = 2.0) -> float:
+    """The fraction of a lone rank's compute rate each of ``world`` ranks gets when all compute at
+    once (wall clock): about ``cores / world`` when the ranks outnumber the cores."""
+    from mist_compiler.backends.local_ranks import run_ranks
+
+    alone = run_ranks(_compute_share_rank, 1, args=(seconds,), timeout_s=120.0)[0]
+    together = run_ranks(_compute_share_rank, world, args=(seconds,), timeout_s=120.0)
+    return min(1.0, statistics.mean(together) / alone)
+
+
+def multi_rank_profile(base: HardwareProfile, worlds: list[int], log: Callable[[str], None] = print) -> dict[int, HardwareProfile]:
+    """Per world size: ``base`` (compute rates of one rank alone) with the collectives measured now
+    over 1x2 and 1x4 local gloo groups (``mistc profile``'s quick measurement) and the compute rates
+    scaled by the measured share of a core each rank gets when they all compute (4 ranks on this
+    2-core machine: about half a core each)."""
+    from mist_compiler.cost.profiler import ProfilerOptions, fit_collectives, run_collective_group
+
+    options = ProfilerOptions(quick=True, device="cpu", log=lambda message: None)
+    results = [run_collective_group(world, "cpu", options, measure_concurrency=False, timeout_s=240.0)
+               for world in sorted(set(worlds)) if world > 1]
+    links, factors = fit_collectives(results)
+    fitted = HardwareProfile.from_dict({**base.to_dict(), "gpus_per_node": max(worlds), "collectives": links,
+                                        "collective_factor": factors}, source="benchmark calibration")
+    profiles = {}
+    for world in sorted(set(worlds)):
+        share = compute_share(world)
+        log(f"{world} ranks: each rank gets {share:.2f} of a lone rank's compute; collectives "
+            f"{ {shape: round(fit['bandwidth_gbps'], 3) for shape, fit in links.items()} } GB/s")
+        profiles[world] = dataclasses.replace(
+            fitted, peak_flops={k: v * share for k, v in fitted.peak_flops.items()},
+            memory_bandwidth=fitted.memory_bandwidth * share, op_overhead=fitted.op_overhead / share)
+    return profiles
+
+
 @lru_cache(maxsize=None)
 def _analysed(model_name: str):
     from mist_compiler import capture
@@ -259,8 +312,151 @@ def predict_single(config: SingleProcessConfig, hardware: HardwareProfile) -> Ou
     return Outcome(step, float(estimate.peak_memory_bytes[0]))
 
 
-RUNNERS: dict[str, Callable[..., Outcome]] = {"single": measure_single}
-PREDICTORS: dict[str, Callable[..., Outcome]] = {"single": predict_single}
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage of a ``PlanConfig`` (all its devices on one node)."""
+
+    layers: int
+    dp: int = 1
+    tp: int = 1
+    zero: int = 0
+    ckpt: int = 0
+    offload: Offload = Offload()
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """A plan trained through the backend (``mist_compiler.compile``) on local gloo ranks."""
+
+    model: str
+    seq_len: int
+    global_batch: int
+    grad_accum: int
+    stages: tuple[StageSpec, ...]
+    kind: str = "plan"
+
+    @property
+    def world(self) -> int:
+        return sum(stage.dp * stage.tp for stage in self.stages)
+
+    def plan(self) -> Plan:
+        built, start = [], 0
+        for stage in self.stages:
+            built.append(StagePlan(layers=(start, start + stage.layers), nodes=1, gpus_per_node=stage.dp * stage.tp,
+                                   micro_batch=self.global_batch // (stage.dp * self.grad_accum), dp=stage.dp,
+                                   tp=stage.tp, zero=stage.zero, ckpt_layers=stage.ckpt, offload=stage.offload))
+            start += stage.layers
+        plan = Plan(self.model, self.seq_len, self.global_batch, "float32", self.grad_accum, tuple(built))
+        plan._check_consistency()
+        return plan
+
+    @property
+    def label(self) -> str:
+        def stage_label(stage: StageSpec) -> str:
+            parts = [f"dp{stage.dp}" if stage.dp > 1 else "", f"tp{stage.tp}" if stage.tp > 1 else "",
+                     f"z{stage.zero}" if stage.zero else "", f"ck{stage.ckpt}" if stage.ckpt else ""]
+            offload = stage.offload
+            parts += [f"o{name[0]}{value:g}" for name, value in (("weights", offload.weights), ("grads", offload.grads),
+                                                                ("opt", offload.opt), ("acts", offload.acts)) if value]
+            return ",".join(part for part in parts if part) or "-"
+
+        pipeline = "|".join(stage_label(stage) for stage in self.stages)
+        accum = f" ga{self.grad_accum}" if self.grad_accum > 1 else ""
+        return f"{self.world}r {self.model} {pipeline} gb{self.global_batch}{accum}"
+
+
+def _stages(*stages: StageSpec) -> tuple[StageSpec, ...]:
+    return stages
+
+
+PLAN_CONFIGS: list[PlanConfig] = [
+    # 2 ranks: data parallel at every ZeRO level, checkpointing, each kind of offload, pipelines
+    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2))),
+    PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(4, dp=2, zero=1))),
+    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, zero=2))),
+    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, zero=3, ckpt=2))),
+    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, zero=2, offload=Offload(grads=0.5, opt=0.5)))),
+    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, offload=Offload(weights=0.5, acts=0.5)))),
+    PlanConfig("llama-small", 128, 16, 1, _stages(StageSpec(4, dp=2, zero=3, offload=Offload(acts=0.5)))),
+    PlanConfig("gpt-small", 256, 8, 4, _stages(StageSpec(2), StageSpec(2))),
+    PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(2, ckpt=1), StageSpec(2))),
+    # 4 ranks (two per core on this machine)
+    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=4, zero=3))),
+    PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(4, dp=4, zero=1, offload=Offload(opt=1.0)))),
+    PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=2, ckpt=1),
+                                               StageSpec(2, dp=2, zero=2, offload=Offload(grads=0.5)))),
+    PlanConfig("gpt-small", 256, 8, 4, _stages(StageSpec(1), StageSpec(1), StageSpec(1), StageSpec(1))),
+]
+CONFIGS: list = SINGLE_CONFIGS + PLAN_CONFIGS
+QUICK: list = [SINGLE_CONFIGS[0], SINGLE_CONFIGS[14], PLAN_CONFIGS[3], PLAN_CONFIGS[7], PLAN_CONFIGS[11]]
+PLAN_STEPS_PER_ROUND = 3  # timed steps per launch of a plan's ranks (after a warm-up step)
+
+
+def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, measure_memory: bool) -> tuple[float, list[float]]:
+    """One rank trains ``config``'s plan: (peak device bytes of live tensors over one whole training
+    step after a warm-up step, wall seconds of each of ``timed_steps`` further steps)."""
+    import torch.distributed as dist
+
+    from mist_compiler.backends.engine import compile as compile_plan
+    from mist_compiler.backends.worker import model_vocab, synthetic_batch
+    from mist_compiler.cost.live_memory import DevicePeakMemory
+    from mist_compiler.models import build_model
+
+    plan = config.plan()
+    with contextlib.ExitStack() as stack:
+        probe = stack.enter_context(DevicePeakMemory("cpu")) if measure_memory else None
+        model = build_model(FACTORIES.get(config.model, config.model), seq_len=plan.seq_len)
+        engine = compile_plan(model, plan, timeout_s=120.0)
+        vocab = model_vocab(model)
+        del model  # the engine keeps this rank's stage only
+        batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, step) for step in range(2)]
+        engine.step(batches[0])  # warm-up: gradients, optimizer states, communication buffers exist from here on
+        peak = float("nan")
+        if probe is not None:
+            probe.reset_peak()
+            engine.step(batches[1])
+            peak = float(probe.peak_bytes)
+    times = []
+    for step in range(timed_steps):
+        dist.barrier()
+        start = time.perf_counter()
+        engine.step(batches[step % 2])
+        times.append(time.perf_counter() - start)
+    engine.close()
+    return peak, times
+
+
+def measure_plan(config: PlanConfig, timed_steps: int, measure_memory: bool) -> Outcome:
+    """Spawn the plan's ranks; step time is the slowest rank's, best over the timed steps; the
+    peak is per stage, the largest over the stage's ranks (``Outcome.stage_peaks``)."""
+    from mist_compiler.backends.local_ranks import run_ranks
+    from mist_compiler.backends.topology import Topology
+
+    results = run_ranks(_plan_rank, config.world, args=(config, timed_steps, measure_memory), timeout_s=900.0,
+                        collective_timeout_s=300.0)
+    step_s = min(max(times[step] for _, times in results) for step in range(timed_steps))
+    topology = Topology(config.plan())
+    stage_peaks = [0.0] * len(config.stages)
+    for rank, (peak, _) in enumerate(results):
+        stage = topology.coord(rank).stage
+        stage_peaks[stage] = max(stage_peaks[stage], peak)
+    return Outcome(step_s, max(stage_peaks), stage_peaks)
+
+
+def predict_plan(config: PlanConfig, hardware: HardwareProfile) -> Outcome:
+    """``mist_compiler.analyze`` of the plan (the backend's fused flat-shard AdamW: the default
+    optimizer traffic), attention as the backend runs it on CPU (flash)."""
+    from mist_compiler.cost.analyze import analyze
+
+    blocks, num_layers = _analysed(config.model)
+    cost_model = StageCostModel(blocks, hardware, config.seq_len, "float32", "flash", config.model, num_layers)
+    estimate = analyze(config.model, config.plan(), hardware, cost_model=cost_model)
+    peaks = [stage.peak_memory_mb * 1e6 for stage in estimate.stages]
+    return Outcome(estimate.iteration_time_s, max(peaks), peaks)
+
+
+RUNNERS: dict[str, Callable[..., Outcome]] = {"single": measure_single, "plan": measure_plan}
+PREDICTORS: dict[str, Callable[..., Outcome]] = {"single": predict_single, "plan": predict_plan}
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
@@ -274,41 +470,65 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float:
     return (concordant - discordant) / pairs if pairs else float("nan")
 
 
+def _summary(name: str, rows: list[tuple]) -> None:
+    """rows: (predicted s, measured s, predicted bytes, measured bytes) per configuration."""
+    if not rows:
+        return
+    time_errors = [abs(p / m - 1) for p, m, _, _ in rows]
+    memory_errors = [abs(p / m - 1) for _, _, p, m in rows]
+    tau = kendall_tau([r[0] for r in rows], [r[1] for r in rows])
+    print(f"{name:<22} {len(rows):>3} configs | step time mean |err| {statistics.mean(time_errors):6.1%} "
+          f"max {max(time_errors):6.1%} tau {tau:6.3f} | peak memory mean |err| {statistics.mean(memory_errors):6.2%} "
+          f"max {max(memory_errors):6.2%}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, 2 rounds")
+    parser.add_argument("--only", choices=("single", "plan"), help="run one kind of configuration")
     parser.add_argument("--hardware", default="cpu", help="hardware profile of this machine")
     parser.add_argument("--no-calibrate", action="store_true",
-                        help="use the shipped profile as is (default: re-measure its compute rates first)")
+                        help="use the shipped profile as is (default: re-measure compute rates and collectives first)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    configs = QUICK if args.quick else CONFIGS
+    configs = [c for c in (QUICK if args.quick else CONFIGS) if args.only in (None, c.kind)]
     rounds = args.rounds or (2 if args.quick else 3)
-    profile = load_profile(args.hardware) if args.no_calibrate else calibrated_profile(args.hardware)
-    print(f"profile {profile.name}: fp32 peak {profile.peak_flops['float32'] / 1e9:.1f} GFLOP/s, "
-          f"memory {profile.memory_bandwidth / 1e9:.2f} GB/s, op overhead {profile.op_overhead * 1e6:.1f} us, "
-          f"efficiencies {profile.efficiency}")
-    predicted = [PREDICTORS[config.kind](config, profile) for config in configs]
+    single = load_profile(args.hardware) if args.no_calibrate else calibrated_profile(args.hardware)
+    print(f"profile {single.name}: fp32 peak {single.peak_flops['float32'] / 1e9:.1f} GFLOP/s, "
+          f"memory {single.memory_bandwidth / 1e9:.2f} GB/s, op overhead {single.op_overhead * 1e6:.1f} us, "
+          f"efficiencies {single.efficiency}", flush=True)
+    worlds = sorted({c.world for c in configs if c.kind == "plan"})
+    profiles = {1: single}
+    if worlds:
+        profiles.update({w: dataclasses.replace(single, gpus_per_node=max(worlds)) for w in worlds} if args.no_calibrate
+                        else multi_rank_profile(single, worlds))
+    predicted = [PREDICTORS[config.kind](config, profiles[config.world]) for config in configs]
     best = [float("inf")] * len(configs)
-    peaks = [float("nan")] * len(configs)
+    measured: list[Outcome | None] = [None] * len(configs)
     for round_index in range(rounds):  # interleaved: a burst of load on the shared machine hits every config alike
         for index, config in enumerate(configs):
-            outcome = RUNNERS[config.kind](config, 1, measure_memory=round_index == 0)
+            steps = 1 if config.kind == "single" else PLAN_STEPS_PER_ROUND
+            outcome = RUNNERS[config.kind](config, steps, measure_memory=round_index == 0)
             best[index] = min(best[index], outcome.step_s)
             if round_index == 0:
-                peaks[index] = outcome.peak_bytes
+                measured[index] = outcome
         print(f"round {round_index + 1}/{rounds} done", flush=True)
-    print(f"\n{'configuration':<30} {'pred s':>7} {'meas s':>7} {'err':>7}  {'pred MB':>8} {'meas MB':>8} {'err':>7}")
-    for config, prediction, step_s, peak in zip(configs, predicted, best, peaks):
-        print(f"{config.label:<30} {prediction.step_s:>7.3f} {step_s:>7.3f} {prediction.step_s / step_s - 1:>+7.1%}  "
-              f"{prediction.peak_bytes / 1e6:>8.2f} {peak / 1e6:>8.2f} {prediction.peak_bytes / peak - 1:>+7.2%}")
-    predicted_times = [p.step_s for p in predicted]
-    time_errors = [abs(p / m - 1) for p, m in zip(predicted_times, best)]
-    memory_errors = [abs(p.peak_bytes / m - 1) for p, m in zip(predicted, peaks)]
-    print(f"\nstep time: mean |error| {statistics.mean(time_errors):.1%}, max {max(time_errors):.1%}; "
-          f"Kendall tau {kendall_tau(predicted_times, best):.3f} over {len(configs)} configurations")
-    print(f"peak memory: mean |error| {statistics.mean(memory_errors):.2%}, max {max(memory_errors):.2%}")
+    print(f"\n{'configuration':<44} {'pred s':>7} {'meas s':>7} {'err':>7}  {'pred MB':>8} {'meas MB':>8} {'err':>7}")
+    rows: dict[str, list[tuple]] = {}
+    for config, prediction, step_s, outcome in zip(configs, predicted, best, measured):
+        # per pipeline stage: the stage whose predicted peak is furthest from its measured one
+        stage_pairs = list(zip(prediction.stage_peaks or [prediction.peak_bytes], outcome.stage_peaks or [outcome.peak_bytes]))
+        pred_mb, meas_mb = max(stage_pairs, key=lambda pair: abs(pair[0] / pair[1] - 1))
+        stages = f" (worst of {len(stage_pairs)} stages)" if len(stage_pairs) > 1 else ""
+        print(f"{config.label + stages:<44} {prediction.step_s:>7.3f} {step_s:>7.3f} {prediction.step_s / step_s - 1:>+7.1%}  "
+              f"{pred_mb / 1e6:>8.2f} {meas_mb / 1e6:>8.2f} {pred_mb / meas_mb - 1:>+7.2%}")
+        group = "1 process" if config.kind == "single" else f"{config.world} gloo ranks"
+        rows.setdefault(group, []).append((prediction.step_s, step_s, pred_mb, meas_mb))
+    print()
+    for group, group_rows in rows.items():
+        _summary(group, group_rows)
+    _summary("all", [row for group_rows in rows.values() for row in group_rows])
     return 0
 
 

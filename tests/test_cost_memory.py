@@ -7,14 +7,31 @@ import numpy as np
 import pytest
 
 from mist_compiler.cost.hardware import load_profile
-from mist_compiler.cost.memory import BlockActivationTerms, activation_peak, model_state_memory, state_bytes_per_param
+from mist_compiler.cost.memory import (ACCUMULATOR_BYTES, ADAMW_CHUNK_ELEMENTS, BlockActivationTerms, StageConfig,
+                                      StageLayout, greedy_offload, stage_memory, state_bytes_per_param)
 from mist_compiler.cost.op_time import class_efficiency, op_class_time
 
-P, LAYER = 1_000_000.0, 100_000.0
+PRE, LAYER, POST, N = 300_000.0, 100_000.0, 300_000.0, 4
+P = PRE + N * LAYER + POST
 
 
-def states(dtype="float16", zero=0, dp=4, w=0.0, g=0.0, o=0.0):
-    return model_state_memory(P, LAYER, dtype, zero, dp, w, g, o)
+def acts(saved=0.0, inp=0.0, fwd=0.0, bwd=0.0, output=0.0, fwd_free=0.0, bwd_free=0.0) -> BlockActivationTerms:
+    one = lambda value: np.array([value], float)  # noqa: E731
+    return BlockActivationTerms(one(saved), one(inp), one(fwd), one(bwd), one(fwd_free), one(bwd_free), one(output))
+
+
+def memory(dtype="float16", zero=0, dp=4, accum=1, inflight=1, ckpt=0, w=0.0, g=0.0, o=0.0, a=0.0, copies=0.0,
+           pre=None, layer=None, post=None, has_pre=True, has_post=True, offloaded=None):
+    layout = StageLayout(np.array([PRE]), np.array([LAYER]), np.array([POST]), np.array([float(N)]),
+                         np.array([has_pre]), np.array([has_post]))
+    config = StageConfig(dtype, np.array([zero]), np.array([dp]), np.array([accum]), np.array([inflight]),
+                         np.array([ckpt]), np.array([w]), np.array([g]), np.array([o]), np.array([a]), copies)
+    return stage_memory(layout, config, pre or acts(), layer or acts(), post or acts(),
+                        None if offloaded is None else np.array([offloaded]))
+
+
+def adam_temporary(elements: float) -> float:
+    return min(elements, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES
 
 
 def test_bytes_per_parameter_by_dtype():
@@ -25,50 +42,106 @@ def test_bytes_per_parameter_by_dtype():
         state_bytes_per_param("int8")
 
 
-@pytest.mark.parametrize("zero, expected", [
-    (0, 16 * P),
-    (1, 4 * P + 12 * P / 4),
-    (2, 2 * P + 14 * P / 4 + 2 * LAYER),  # + one layer of full gradients before its reduce-scatter
-    (3, 16 * P / 4 + 2 * 2 * LAYER + 2 * LAYER),  # + two layers' gathered weights (use + prefetch)
+@pytest.mark.parametrize("zero, weights, opt", [
+    (0, 2 * P, 12 * P),
+    (1, 2 * P, 12 * P / 4),
+    (2, 2 * P, 12 * P / 4),
+    (3, 2 * P / 4, 12 * P / 4),
 ])
-def test_zero_levels(zero, expected):
-    assert float(states(zero=zero).total) == pytest.approx(expected)
+def test_static_states_by_zero_level(zero, weights, opt):
+    result = memory(zero=zero)
+    assert float(result.weights[0]) == pytest.approx(weights)
+    assert float(result.opt[0]) == pytest.approx(opt)
 
 
-def test_zero_without_data_parallelism_shards_nothing():
-    assert float(states(zero=3, dp=1).total) == pytest.approx(16 * P)
+def test_fp32_weights_are_the_master_unless_they_move():
+    assert float(memory("float32").opt[0]) == pytest.approx(8 * P)  # moments only
+    # weights offloaded: the compute copy is transient, so the fp32 master is a buffer of its own
+    assert float(memory("float32", w=0.5).opt[0]) == pytest.approx(12 * P)
+    assert float(memory("float32", w=0.5).weights[0]) == pytest.approx(0.5 * 4 * P)
 
 
-def test_offload_ratios_move_state_to_host():
-    full = states()
-    half = states(w=0.5, g=0.25, o=1.0)
-    assert float(half.weights) == pytest.approx(0.5 * float(full.weights))
-    assert float(half.grads) == pytest.approx(0.75 * float(full.grads))
-    assert float(half.opt) == 0.0
-    # two layers' offloaded weights prefetched back, one layer's offloaded gradients staged out
-    assert float(half.buffers) == pytest.approx(2 * LAYER * 2 * 0.5 + LAYER * 2 * 0.25)
+def test_without_accumulation_gradients_exist_only_from_the_backward_on():
+    # no activations: the peak is the optimizer step, every block's fp32 reduced gradient (ZeRO-0) held
+    result = memory(zero=0)
+    assert float(result.peak[0]) == pytest.approx(2 * P + 12 * P + 4 * P + adam_temporary(PRE))
+    # a big forward activation peak carries no gradient at all
+    big = 50 * P
+    result = memory(zero=0, layer=acts(saved=1.0, fwd=big))
+    assert float(result.peak[0]) == pytest.approx(2 * P + 12 * P + 3 * 1.0 + big)
+    assert float(result.grads[0]) == 0.0
 
 
-def terms(saved, inp, fwd, bwd):
-    return BlockActivationTerms(np.array([saved], float), np.array([inp], float), np.array([fwd], float), np.array([bwd], float))
+def test_accumulators_live_between_micro_batches():
+    big = 50 * P
+    # four micro-batches, one in flight: forwards after a backward run next to every fp32 accumulator
+    with_accumulation = memory(zero=0, accum=4, layer=acts(saved=1.0, fwd=big))
+    assert float(with_accumulation.grads[0]) == pytest.approx(4 * P)
+    # ZeRO-2 keeps only the 1/dp shard of it; gradient offload moves a fraction to the host
+    assert float(memory(zero=2, accum=4, layer=acts(saved=1.0, fwd=big)).grads[0]) == pytest.approx(4 * P / 4)
+    assert float(memory(zero=2, accum=4, g=0.5, layer=acts(saved=1.0, fwd=big)).grads[0]) == pytest.approx(2 * P / 4)
 
 
-def test_activation_peak_inflight_and_checkpointing():
-    layer = terms(saved=100, inp=10, fwd=120, bwd=150)
-    pre = terms(saved=5, inp=0, fwd=20, bwd=25)
-    post = terms(saved=50, inp=10, fwd=70, bwd=90)
-    per_mb, peak = activation_peak(layer, pre, post, 4, 0, True, True, 1, 0.0)
-    assert per_mb[0] == 5 + 4 * 100 + 50
-    # backward of the post block first: all layers' activations alive + its backward peak
-    assert peak[0] == 5 + 4 * 100 + 90
-    _, peak3 = activation_peak(layer, pre, post, 4, 0, True, True, 3, 0.0)
-    assert peak3[0] == 2 * per_mb[0] + peak[0]  # 1F1B: two more micro-batches held
-    per_mb_ckpt, peak_ckpt = activation_peak(layer, pre, post, 4, 4, True, True, 1, 0.0)
-    assert per_mb_ckpt[0] == 5 + 4 * 10 + 50  # checkpointed layers keep only their input
-    # the last checkpointed layer recomputed: inputs of the others + its full backward peak
-    assert peak_ckpt[0] == max(5 + 4 * 10 + 90, 5 + 3 * 10 + 150)
-    _, peak_offload = activation_peak(layer, pre, post, 4, 0, True, True, 3, 0.5)
-    assert peak_offload[0] == pytest.approx(0.5 * 2 * per_mb[0] + peak[0])
+def test_one_f_one_b_first_and_later_backward():
+    saved = 100_000.0
+    layer = acts(saved=saved, bwd=saved)
+    middle = dict(zero=0, layer=layer, has_post=False, has_pre=False)
+    static = 2 * N * LAYER + 12 * N * LAYER
+    per_microbatch = N * saved
+    at_last_layer = (N - 1) * saved + saved  # the layers before it + its own backward peak
+    # the running block's fp16 gradient buffer and its fp32 reduction copy
+    accumulators, running = ACCUMULATOR_BYTES * N * LAYER, (2 + ACCUMULATOR_BYTES) * LAYER
+    # three micro-batches in flight, eight per iteration: a later backward holds min(3, 8 - 1) - 1 = 2
+    # others, like the first, but also every block's fp32 accumulator
+    result = memory(accum=8, inflight=3, **middle)
+    assert float(result.peak[0]) == pytest.approx(static + 2 * per_microbatch + at_last_layer + accumulators + running)
+    # two per iteration: the first backward holds one other and no accumulator, the later one none
+    two = memory(accum=2, inflight=2, **middle)
+    first = per_microbatch + at_last_layer + running
+    later = at_last_layer + accumulators + running
+    assert first != later
+    assert float(two.peak[0]) == pytest.approx(static + max(first, later))
+
+
+def test_pipeline_boundary_holds_the_output_of_each_micro_batch():
+    layer = acts(saved=1000.0, fwd=1e7, inp=10.0, output=10.0)
+    middle = memory(zero=0, inflight=3, accum=3, layer=layer, has_pre=False, has_post=False)
+    last = memory(zero=0, inflight=3, accum=3, layer=layer, has_pre=False, has_post=True)
+    # during a forward a middle stage also keeps the two held micro-batches' outputs
+    assert float(middle.acts[0]) - float(last.acts[0]) == pytest.approx(2 * 10.0)
+
+
+def test_zero3_gathers_blocks_and_reductions_make_room():
+    gathered = memory(zero=3, layer=acts(saved=1.0, fwd=50 * P))
+    assert float(gathered.buffers[0]) == pytest.approx(2 * LAYER * 2)  # a layer in use and the next prefetched
+    assert float(memory(zero=2, layer=acts(saved=1.0, fwd=50 * P)).buffers[0]) == 0.0
+    # no activations: the largest point is pre's reduce-scatter at the end of the backward, with every
+    # block's fp32 shard, pre's gradient buffer, its fresh shard and the library's copy of the input
+    static = 2 * P + 12 * P / 4
+    reduction = ACCUMULATOR_BYTES * (P - PRE) / 4 + (2 + ACCUMULATOR_BYTES) * PRE + ACCUMULATOR_BYTES * (PRE / 4 + PRE)
+    assert float(memory(zero=2, copies=1.0).peak[0]) == pytest.approx(static + reduction)
+    without_copy = reduction - ACCUMULATOR_BYTES * PRE
+    assert float(memory(zero=2, copies=0.0).peak[0]) == pytest.approx(
+        static + max(without_copy, ACCUMULATOR_BYTES * P / 4 + adam_temporary(PRE / 4)))
+
+
+def test_greedy_offload_follows_the_runtime_rule():
+    sizes = [np.array([10.0]), np.array([10.0]), np.array([40.0]), np.array([40.0])]
+    # half: the first tensor stays (10 > 5), the second goes (10 <= 10), the third stays (50 > 30),
+    # the fourth goes (50 <= 50)
+    assert float(greedy_offload(sizes, [True] * 4, np.array([0.5]))[0]) == 50.0
+    assert float(greedy_offload(sizes, [True, False, True, True], np.array([0.5]))[0]) == 40.0
+    assert float(greedy_offload(sizes, [True] * 4, np.array([1.0]))[0]) == 100.0
+    assert float(greedy_offload(sizes, [True] * 4, np.array([0.0]))[0]) == 0.0
+
+
+def test_activation_offload_keeps_the_rest_of_each_layer():
+    layer = acts(saved=100.0, fwd=150.0, bwd=150.0)
+    full = memory(zero=0, inflight=3, accum=3, layer=layer)
+    half = memory(zero=0, inflight=3, accum=3, layer=layer, a=0.5, offloaded=50.0)
+    assert float(half.acts[0]) < float(full.acts[0])
+    # two held micro-batches keep half of every layer; the running one half of the layers before it
+    assert float(full.acts[0]) - float(half.acts[0]) == pytest.approx(2 * N * 50.0 + (N - 1) * 50.0 - 50.0, abs=100.0)
 
 
 def test_roofline_per_op_class():

@@ -54,7 +54,11 @@ def test_checkpointing_trades_time_for_memory(model):
 def test_zero_and_offload_reduce_memory(model):
     dp4 = dict(gpus_per_node=4, dp=4)
     levels = [float(model.evaluate(one(zero=z, **dp4)).peak_memory_bytes[0]) for z in range(4)]
-    assert levels[0] > levels[1] > levels[2]
+    # one micro-batch per step: ZeRO-1 also ends with gradient shards, so ZeRO-2 saves nothing more;
+    # with accumulation ZeRO-2 keeps a 1/dp accumulator where ZeRO-1 keeps a full one
+    assert levels[0] > levels[1] == levels[2] > levels[3]
+    accumulating = [float(model.evaluate(one(zero=z, grad_accum=4, **dp4)).peak_memory_bytes[0]) for z in range(4)]
+    assert accumulating[0] > accumulating[1] > accumulating[2] > accumulating[3]
     plain = model.evaluate(one(**dp4))
     offloaded = model.evaluate(one(offload_opt=1.0, offload_weights=0.5, **dp4))
     assert offloaded.peak_memory_bytes[0] < plain.peak_memory_bytes[0]
@@ -126,7 +130,8 @@ def test_bad_arguments_name_the_field():
 
 
 def test_memory_knobs_are_monotone(model):
-    """More checkpointing or offloading never saves time and never costs memory (the tuner prunes on it)."""
+    """More checkpointing or offloading never saves time and never costs memory (the tuner prunes on
+    it), weights offload excepted for memory (as the tuner knows)."""
     rng = np.random.default_rng(1)
     n = 500
     layers = rng.integers(1, 5, n)
@@ -146,4 +151,5 @@ def test_memory_knobs_are_monotone(model):
         after = model.evaluate(changed)
         assert (after.stable_s >= before.stable_s * (1 - 1e-9)).all(), knob
         assert (after.delta_s >= before.delta_s * (1 - 1e-9)).all(), knob
-        assert (after.peak_memory_bytes <= before.peak_memory_bytes * (1 + 1e-9)).all(), knob
+        if knob != "offload_weights":  # moved weights need transient full copies (and an fp32 master of their own)
+            assert (after.peak_memory_bytes <= before.peak_memory_bytes * (1 + 1e-9)).all(), knob

@@ -24,8 +24,8 @@ class CollectiveError(RuntimeError):
     """A collective failed or did not finish within the timeout; the message names unit and op."""
 
 
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _reduce_scatter_native: dict[str, bool] = {}
 
 
@@ -80,7 +80,7 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
     if group_size(group) == 1:
         output.copy_(shard)
         return Pending(what)
-    return Pending(what, _ALL_GATHER(output, shard, group=group, async_op=True), output.is_cuda)
+    return Pending(what, ALL_GATHER(output, shard, group=group, async_op=True), output.is_cuda)
 
 
 def all_reduce_flat(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Pending:
@@ -106,7 +106,7 @@ def reduce_scatter_flat(output: torch.Tensor, full: torch.Tensor, group: dist.Pr
     key = _backend_key(group)
     if _reduce_scatter_native.get(key, True):
         try:
-            return Pending(what, _REDUCE_SCATTER(output, full, group=group, async_op=True), full.is_cuda)
+            return Pending(what, REDUCE_SCATTER(output, full, group=group, async_op=True), full.is_cuda)
         except (RuntimeError, NotImplementedError) as error:
             if "support" not in str(error).lower():
                 raise CollectiveError(f"{what} failed: {error}") from error

@@ -36,6 +36,9 @@ except Exception:  # triton missing or broken: torch fallbacks only
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 1024
+# the torch AdamW fallback updates this many elements at a time: its temporaries (the denominator,
+# a cast gradient) stay at one chunk whatever the shard size (the cost model counts them)
+ADAMW_TORCH_CHUNK = 1 << 20
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -240,10 +243,13 @@ def adamw_torch(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                 step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """The plain-torch AdamW update on flat tensors (reference and fallback)."""
     coeffs = adamw_coefficients(step, lr, betas, weight_decay)
-    grad = grad.to(param.dtype)
-    if weight_decay:
-        param.mul_(coeffs["decay_factor"])
-    exp_avg.lerp_(grad, 1.0 - betas[0])
-    exp_avg_sq.mul_(betas[1]).addcmul_(grad, grad, value=1.0 - betas[1])
-    denom = (exp_avg_sq.sqrt() / coeffs["bias_correction2_sqrt"]).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-coeffs["step_size"])
+    for start in range(0, param.numel(), ADAMW_TORCH_CHUNK):  # bounds the temporaries at one chunk
+        window = slice(start, start + ADAMW_TORCH_CHUNK)
+        chunk, grad_chunk = param[window], grad[window].to(param.dtype)
+        avg, avg_sq = exp_avg[window], exp_avg_sq[window]
+        if weight_decay:
+            chunk.mul_(coeffs["decay_factor"])
+        avg.lerp_(grad_chunk, 1.0 - betas[0])
+        avg_sq.mul_(betas[1]).addcmul_(grad_chunk, grad_chunk, value=1.0 - betas[1])
+        denom = avg_sq.sqrt().div_(coeffs["bias_correction2_sqrt"]).add_(eps)
+        chunk.addcdiv_(avg, denom, value=-coeffs["step_size"])

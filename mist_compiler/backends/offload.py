@@ -10,8 +10,8 @@ fraction of the unit's saved activations to host memory, and during backward the
 prefetches them back one unit ahead. Rule (documented for the cost model): tensors are offloaded
 in the order they are saved while the offloaded bytes stay within ``fraction`` of the bytes the
 unit has saved so far, so the offloaded share ends within one tensor of ``fraction``; parameters
-(tensors whose storage is a weight buffer) are never offloaded, and neither are tensors already on
-the host.
+(tensors whose storage is a weight buffer) are neither counted nor offloaded; non-contiguous
+tensors count but stay, and so do tensors already on the host.
 """
 from __future__ import annotations
 
@@ -153,6 +153,8 @@ class ActivationOffloader:
         budget = {"saved": 0, "offloaded": 0}
 
         def pack(tensor: torch.Tensor):
+            if self._is_weight(tensor):  # parameters are neither activations nor offloaded
+                return tensor
             nbytes = tensor.numel() * tensor.element_size()
             budget["saved"] += nbytes
             if not self._offloadable(tensor) or budget["offloaded"] + nbytes > self.fraction * budget["saved"]:
@@ -184,7 +186,10 @@ class ActivationOffloader:
             return False
         if tensor.device.type == "cpu" and self.streams.asynchronous:
             return False
-        return tensor.untyped_storage().data_ptr() not in self.weight_storage_ptrs()
+        return True
+
+    def _is_weight(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self.weight_storage_ptrs()
 
     def _prefetch_one(self, record: "ActivationOffloader.Saved") -> None:
         self.streams.synchronize(record.d2h_event)  # long finished by backward time

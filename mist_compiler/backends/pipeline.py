@@ -180,6 +180,7 @@ class P2P:
 
     def _send(self, values: list[BoundaryValue], tensors: list[torch.Tensor | None], pieces: list[Piece],
               micro: int, direction: int) -> None:
+        self._finish_sends(direction)
         for index, (value, tensor) in enumerate(zip(values, tensors)):
             if tensor is None:
                 continue
@@ -189,7 +190,7 @@ class P2P:
                     continue
                 part = part.detach().contiguous()
                 tag = self._tag(micro, direction, index, len(values))
-                self.pending.append((dist.isend(part, dst=piece.peer, tag=tag), part, piece.peer))
+                self.pending.append((dist.isend(part, dst=piece.peer, tag=tag), part, piece.peer, direction))
 
     def recv_forward(self, micro: int) -> list[torch.Tensor]:
         tensors = self._receive(self.inputs, self.links.recv_forward, micro, FORWARD, batched_only=False)
@@ -212,7 +213,21 @@ class P2P:
         """Forget receives posted for an iteration that was abandoned (after a failure)."""
         self.posted.clear()
 
+    def _finish_sends(self, direction: int) -> None:
+        """Wait for the earlier sends in ``direction`` before posting new ones, so at most one micro-batch's
+        sends per direction hold their buffers (gloo's point-to-point works never report completion
+        before ``wait()``, so polling would keep every send to the end of the iteration). The peer
+        posts each receive in schedule order and never needs this rank's later messages first, so the
+        wait is short and cannot deadlock."""
+        still_running = []
+        for work, part, peer, sent_direction in self.pending:
+            if sent_direction == direction or work.is_completed():
+                self._wait(work, peer, "sending to the next/previous stage")
+            else:
+                still_running.append((work, part, peer, sent_direction))
+        self.pending = still_running
+
     def wait_sends(self) -> None:
-        for work, _part, peer in self.pending:
+        for work, _part, peer, _direction in self.pending:
             self._wait(work, peer, "sending to the next/previous stage")
         self.pending.clear()

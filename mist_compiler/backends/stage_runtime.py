@@ -182,6 +182,11 @@ class StageRuntime:
             if index + 1 < len(self.buckets) and not recompute:
                 for bucket in self._need_buckets[index + 1]:
                     bucket.fetch_weights()
+            if not recompute:
+                # a micro-batch entering the stage first finishes the previous backward's reductions, so
+                # their full gradient buffers never outlive it (gloo's reduce-scatter never reports
+                # completion before wait(), so a non-blocking drain alone would keep them to the next step)
+                self._drain_completed(block=index == 0)
         return hook
 
     def _make_forward_post(self, index: int):
@@ -229,8 +234,15 @@ class StageRuntime:
             needed.bwd_holds = max(0, needed.bwd_holds - 1)
             needed.maybe_release_weights()
         self.activations[self.unit_names[index]].backward_done(self.unit_names[index])
-        for other in self.buckets:
-            other.drain(block=False)
+        # the reductions launched before this one have had a whole unit's backward to finish: wait for
+        # them, so at most two units' full gradient buffers are alive (and never all of them on gloo,
+        # whose reduce-scatter never reports completion to a non-blocking check)
+        for other_index, other in enumerate(self.buckets):
+            other.drain(block=other_index != index)
+
+    def _drain_completed(self, block: bool = False) -> None:
+        for bucket in self.buckets:
+            bucket.drain(block=block)
 
     def _flush_incomplete(self) -> None:
         """Units whose backward began but some parameter got no gradient: reduce what they have."""

@@ -7,14 +7,18 @@ caching allocator does not reuse them early. Host buffers are pinned when CUDA i
 (``pin_memory`` fails without an accelerator, TORCH-NOTES section 4).
 On CPU the same calls copy synchronously and return ``None``; ``wait(None)`` is a no-op, so the
 runtime has one code path for both.
+Every host buffer comes from ``host_empty``; ``allocating_host_memory()`` is true while it runs, so
+a memory probe on CPU (where host and device are the same RAM) can tell host buffers apart.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 HOST = torch.device("cpu")
+_host_scope = threading.local()
 
 
 def pinning_available() -> bool:
@@ -23,7 +27,16 @@ def pinning_available() -> bool:
 
 def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A flat host buffer, pinned when a CUDA device can use it for asynchronous copies."""
-    return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=pinning_available())
+    _host_scope.depth = getattr(_host_scope, "depth", 0) + 1
+    try:
+        return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=pinning_available())
+    finally:
+        _host_scope.depth -= 1
+
+
+def allocating_host_memory() -> bool:
+    """True (in this thread) while ``host_empty`` allocates: the new storage is host memory."""
+    return getattr(_host_scope, "depth", 0) > 0
 
 
 @dataclass

@@ -88,6 +88,7 @@ def plan_candidates(plan: Plan) -> StageCandidates:
         offload_opt=column(lambda st: st.offload.opt),
         offload_acts=column(lambda st: st.offload.acts),
         inflight=np.minimum(count - np.arange(count), plan.grad_accum),
+        grad_accum=plan.grad_accum,
     )
 
 

@@ -18,6 +18,9 @@ Meaning of the fields the cost model reads:
 * ``collectives['NxG']``: alpha-beta fits per group shape; ``cost.comm`` derives unlisted shapes.
 * ``op_overhead_s`` (optional, default 0): fixed seconds per op on top of its roofline time
   (eager dispatch on CPU, kernel launch on GPU); matters for small models.
+* ``reduce_scatter_copies`` (optional, default 0): transient copies of its whole input that the
+  communication library's reduce-scatter allocates while it runs (gloo: 1, measured by
+  ``mistc profile``; NCCL: 0); the memory model adds them to the gradient reduction.
 * ``slowdown['A|B']``: factor by which channel A runs slower while channel B is active
   (channels ``compute``, ``collective``, ``h2d``, ``d2h``); missing pairs are 1. ``cost.overlap``
   simulates a phase with them.
@@ -87,6 +90,7 @@ class HardwareProfile:
     slowdown: dict[tuple[str, str], float] = field(default_factory=dict)
     description: str = ""
     op_overhead: float = 0.0  # s, fixed cost of launching one op (framework dispatch / kernel launch)
+    reduce_scatter_copies: float = 0.0  # transient copies of its input a reduce-scatter allocates
 
     def efficiency_of(self, op_class: str) -> float:
         """Efficiency of an op class; a class the profile does not list gets ``default`` (else 1)."""
@@ -96,7 +100,7 @@ class HardwareProfile:
     def from_dict(cls, data: Any, source: str = "<profile>") -> "HardwareProfile":
         top = {"name", "device_memory_gb", "gpus_per_node", "peak_tflops", "efficiency",
                "memory_bandwidth_gbps", "collectives", "h2d_gbps", "d2h_gbps"}
-        _keys(data, source, top, {"description", "collective_factor", "slowdown", "op_overhead_s"})
+        _keys(data, source, top, {"description", "collective_factor", "slowdown", "op_overhead_s", "reduce_scatter_copies"})
         _require(isinstance(data["name"], str) and data["name"].strip() != "", "name", f"expected a non-empty string, got {data['name']!r}")
         _require(isinstance(data.get("description", ""), str), "description", "expected a string")
         gpus_per_node = data["gpus_per_node"]
@@ -143,8 +147,12 @@ class HardwareProfile:
         op_overhead = data.get("op_overhead_s", 0.0)
         _require(_number(op_overhead) and 0 <= op_overhead < 1.0, "op_overhead_s",
                  f"seconds per op, >= 0 and < 1, got {op_overhead!r}")
+        copies = data.get("reduce_scatter_copies", 0.0)
+        _require(_number(copies) and 0 <= copies <= 8, "reduce_scatter_copies",
+                 f"copies of the input, between 0 and 8, got {copies!r}")
         return cls(
             op_overhead=float(op_overhead),
+            reduce_scatter_copies=float(copies),
             name=data["name"],
             device_memory=_positive(data["device_memory_gb"], "device_memory_gb") * 1e9,
             gpus_per_node=gpus_per_node,
@@ -175,6 +183,7 @@ class HardwareProfile:
             "d2h_gbps": self.d2h_bandwidth / 1e9,
             "slowdown": {f"{a}|{b}": v for (a, b), v in self.slowdown.items()},
             "op_overhead_s": self.op_overhead,
+            "reduce_scatter_copies": self.reduce_scatter_copies,
         }
 
 

@@ -1,25 +1,32 @@
-"""Stage memory: closed-form outer terms over the per-block symbolic analysis (numpy-vectorised).
+"""Stage memory: the backend's memory timeline in closed form over the per-block symbolic analysis.
 
 The inner terms come from the memory-analysis pass (per block class, symbolic in b, s, t and
-evaluated per candidate): saved activations ``A`` per micro-batch, the block input ``I``, the
-forward and backward peaks of live memory. The outer terms are closed forms here:
+evaluated per candidate): saved activations ``A`` per micro-batch, the block input ``I``, and the
+peaks of live activation memory inside the block's forward and backward, split by whether the
+block's weights are in use there (``BlockActivationTerms``). The outer terms follow what the
+backend (``backends/zero.py``, one flat bucket per unit) holds at each point of a step:
 
-- **model states** per parameter (dtype-aware): mixed precision (float16/bfloat16) keeps a
-  2-byte weight, a 2-byte gradient and 12 bytes of optimizer state (fp32 master weight, Adam
-  first and second moments); float32 training keeps 4 + 4 + 8 (no master copy).
-  ZeRO over the ``dp`` ranks: level 1 shards optimizer states, 2 also gradients, 3 also weights.
-  Offload ratios move that fraction of each state to the host.
-- **buffers**: ZeRO-3 gathers full layer weights on use, one layer in use and one prefetched
-  (``2 * layer weight bytes``); levels 2-3 hold one layer's full gradients before the
-  reduce-scatter; offloaded weights are brought back one layer ahead (two layers' offloaded
-  part on the device) and offloaded gradients leave through one layer's staging buffer.
+- **static** (the whole step): the weights (ZeRO-3: the ``1/dp`` shard; a weight-offload fraction
+  ``w`` lives on the host), the fp32 master (none when fp32 weights are the master) and the two
+  Adam moments, ``1/dp`` from ZeRO-1 on, an ``opt`` fraction on the host;
+- **transient weights**: under ZeRO-3 or weight offload a block's full weights are materialised
+  for its forward and backward with the next block's prefetched (pre: itself + a layer; layer:
+  two layers; the post block: itself, whose loss runs after its head is released);
+- **gradients**, allocated when a block's backward begins: the block's micro-batch gradient
+  buffer (param dtype, plus an fp32 reduction copy in mixed precision) while its backward runs;
+  the reduced gradient each finished block keeps until the step (ZeRO-0: all of it; ZeRO-1: the
+  ``1/dp`` shard; ZeRO-2/3: the ``1/dp`` accumulator); with gradient accumulation an fp32
+  accumulator per block between micro-batches (ZeRO-0/1: full, ZeRO-2/3: ``1/dp``; a ``grads``
+  offload fraction of it on the host), present in the forwards that follow a backward;
 - **activations** under 1F1B: ``inflight`` micro-batches are alive at once (stage i of S holds
   S-i). A checkpointed layer keeps only its input ``I``; its activations come back during its
-  backward (the recompute) and are transient there. Activation offload moves a fraction of the
-  *held* micro-batches' activations (those not being processed) to the host.
-- **peak**: during the forward of block j of the newest micro-batch, or the backward of block j
-  of the oldest: ``(inflight - 1) * acts_per_microbatch + acts of the blocks before j + peak of j``;
-  the stage's checkpointed layers are its first ``ckpt_layers`` layers (as the backend does).
+  backward. Activation offload keeps ``1 - acts`` of the saved activations of every block other
+  than the one running (and the one prefetched back for the backward) on the device;
+- **optimizer step**: everything reduced + the fallback AdamW's one-chunk temporary.
+
+The peak is the largest of these sums over the program points: forward of each block of the
+newest micro-batch, backward of each block of the oldest (gradients grow as the activations
+shrink, so both ends of the layer range are points), and the optimizer step.
 """
 from __future__ import annotations
 
@@ -29,6 +36,9 @@ import numpy as np
 
 MIXED_PRECISION_BYTES = (2.0, 2.0, 12.0)  # weight, gradient, optimizer state per parameter
 FP32_BYTES = (4.0, 4.0, 8.0)
+ACCUMULATOR_BYTES = 4.0  # gradients are reduced and accumulated in fp32
+# the backend's torch AdamW updates at most this many elements at once (backends.kernels)
+ADAMW_CHUNK_ELEMENTS = 1 << 20
 
 
 def state_bytes_per_param(dtype: str) -> tuple[float, float, float]:
@@ -41,82 +51,240 @@ def state_bytes_per_param(dtype: str) -> tuple[float, float, float]:
 
 
 @dataclass
-class ModelStateMemory:
-    weights: np.ndarray
-    grads: np.ndarray
-    opt: np.ndarray
-    buffers: np.ndarray  # ZeRO gather / gradient buckets
-
-    @property
-    def total(self) -> np.ndarray:
-        return self.weights + self.grads + self.opt + self.buffers
-
-
-def model_state_memory(stage_params, layer_params, dtype: str, zero, dp, offload_weights, offload_grads,
-                       offload_opt) -> ModelStateMemory:
-    """Device bytes of weights, gradients, optimizer states and ZeRO buffers of one stage rank.
-
-    ``stage_params``: parameters on one device after tensor-parallel sharding (before ZeRO);
-    ``layer_params``: the same for one layer (sizes the ZeRO-3 gather and gradient buffers).
-    """
-    weight_b, grad_b, opt_b = state_bytes_per_param(dtype)
-    zero = np.asarray(zero)
-    dp = np.asarray(dp, dtype=float)
-    stage_params = np.asarray(stage_params, dtype=float)
-    layer_params = np.asarray(layer_params, dtype=float)
-    opt_share = np.where(zero >= 1, 1.0 / dp, 1.0)
-    grad_share = np.where(zero >= 2, 1.0 / dp, 1.0)
-    weight_share = np.where(zero >= 3, 1.0 / dp, 1.0)
-    weights = stage_params * weight_b * weight_share * (1.0 - np.asarray(offload_weights))
-    grads = stage_params * grad_b * grad_share * (1.0 - np.asarray(offload_grads))
-    opt = stage_params * opt_b * opt_share * (1.0 - np.asarray(offload_opt))
-    sharded = dp > 1
-    gather = np.where((zero >= 3) & sharded, 2.0 * layer_params * weight_b, 0.0)
-    grad_bucket = np.where((zero >= 2) & sharded, layer_params * grad_b, 0.0)
-    # offloaded weights come back one layer ahead (in use + prefetched) unless ZeRO-3's gather buffer
-    # already holds them; offloaded gradients leave one layer at a time
-    # (capped by the stage's own parameters: offloading never costs more than it saves)
-    in_flight = np.minimum(2.0 * layer_params, stage_params)
-    weight_prefetch = np.where(gather > 0, 0.0, in_flight * weight_b * weight_share * np.asarray(offload_weights))
-    grad_staging = np.minimum(layer_params, stage_params) * grad_b * grad_share * np.asarray(offload_grads)
-    return ModelStateMemory(weights, grads, opt, gather + grad_bucket + weight_prefetch + grad_staging)
-
-
-@dataclass
 class BlockActivationTerms:
     """Per-candidate byte arrays of one block kind (from the memory-analysis pass)."""
 
     saved: np.ndarray  # A: activations kept for the backward, one micro-batch
     input: np.ndarray  # I: the block input (all a checkpointed block keeps)
-    forward_peak: np.ndarray  # max over forward points of saved-so-far + live transient
-    backward_peak: np.ndarray  # max over backward points of everything alive
+    forward_peak: np.ndarray  # forward points where the block's weights are in use
+    backward_peak: np.ndarray  # backward points where its weights / parameter gradients are in use
+    forward_peak_weights_free: np.ndarray | None = None  # points past its last weight use (a loss)
+    backward_peak_weights_free: np.ndarray | None = None  # points before its first (the loss backward)
+    output: np.ndarray | None = None  # the hidden state it hands on (a pipeline boundary)
 
 
-def activation_peak(layer: BlockActivationTerms, pre: BlockActivationTerms, post: BlockActivationTerms,
-                    num_layers, ckpt_layers, has_pre, has_post, inflight, offload_acts) -> tuple[np.ndarray, np.ndarray]:
-    """(activation bytes of one micro-batch as held, peak activation bytes) per candidate."""
-    num_layers = np.asarray(num_layers, dtype=float)
-    ckpt = np.asarray(ckpt_layers, dtype=float)
-    plain = num_layers - ckpt
-    has_pre = np.asarray(has_pre, dtype=float)
-    has_post = np.asarray(has_post, dtype=float)
-    kept = 1.0 - np.asarray(offload_acts, dtype=float)
+@dataclass
+class StageLayout:
+    """Parameter elements on one device (after tensor-parallel sharding, before ZeRO) per block."""
+
+    pre: np.ndarray
+    layer: np.ndarray
+    post: np.ndarray
+    num_layers: np.ndarray
+    has_pre: np.ndarray
+    has_post: np.ndarray
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.num_layers * self.layer + self.has_pre * self.pre + self.has_post * self.post
+
+
+@dataclass
+class StageConfig:
+    """The per-candidate choices that shape memory (arrays)."""
+
+    dtype: str
+    zero: np.ndarray
+    dp: np.ndarray
+    grad_accum: np.ndarray
+    inflight: np.ndarray
+    ckpt_layers: np.ndarray
+    offload_weights: np.ndarray
+    offload_grads: np.ndarray
+    offload_opt: np.ndarray
+    offload_acts: np.ndarray
+    reduce_scatter_copies: float = 0.0  # transient input copies the library's reduce-scatter makes
+
+
+@dataclass
+class StageMemory:
+    weights: np.ndarray  # static weights (shard / device part)
+    grads: np.ndarray  # gradients held at the optimizer step
+    opt: np.ndarray  # master + moments on the device
+    buffers: np.ndarray  # transient weights / gradient buffers at the peak point
+    acts: np.ndarray  # activations at the peak point
+    acts_per_microbatch: np.ndarray  # one micro-batch's saved activations
+    peak: np.ndarray
+
+
+def _arrays(*values) -> list[np.ndarray]:
+    return [np.asarray(value, dtype=float) for value in values]
+
+
+class _Gradients:
+    """Gradient bytes of the backend at the points of a step, per candidate."""
+
+    def __init__(self, config: StageConfig, grad_bytes: float) -> None:
+        zero, dp, accum, g = np.asarray(config.zero), *_arrays(config.dp, config.grad_accum, config.offload_grads)
+        self.zero, self.dp, self.g = zero, dp, g
+        self.accumulating = accum > 1
+        self.grad_bytes = grad_bytes
+        self.mixed = grad_bytes < ACCUMULATOR_BYTES
+
+    def accumulator(self, numel: np.ndarray) -> np.ndarray:
+        """Device bytes of the fp32 accumulator a block keeps between micro-batches."""
+        share = np.where(self.zero >= 2, 1.0 / self.dp, 1.0)
+        return np.where(self.accumulating, (1.0 - self.g) * numel * share * ACCUMULATOR_BYTES, 0.0)
+
+    def finished(self, numel: np.ndarray) -> np.ndarray:
+        """Bytes a block adds once its backward of the iteration's last micro-batch is done."""
+        full, shard = numel * ACCUMULATOR_BYTES, numel / self.dp * ACCUMULATOR_BYTES
+        # with accumulation the last micro-batch folds the accumulator's device part into what it
+        # reduces and releases it: in place without gradient offload (ZeRO-0 adds nothing), else the
+        # full micro-batch buffer is reduced and kept (ZeRO-0) or scattered to a shard (ZeRO-1)
+        zero0 = np.where(self.accumulating, self.g * full, full)
+        zero1 = np.where(self.accumulating, shard - (1.0 - self.g) * full, shard)
+        zero23 = np.where(self.accumulating, 0.0, (1.0 - self.g) * shard)
+        return np.select([self.zero == 0, self.zero == 1], [zero0, zero1], zero23)
+
+    def running(self, numel: np.ndarray) -> np.ndarray:
+        """The micro-batch gradient buffer of the block whose backward runs."""
+        return numel * (self.grad_bytes + (ACCUMULATOR_BYTES if self.mixed else 0.0))
+
+    def reducing(self, numel: np.ndarray, copies: float) -> np.ndarray:
+        """On top of ``running`` while the block's gradients are reduce-scattered: the fresh shard
+        and the library's copies of the fp32 input."""
+        scattered = (self.zero >= 1) & (self.dp > 1)
+        return np.where(scattered, (numel / self.dp + copies * numel) * ACCUMULATOR_BYTES, 0.0)
+
+
+def greedy_offload(saved_sequence: list[np.ndarray], offloadable: list[bool], fraction: np.ndarray) -> np.ndarray:
+    """Bytes of one layer's saved activations the backend moves to the host: in save order, a
+    contiguous tensor goes if the offloaded bytes then stay within ``fraction`` of the bytes saved
+    so far (``backends.offload.ActivationOffloader``)."""
+    fraction = np.asarray(fraction, dtype=float)
+    saved_so_far = np.zeros_like(fraction)
+    offloaded = np.zeros_like(fraction)
+    for size, movable in zip(saved_sequence, offloadable):
+        size = np.asarray(size, dtype=float)
+        saved_so_far = saved_so_far + size
+        take = movable & (size > 0) & (offloaded + size <= fraction * saved_so_far)
+        offloaded = offloaded + np.where(take, size, 0.0)
+    return offloaded
+
+
+def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationTerms, layer: BlockActivationTerms,
+                 post: BlockActivationTerms, layer_offloaded: np.ndarray | None = None) -> StageMemory:
+    """Device memory of one stage rank per candidate: the parts at the peak point and the peak."""
+    weight_b, grad_b, _ = state_bytes_per_param(config.dtype)
+    zero = np.asarray(config.zero)
+    dp, w, o, a, n, ckpt, inflight = _arrays(config.dp, config.offload_weights, config.offload_opt, config.offload_acts,
+                                             layout.num_layers, config.ckpt_layers, config.inflight)
+    has_pre, has_post = _arrays(layout.has_pre, layout.has_post)
+    p_pre, p_layer, p_post = has_pre * layout.pre, np.asarray(layout.layer, float), has_post * layout.post
+    total = layout.total
+    fp32 = config.dtype == "float32"
+
+    # ---- static states ---------------------------------------------------------------------
+    persistent = (zero < 3) & (w == 0)
+    weights = np.where(persistent, total * weight_b, (1.0 - w) * total * weight_b * np.where(zero >= 3, 1.0 / dp, 1.0))
+    shard = np.where(zero >= 1, 1.0 / dp, 1.0)
+    master_aliased = fp32 & ((persistent & (o == 0)) | ((zero == 3) & (o == w)))
+    opt = (1.0 - o) * total * shard * np.where(master_aliased, 8.0, 12.0)
+
+    # ---- transient weights at a block's points (ZeRO-3 gather / weights brought in) ----------
+    transient = np.where(persistent, 0.0, weight_b)
+    weights_at = {"pre": transient * (p_pre + np.where(n > 0, p_layer, 0.0)),
+                  "layer": transient * 2.0 * p_layer, "post": transient * p_post}
+
+    # ---- gradients --------------------------------------------------------------------------
+    grads = _Gradients(config, grad_b)
+    reducing = lambda numel: grads.reducing(numel, config.reduce_scatter_copies)  # noqa: E731
+    accum = np.asarray(config.grad_accum, float)
+    between = grads.accumulator(total)  # accumulators of every block (a previous micro-batch's backward)
+    forward_grads = np.where(inflight < accum, between, 0.0)
+    # a block finished in the iteration's first backward keeps its accumulator (or, without
+    # accumulation, its reduced gradient); in a later one it adds what the last micro-batch leaves
+    first_done = lambda numel: np.where(grads.accumulating, grads.accumulator(numel), grads.finished(numel))  # noqa: E731
+    at_step = between + grads.finished(total)
+
+    # ---- activations ------------------------------------------------------------------------
+    plain = n - ckpt
     pre_acts = has_pre * pre.saved
-    post_acts = has_post * post.saved
-    per_microbatch = pre_acts + ckpt * layer.input + plain * layer.saved + post_acts
-    held = (np.asarray(inflight, dtype=float) - 1.0) * per_microbatch * kept
-    zero = np.zeros_like(per_microbatch)
-    candidates = [
-        # forward of the newest micro-batch
-        has_pre * pre.forward_peak,
-        np.where(ckpt > 0, pre_acts + (ckpt - 1) * layer.input + layer.forward_peak, zero),
-        np.where(plain > 0, pre_acts + ckpt * layer.input + (plain - 1) * layer.saved + layer.forward_peak, zero),
-        has_post * (pre_acts + ckpt * layer.input + plain * layer.saved + post.forward_peak),
-        # backward of the oldest micro-batch (post first, then layers last to first, then pre)
-        has_post * (pre_acts + ckpt * layer.input + plain * layer.saved + post.backward_peak),
-        np.where(plain > 0, pre_acts + ckpt * layer.input + (plain - 1) * layer.saved + layer.backward_peak, zero),
-        # a checkpointed layer: its forward is recomputed, then its backward runs
-        np.where(ckpt > 0, pre_acts + (ckpt - 1) * layer.input + np.maximum(layer.forward_peak, layer.backward_peak), zero),
-        has_pre * pre.backward_peak,
+    per_microbatch = pre_acts + ckpt * layer.input + plain * layer.saved + has_post * post.saved
+    # activation offload: a layer keeps on the device what the greedy rule leaves; a checkpointed
+    # layer saves one tensor (its input), which goes only when everything goes; the pre and post
+    # blocks' units save little and the loss runs outside any unit, so they keep theirs
+    offloaded = layer_offloaded if layer_offloaded is not None else a * layer.saved
+    layer_kept = layer.saved - offloaded
+    ckpt_kept = np.where(a >= 1.0, 0.0, layer.input)
+    kept_before = lambda ckpt_count, plain_count: pre_acts + ckpt_count * ckpt_kept + plain_count * layer_kept  # noqa: E731
+    # pipeline boundaries: a stage that is not the last keeps each in-flight micro-batch's output
+    # until its backward; one receive (the next input, or an output gradient) is posted ahead
+    boundary_output = (1.0 - has_post) * (layer.output if layer.output is not None else 0.0)
+    posted_receive = np.maximum((1.0 - has_pre) * layer.input, boundary_output)
+    one_held = kept_before(ckpt, plain) + has_post * post.saved + boundary_output
+    before_post = kept_before(ckpt, plain)
+    zeros = np.zeros_like(per_microbatch)
+    post_fw_free = post.forward_peak_weights_free if post.forward_peak_weights_free is not None else zeros
+    post_bw_free = post.backward_peak_weights_free if post.backward_peak_weights_free is not None else zeros
+    prefetched = offloaded  # the next plain layer's offloaded activations, brought back one block ahead
+    layer_weights = lambda present: np.where(present, weights_at["layer"], 0.0)  # noqa: E731
+    recomputed = np.maximum(layer.forward_peak, layer.backward_peak)
+
+    # (activations, transient weights, gradients) at each point; absent blocks contribute nothing
+    forward_points = [
+        (has_pre * pre.forward_peak, has_pre * weights_at["pre"], forward_grads),
+        (np.where(ckpt > 0, kept_before(ckpt - 1, 0) + layer.forward_peak, zeros), layer_weights(ckpt > 0), forward_grads),
+        (np.where(plain > 0, kept_before(ckpt, plain - 1) + layer.forward_peak, zeros), layer_weights(plain > 0),
+         forward_grads),
+        (has_post * (before_post + post.forward_peak), has_post * weights_at["post"], forward_grads),
+        (has_post * (before_post + post_fw_free), zeros, forward_grads),
     ]
-    return per_microbatch, held + np.max(np.stack(candidates), axis=0)
+
+    def backward_points(base: np.ndarray, done) -> list[tuple]:
+        """The loss, the post block, layers last to first (both ends), checkpointed layers, pre;
+        ``base``: gradient bytes before this backward, ``done(numel)``: bytes a finished block adds.
+        A stage without the post block also holds the output it kept for this backward."""
+        done_post = done(p_post)
+        layers_done = lambda count: done_post + done(count * p_layer)  # noqa: E731
+        points = [
+            (has_post * (before_post + post_bw_free), zeros, base),
+            (has_post * (before_post + post.backward_peak), has_post * weights_at["post"],
+             base + grads.running(p_post)),
+            (np.where(plain > 0, kept_before(ckpt, plain - 1) + np.where(plain > 1, prefetched, 0.0)
+                      + layer.backward_peak, zeros),
+             layer_weights(plain > 0), base + done_post + grads.running(p_layer)),
+            (np.where(plain > 0, kept_before(ckpt, 0) + layer.backward_peak, zeros),
+             layer_weights(plain > 0), base + layers_done(np.maximum(plain - 1, 0)) + grads.running(p_layer)),
+            # a checkpointed layer: its forward is recomputed, then its backward runs (the first of them
+            # with the other checkpointed layers' inputs alive, the last with every other gradient)
+            (np.where(ckpt > 0, kept_before(ckpt - 1, 0) + recomputed, zeros),
+             layer_weights(ckpt > 0), base + layers_done(plain) + grads.running(p_layer)),
+            (np.where(ckpt > 0, pre_acts + recomputed, zeros),
+             layer_weights(ckpt > 0), base + layers_done(np.maximum(n - 1, 0)) + grads.running(p_layer)),
+            (has_pre * pre.backward_peak, has_pre * weights_at["pre"], base + layers_done(n) + grads.running(p_pre)),
+            # the moments a block's gradients are reduced (its backward done): the post block with every
+            # layer's activations still alive, a layer, and pre at the very end
+            (has_post * before_post, zeros, base + grads.running(p_post) + reducing(p_post)),
+            (np.where(plain > 0, kept_before(ckpt, plain - 1), zeros), zeros,
+             np.where(plain > 0, base + done_post + grads.running(p_layer) + reducing(p_layer), 0.0)),
+            (zeros, zeros, has_pre * (base + layers_done(n) + grads.running(p_pre) + reducing(p_pre))),
+        ]
+        return [(acts + boundary_output, weights_here, grad) for acts, weights_here, grad in points]
+
+    # 1F1B: the first backward runs with inflight - 1 micro-batches held and no accumulator yet; a
+    # later one with every accumulator and min(inflight, grad_accum - 1) - 1 held
+    later_held = np.maximum(np.minimum(inflight, accum - 1.0) - 1.0, 0.0)
+    phases = [(inflight - 1.0, forward_points),
+              (inflight - 1.0, backward_points(zeros, first_done)),
+              (np.where(grads.accumulating, later_held, inflight - 1.0),
+               backward_points(np.where(grads.accumulating, between, 0.0), grads.finished))]
+    points = [(held_count * one_held + posted_receive + acts, weights_here, grad)
+              for held_count, phase_points in phases for acts, weights_here, grad in phase_points]
+    sums = np.stack([acts + transient_weights + grad for acts, transient_weights, grad in points])
+    largest = np.argmax(sums, axis=0)
+    columns = np.arange(sums.shape[1]) if sums.ndim > 1 else None
+    pick = (lambda index: np.stack(index)[largest, columns]) if columns is not None else (lambda index: np.stack(index)[largest])
+    acts_at_peak = pick([np.broadcast_to(p[0], sums.shape[1:]) for p in points])
+    weights_at_peak = pick([np.broadcast_to(p[1], sums.shape[1:]) for p in points])
+    grads_at_peak = pick([np.broadcast_to(p[2], sums.shape[1:]) for p in points])
+    largest_unit_shard = np.maximum(np.maximum(p_pre, p_layer), p_post) * shard * (1.0 - o)
+    step = at_step + np.minimum(largest_unit_shard, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES
+    in_steps = np.max(sums, axis=0)
+    peak = weights + opt + np.maximum(in_steps, step)
+    at_step_wins = step > in_steps
+    return StageMemory(
+        weights=weights, grads=np.where(at_step_wins, at_step, grads_at_peak), opt=opt,
+        buffers=np.where(at_step_wins, step - at_step, weights_at_peak),
+        acts=np.where(at_step_wins, 0.0, acts_at_peak), acts_per_microbatch=per_microbatch, peak=peak)

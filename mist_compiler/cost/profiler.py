@@ -342,14 +342,16 @@ def _collective_call(kind: str, nbytes: int, device: str, members: list[int], gr
     import torch
     import torch.distributed as dist
 
+    from ..backends.dist_compat import ALL_GATHER, REDUCE_SCATTER
+
     size = len(members)
     numel = max(size, nbytes // 4 // size * size)
     full = torch.ones(numel, device=device)
     shard = torch.ones(numel // size, device=device)
     if kind == "all_gather":
-        return lambda: dist.all_gather_single(full, shard, group=group)
+        return lambda: ALL_GATHER(full, shard, group=group)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(shard, full, group=group)
+        return lambda: REDUCE_SCATTER(shard, full, group=group)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if kind == "broadcast":
@@ -421,12 +423,32 @@ def _collective_worker(rank: int, world: int, port: int, device: str, quick: boo
     options = ProfilerOptions(quick=quick, log=(lambda m: _stderr(f"[{world} ranks] {m}")) if rank == 0 else quiet)
     times = time_group_collectives(device, quick, bench_s, list(range(world)), None, options.log)
     slowdown = measure_slowdowns(device, options, distributed=True) if measure_concurrency else {}
+    copies = reduce_scatter_input_copies(device, world)
     dist.barrier()
     if rank == 0:  # written whole, then renamed: the parent never reads half a file
         with open(result_path + ".part", "w") as handle:
-            json.dump({"world": world, "times": times, "slowdown": slowdown}, handle)
+            json.dump({"world": world, "times": times, "slowdown": slowdown, "reduce_scatter_copies": copies}, handle)
         os.replace(result_path + ".part", result_path)
     dist.destroy_process_group()
+
+
+def reduce_scatter_input_copies(device: str, world: int, numel: int = 1 << 20) -> float:
+    """Transient copies of its input one reduce-scatter allocates (peak live memory during the call
+    beyond its input and output, in units of the input), to a quarter copy."""
+    import torch
+
+    from ..backends.dist_compat import REDUCE_SCATTER
+    from .live_memory import DevicePeakMemory
+
+    numel = numel // world * world
+    with DevicePeakMemory(device) as probe:
+        full = torch.ones(numel, device=device)
+        shard = torch.empty(numel // world, device=device)
+        before = probe.current_bytes
+        probe.reset_peak()
+        REDUCE_SCATTER(shard, full, group=None)
+        extra = probe.peak_bytes - before
+    return round(max(0.0, extra / (4 * numel)) * 4) / 4
 
 
 def _free_port() -> int:
@@ -626,7 +648,7 @@ def _load_note() -> str:
 
 def _assemble(options: ProfilerOptions, device: str, per_node: int, measured: ComputeMeasurements,
               links: dict, factors: dict, slowdown: dict, notes: list[str], started: float,
-              gpus_per_node: int | None = None) -> HardwareProfile:
+              gpus_per_node: int | None = None, reduce_scatter_copies: float = 0.0) -> HardwareProfile:
     """Turn measurements into a validated profile (the same checks as a YAML file gets)."""
     peaks, peak_note = _peaks(device, measured)
     notes = notes + [peak_note]
@@ -649,6 +671,7 @@ def _assemble(options: ProfilerOptions, device: str, per_node: int, measured: Co
         "d2h_gbps": round(measured.d2h_bytes_per_s / 1e9, 3),
         "slowdown": slowdown,
         "op_overhead_s": float(f"{measured.op_overhead_s:.3g}"),
+        "reduce_scatter_copies": reduce_scatter_copies,
     }
     profile = HardwareProfile.from_dict(data, source="measured profile")
     options.log(f"done in {time.perf_counter() - started:.1f} s")
@@ -689,8 +712,11 @@ def profile_machine(options: ProfilerOptions) -> HardwareProfile:
         slowdown.update({f"{a}|{b}": v for (a, b), v in base.slowdown.items() if "collective" in (a, b)})
         notes.append(f"collective fits, collective slowdowns and devices per node ({base.gpus_per_node}) copied from "
                      f"profile {base.name!r}: no group of 2+ devices was measured here")
+    copies = max((result.get("reduce_scatter_copies", 0.0) for result in results), default=base.reduce_scatter_copies
+                 if base else 0.0)
     return _assemble(options, device, per_node, measured, links, factors, slowdown, notes, started,
-                     gpus_per_node=max(per_node, base.gpus_per_node) if base else per_node)
+                     gpus_per_node=max(per_node, base.gpus_per_node) if base else per_node,
+                     reduce_scatter_copies=copies)
 
 
 def recalibrate_compute(base: HardwareProfile, options: ProfilerOptions | None = None) -> HardwareProfile:
@@ -775,6 +801,7 @@ def profile_cluster(options: ProfilerOptions) -> HardwareProfile | None:
                     results.append({"shape": [nodes, gpus], "times": times})
                 dist.barrier()
         slowdown = measure_slowdowns(device, quiet_options, distributed=True)
+        copies = reduce_scatter_input_copies(device, world)
     finally:
         dist.destroy_process_group()
     if rank != reporter:
@@ -782,7 +809,8 @@ def profile_cluster(options: ProfilerOptions) -> HardwareProfile | None:
     links, factors = fit_collectives(results)
     notes.append(f"measured under torchrun over {len(node_ids)} node(s) x {local_world} rank(s); slowdowns with the "
                  "collective spanning all of them")
-    return _assemble(options, device, local_world, measured, links, factors, slowdown, notes, started)
+    return _assemble(options, device, local_world, measured, links, factors, slowdown, notes, started,
+                     reduce_scatter_copies=copies)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from ..passes.cost_annotation import B, S, T, BlockCosts
 from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
 from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
-from .memory import BlockActivationTerms, activation_peak, model_state_memory, state_bytes_per_param
+from .memory import BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory, state_bytes_per_param
 from .op_time import op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
@@ -106,8 +106,12 @@ class _BlockFunctions:
     saved: Callable
     input: Callable
     output: Callable
-    forward_peaks: list[Callable]
+    forward_peaks: list[Callable]  # points where the block's weights are in use
     backward_peaks: list[Callable]
+    forward_peaks_weights_free: list[Callable]  # points past its last weight use / before its first (the loss)
+    backward_peaks_weights_free: list[Callable]
+    saved_sequence: list[Callable]  # saved storages in the order the forward saves them
+    saved_offloadable: list[bool]
     params_per_device: Callable
     tp_supported: bool
     op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
@@ -137,13 +141,33 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         saved=_lambdify(block.memory.saved[attention]),
         input=_lambdify(block.memory.input),
         output=_lambdify(block.memory.output),
-        forward_peaks=[_lambdify(e) for e in block.memory.forward_peaks[attention]],
-        backward_peaks=[_lambdify(e) for e in block.memory.backward_peaks[attention]],
+        forward_peaks=[_lambdify(e) for e in _weighted_points(block, "forward", attention)],
+        backward_peaks=[_lambdify(e) for e in _weighted_points(block, "backward", attention)],
+        forward_peaks_weights_free=[_lambdify(e) for e in _weights_free_points(block, "forward", attention)],
+        backward_peaks_weights_free=[_lambdify(e) for e in _weights_free_points(block, "backward", attention)],
+        saved_sequence=[_lambdify(e) for e in block.memory.saved_sequence],
+        saved_offloadable=list(block.memory.saved_offloadable) or [True] * len(block.memory.saved_sequence),
         params_per_device=_lambdify(block.params_per_device),
         tp_supported=block.tp_supported,
         op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
         tp_granularity=block.tp_granularity,
     )
+
+
+def _weighted_points(block: BlockAnalysis, phase: str, attention: str) -> list[sympy.Expr]:
+    """Peak candidates at which the block holds its weights (the backend's units are modules: only
+    the post block's loss runs outside one, so only the post block splits its points)."""
+    memory = block.memory
+    split = getattr(memory, f"{phase}_peaks_weights", {}).get(attention)
+    if block.kind != "post" or not split:
+        return getattr(memory, f"{phase}_peaks")[attention]
+    return split
+
+
+def _weights_free_points(block: BlockAnalysis, phase: str, attention: str) -> list[sympy.Expr]:
+    if block.kind != "post":
+        return []
+    return getattr(block.memory, f"{phase}_peaks_weights_free", {}).get(attention) or []
 
 
 def _group_shapes(tp: np.ndarray, dp: np.ndarray, nodes: np.ndarray, gpus_per_node: np.ndarray):
@@ -243,7 +267,13 @@ class StageCostModel:
         terms["output"] = functions.output(b, s, t)
         terms["forward_peak"] = np.max(np.stack([f(b, s, t) for f in functions.forward_peaks]), axis=0)
         terms["backward_peak"] = np.max(np.stack([f(b, s, t) for f in functions.backward_peaks]), axis=0)
+        for name in ("forward_peaks_weights_free", "backward_peaks_weights_free"):
+            candidates = getattr(functions, name)
+            terms[name] = (np.max(np.stack([f(b, s, t) for f in candidates]), axis=0) if candidates
+                           else np.zeros(b.shape))
         terms["params"] = functions.params_per_device(b, s, t)
+        for index, size in enumerate(functions.saved_sequence):
+            terms[f"saved_{index}"] = size(b, s, t)
         return terms
 
     def _candidate_terms(self, c: StageCandidates):
@@ -294,13 +324,18 @@ class StageCostModel:
         # ---- memory ---------------------------------------------------------------------------
         weight_b, grad_b, _ = state_bytes_per_param(self.dtype)
         stage_params = stage_sum("params")
-        states = model_state_memory(stage_params, layer["params"], self.dtype, c.zero, dp,
-                                    c.offload_weights, c.offload_grads, c.offload_opt)
-        terms = {kind: BlockActivationTerms(v["saved"], v["input"], v["forward_peak"], v["backward_peak"])
+        layout = StageLayout(pre["params"], layer["params"], post["params"], n, has_pre, has_post)
+        config = StageConfig(self.dtype, c.zero, dp, c.grad_accum, c.inflight, ckpt, c.offload_weights,
+                             c.offload_grads, c.offload_opt, c.offload_acts, self.hardware.reduce_scatter_copies)
+        terms = {kind: BlockActivationTerms(v["saved"], v["input"], v["forward_peak"], v["backward_peak"],
+                                            v["forward_peaks_weights_free"], v["backward_peaks_weights_free"],
+                                            v["output"])
                  for kind, v in per_kind.items()}
-        acts_per_mb, acts_peak = activation_peak(terms["layer"], terms["pre"], terms["post"], n, ckpt,
-                                                 has_pre, has_post, c.inflight, c.offload_acts)
-        peak = states.total + acts_peak
+        layer_functions = self._functions["layer"]
+        layer_offloaded = greedy_offload([layer[f"saved_{i}"] for i in range(len(layer_functions.saved_sequence))],
+                                         layer_functions.saved_offloadable, np.asarray(c.offload_acts, dtype=float))
+        memory = stage_memory(layout, config, terms["pre"], terms["layer"], terms["post"], layer_offloaded)
+        acts_per_mb, peak = memory.acts_per_microbatch, memory.peak
 
         # ---- stable phase: one micro-batch forward + backward ----------------------------------
         zero = np.asarray(c.zero)
@@ -368,11 +403,11 @@ class StageCostModel:
                              + backward.exposed_s["h2d"] + backward.exposed_s["d2h"]),
             "grad_sync": sync + after_step_gather,
             "optimizer": step,
-            "params": states.weights,
-            "grads": states.grads,
-            "opt": states.opt,
-            "buffers": states.buffers,
-            "acts": acts_peak,
+            "params": memory.weights,
+            "grads": memory.grads,
+            "opt": memory.opt,
+            "buffers": memory.buffers,
+            "acts": memory.acts,
             "acts_per_microbatch": acts_per_mb,
         }
         return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak, breakdown=breakdown)

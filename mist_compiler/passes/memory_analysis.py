@@ -19,6 +19,13 @@ Results per block, sympy expressions in ``b``, ``s``, ``t``:
   saved storages not yet released + every live gradient-side storage (the incoming gradient,
   intermediates, each parameter gradient at the moment it is produced, before it is
   accumulated into ``.grad``);
+- ``forward_peaks_weights_free`` / ``backward_peaks_weights_free``: the candidates of the points
+  at which the block needs neither its weights nor its parameter gradients: forward points after
+  its last read of a parameter (a loss after the head), backward points before its first
+  parameter read or parameter gradient (the loss backward). A runtime that gathers or brings in
+  weights per block, and allocates gradients when a block's backward begins, holds neither
+  there; ``*_weights`` are the other points (``forward_peaks`` / ``backward_peaks`` hold all);
+- ``saved_sequence``: the saved storages' sizes in the order the forward creates them;
 - ``input`` / ``output``: bytes of the block's activation input (saved storages it did not
   create) and of the hidden state it hands on.
 The maximum of polynomials with positive coefficients is no polynomial, so peaks stay as lists
@@ -36,6 +43,7 @@ import torch.fx as fx
 from .cost_annotation import ATTENTION_FORWARD, B, S, T, ProgramCosts, is_view, op_name, tensor_bytes, tensor_shape, value_bytes
 
 ATTENTION_KERNELS = ("flash", "math")
+MATMUL_BACKWARD_OPS = {"mm", "bmm", "addmm", "baddbmm"}
 
 
 def _base(node: fx.Node) -> fx.Node:
@@ -80,6 +88,14 @@ class BlockMemory:
     output: sympy.Expr
     saved_names: list[str] = field(default_factory=list)
     attention_probs: sympy.Expr = sympy.Integer(0)  # bytes of the b*h*s*s probabilities (math kernel)
+    # sizes of the saved storages in the order the forward saves them (activation offload takes them greedily)
+    saved_sequence: list[sympy.Expr] = field(default_factory=list)
+    saved_offloadable: list[bool] = field(default_factory=list)  # saved as a contiguous tensor (offload moves those)
+    # the same candidates split by whether the block's weights / parameter gradients are needed there
+    forward_peaks_weights: dict[str, list[sympy.Expr]] = field(default_factory=dict)
+    forward_peaks_weights_free: dict[str, list[sympy.Expr]] = field(default_factory=dict)
+    backward_peaks_weights: dict[str, list[sympy.Expr]] = field(default_factory=dict)
+    backward_peaks_weights_free: dict[str, list[sympy.Expr]] = field(default_factory=dict)
 
 
 def _last_uses(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -117,6 +133,7 @@ class _Saved:
     size: dict[fx.Node, sympy.Expr]
     readers: dict[fx.Node, set[str]]
     holders: dict[fx.Node, list[fx.Node]]  # forward base -> backward placeholders viewing it
+    contiguous: dict[fx.Node, bool] = field(default_factory=dict)  # some saved view of it is contiguous
 
 
 def _saved_storages(forward: fx.GraphModule, backward: fx.GraphModule, params: set[str], states: dict[str, str],
@@ -136,6 +153,7 @@ def _saved_storages(forward: fx.GraphModule, backward: fx.GraphModule, params: s
         readers = {block_of[user.name] for user in node.users if user.name in block_of}
         saved.readers.setdefault(base, set()).update(readers or {block_of.get(base.name, "")})
         saved.holders.setdefault(base, []).append(node)
+        saved.contiguous[base] = saved.contiguous.get(base, False) or _is_contiguous(source.meta["val"])
     return saved
 
 
@@ -162,6 +180,9 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
     saved_so_far = {label: sympy.Add(*(saved.size[b] for b in saved_of[label] if block_of.get(b.name) != label))
                     for label in blocks}
     forward_points: dict[str, list[sympy.Expr]] = {label: [] for label in blocks}
+    forward_needs_weights: dict[str, list[bool]] = {label: [] for label in blocks}
+    param_nodes = {n for n in fw_placeholders if n.name in params}
+    last_weight_read = _last_param_reads(forward.graph, param_nodes, block_of)
     output_bytes = {label: sympy.Integer(0) for label in blocks}
     for node in forward.graph.nodes:
         if node.op != "call_function" or is_view(node):
@@ -175,6 +196,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
                 live[node] = size
                 live_total[label] += size
             forward_points[label].append(saved_so_far[label] + live_total[label])
+            forward_needs_weights[label].append(order[node] <= last_weight_read.get(label, -1))
             if any(block_of.get(user.name) not in (label, None) and not is_view(user) for user in node.users) \
                     or any(block_of.get(u.name) not in (label, None) for v in node.users if is_view(v) for u in v.users):
                 output_bytes[label] = size  # the value handed to the next block
@@ -190,8 +212,16 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
             grad_outputs.add(_base(grad))
     bw_last = _last_uses(backward.graph)
     release: dict[fx.Node, int] = {}  # forward saved base -> index of its last backward use
+    bw_nodes = list(backward.graph.nodes)
+    next_op = _next_ops(bw_nodes)
     for base, holders in saved.holders.items():
-        release[base] = max(bw_last.get(h, -1) for h in holders)
+        end = max(bw_last.get(h, -1) for h in holders)
+        # autograd frees a node's saved tensors when the node is done: a matmul's backward computes
+        # the weight and the input gradient, so what the first of the two reads lives through both
+        follower = next_op.get(end)
+        paired = (0 <= end and follower is not None and op_name(bw_nodes[end]) in MATMUL_BACKWARD_OPS
+                  and op_name(bw_nodes[follower]) in MATMUL_BACKWARD_OPS)
+        release[base] = follower if paired else end
     alive_saved = {label: sympy.Add(*(saved.size[b] for b in saved_of[label])) for label in blocks}
     released: set[fx.Node] = set()
     grad_live: dict[fx.Node, sympy.Expr] = {}
@@ -200,7 +230,15 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
         if node.op == "placeholder" and node.name.startswith("tangents"):
             grad_live[node] = value_bytes(node, symbols)
             grad_total += grad_live[node]
+    produced_at: dict[fx.Node, int] = {}  # parameter gradient -> index of the op that produced it
     backward_points: dict[str, list[sympy.Expr]] = {label: [] for label in blocks}
+    backward_needs_weights: dict[str, list[bool]] = {label: [] for label in blocks}
+    fw_by_name = {n.name: n for n in forward.graph.nodes}
+    mapping = backward_inputs or {}
+    bw_param_nodes = {n for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")
+                      and _base(fw_by_name.get(mapping.get(n.name, n.name), n)).name in params
+                      and mapping.get(n.name, n.name) in fw_by_name}
+    first_weight_use = _first_param_uses(backward.graph, bw_param_nodes, grad_outputs, block_of)
     for index, node in enumerate(backward.graph.nodes):
         if node.op != "call_function" or is_view(node):
             continue
@@ -211,14 +249,21 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
             grad_total += size
         if label is not None:
             backward_points[label].append(alive_saved[label] + grad_total)
+            backward_needs_weights[label].append(index >= first_weight_use.get(label, len(backward.graph.nodes)))
         for base, end in release.items():
             if end <= index and base not in released:
                 released.add(base)
                 for reader in saved.readers[base]:
                     if reader in alive_saved:
                         alive_saved[reader] -= saved.size[base]
-        for dead in [g for g in grad_live if g in grad_outputs or bw_last.get(g, -1) <= index]:
+        # a parameter gradient is accumulated into ``.grad`` once its autograd node has finished, so it
+        # lives through the node's next op (a matmul's input gradient after its weight gradient)
+        for dead in [g for g in grad_live
+                     if (g in grad_outputs and produced_at.get(g, index) < index) or
+                     (g not in grad_outputs and bw_last.get(g, -1) <= index)]:
             grad_total -= grad_live.pop(dead)
+        if node in grad_outputs or _base(node) in grad_outputs:
+            produced_at[node] = index
 
     results: dict[str, BlockMemory] = {}
     for label, names in blocks.items():
@@ -227,17 +272,89 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
         probs, lse = _attention_extras(forward.graph, names, fw_states, symbols)
         fw = forward_points[label] or [saved_total]
         bw = backward_points[label] or [saved_total]
+        fw_weights = [p for p, needs in zip(fw, forward_needs_weights[label]) if needs] or [saved_total]
+        fw_free = [p for p, needs in zip(fw, forward_needs_weights[label]) if not needs]
+        bw_weights = [p for p, needs in zip(bw, backward_needs_weights[label]) if needs] or [saved_total]
+        bw_free = [p for p, needs in zip(bw, backward_needs_weights[label]) if not needs]
+
+        def by_kernel(points: list[sympy.Expr], math_extra: list[sympy.Expr]) -> dict[str, list[sympy.Expr]]:
+            if not points:
+                return {"flash": [], "math": []}
+            return {"flash": prune_candidates(points),
+                    "math": prune_candidates([p + probs - lse for p in points] + math_extra)}
+
         results[label] = BlockMemory(
             saved={"flash": saved_total, "math": sympy.expand(saved_total + probs - lse)},
-            forward_peaks={"flash": prune_candidates(fw),
-                           "math": prune_candidates([p + probs - lse for p in fw] + [saved_total + 2 * probs])},
-            backward_peaks={"flash": prune_candidates(bw),
-                            "math": prune_candidates([p + probs - lse for p in bw] + [saved_total + 3 * probs])},
+            forward_peaks=by_kernel(fw, [saved_total + 2 * probs]),
+            backward_peaks=by_kernel(bw, [saved_total + 3 * probs]),
             input=input_bytes, output=sympy.expand(output_bytes[label]),
             saved_names=[b.name for b in saved_of[label]],
+            saved_sequence=[sympy.expand(saved.size[b]) for b in _save_order(saved_of[label], names, order)],
+            saved_offloadable=[saved.contiguous[b] for b in _save_order(saved_of[label], names, order)],
             attention_probs=sympy.expand(probs),
+            # the math kernel's score workspace is inside attention, where the weights are in use
+            forward_peaks_weights=by_kernel(fw_weights, [saved_total + 2 * probs]),
+            forward_peaks_weights_free=by_kernel(fw_free, []),
+            backward_peaks_weights=by_kernel(bw_weights, [saved_total + 3 * probs]),
+            backward_peaks_weights_free=by_kernel(bw_free, []),
         )
     return results
+
+
+def _is_contiguous(value: torch.Tensor) -> bool:
+    try:
+        return bool(value.is_contiguous())
+    except Exception:  # symbolic strides that cannot be decided: count it as offloadable
+        return True
+
+
+def _save_order(bases: list[fx.Node], names: set[str], order: dict[fx.Node, int]) -> list[fx.Node]:
+    """Saved storages in the order the block's forward saves them: autograd saves a tensor when the
+    first of the block's ops that reads it (directly or through a view) runs."""
+    def first_reader(base: fx.Node) -> int:
+        readers = [order[user] for view in [base, *base.users] for user in view.users
+                   if user.name in names and user in order and not is_view(user)]
+        readers += [order[user] for user in base.users if user.name in names and not is_view(user)]
+        return min(readers, default=order.get(base, -1))
+    return sorted(bases, key=first_reader)
+
+
+def _next_ops(nodes: list[fx.Node]) -> dict[int, int]:
+    """Index of each node -> index of the next op that computes (not a view, not a placeholder)."""
+    following: dict[int, int] = {}
+    upcoming = None
+    for index in range(len(nodes) - 1, -1, -1):
+        following[index] = upcoming
+        if nodes[index].op == "call_function" and not is_view(nodes[index]):
+            upcoming = index
+    return following
+
+
+def _reads_param(node: fx.Node, param_nodes: set[fx.Node]) -> bool:
+    return any(_base(arg) in param_nodes for arg in node.all_input_nodes)
+
+
+def _last_param_reads(graph: fx.Graph, param_nodes: set[fx.Node], block_of: dict[str, str]) -> dict[str, int]:
+    """Per block: index of its last forward node that reads a parameter."""
+    last: dict[str, int] = {}
+    for index, node in enumerate(graph.nodes):
+        label = block_of.get(node.name)
+        if label is not None and node.op == "call_function" and _reads_param(node, param_nodes):
+            last[label] = index
+    return last
+
+
+def _first_param_uses(graph: fx.Graph, param_nodes: set[fx.Node], grad_outputs: set[fx.Node],
+                      block_of: dict[str, str]) -> dict[str, int]:
+    """Per block: index of its first backward node that reads a parameter or produces a parameter gradient."""
+    first: dict[str, int] = {}
+    for index, node in enumerate(graph.nodes):
+        label = block_of.get(node.name)
+        if label is None or label in first or node.op != "call_function":
+            continue
+        if _reads_param(node, param_nodes) or _base(node) in grad_outputs or node in grad_outputs:
+            first[label] = index
+    return first
 
 
 def memory_analysis(program):

@@ -179,7 +179,7 @@ def _memory_diagnosis(cost_model: StageCostModel, work: Workload, cluster: Clust
                             num_layers=layers, has_pre=bool(pp & 1), has_post=pp >= PP_POST, nodes=shape.nodes,
                             gpus_per_node=shape.gpus, micro_batch=micro, dp=dp, tp=tp, zero=zero, ckpt_layers=ckpt,
                             offload_weights=most[0], offload_grads=most[1], offload_opt=most[2], offload_acts=most[3],
-                            inflight=inflight,
+                            inflight=inflight, grad_accum=g,
                         )
                         peaks.append(float(cost_model.evaluate(candidates).peak_memory_bytes[0]))
                     best = min(best, max(peaks))

@@ -49,6 +49,7 @@ class Bases:
     micro_batch: np.ndarray
     zero: np.ndarray
     max_inflight: np.ndarray
+    grad_accum: np.ndarray  # micro-batches per iteration (accumulators live between them)
 
     def take(self, index: np.ndarray) -> "Bases":
         return Bases(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
@@ -116,6 +117,7 @@ def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckp
             zero=bases.zero[window], ckpt_layers=ckpt[window],
             offload_weights=offload[window, 0], offload_grads=offload[window, 1],
             offload_opt=offload[window, 2], offload_acts=offload[window, 3], inflight=inflight_arr[window],
+            grad_accum=bases.grad_accum[window],
         )
         parts.append(model.evaluate(candidates))
     if len(parts) == 1:
@@ -166,6 +168,7 @@ def enumerate_bases(work: Workload, cluster: Cluster, space: SearchSpace, grad_a
                 columns["dp"].append(np.full(count, dp))
                 columns["micro_batch"].append(np.full(count, micro))
                 columns["max_inflight"].append(np.full(count, inflight_cap))
+                columns["grad_accum"].append(np.full(count, grad_accum))
     if not columns["layers"]:
         empty = np.zeros(0, dtype=int)
         return Bases(*(empty for _ in Bases.__dataclass_fields__)), shapes
@@ -505,7 +508,7 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
         nodes=nodes[kept.shape] if len(keep) else np.zeros(0, int), gpus_per_node=gpus[kept.shape] if len(keep) else np.zeros(0, int),
         micro_batch=kept.micro_batch, dp=kept.dp, tp=kept.tp, zero=kept.zero, ckpt_layers=ckpt[keep],
         offload_weights=offload[keep, 0], offload_grads=offload[keep, 1], offload_opt=offload[keep, 2],
-        offload_acts=offload[keep, 3], inflight=np.ones(len(keep), dtype=int),
+        offload_acts=offload[keep, 3], inflight=np.ones(len(keep), dtype=int), grad_accum=kept.grad_accum,
     ) if len(keep) else None
     stats["frontier_points"] = len(keep)
     stats["evaluated"] = model.rows

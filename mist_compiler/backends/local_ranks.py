@@ -1,0 +1,102 @@
+"""Run a function on N local gloo ranks (tests, benchmarks): free port, one process per rank (one torch
+thread each), a timeout, errors surfaced.
+
+Usage (the worker must be a module-level function, TORCH-NOTES section 4)::
+
+    def _worker(rank: int, world: int, arg) -> dict: ...        # runs with the process group set up
+    results = run_ranks(_worker, world=2, args=(arg,))          # one result per rank, in rank order
+
+Each rank runs ``fn(rank, world, *args)`` after ``dist.init_process_group("gloo")``; its return
+value (picklable) comes back to the parent. An exception in any rank is re-raised in the parent
+as ``RankError`` with that rank's traceback; a run longer than ``timeout_s`` kills the ranks and
+raises ``RankError`` too, so a deadlocked collective never hangs the caller.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or timed out; the message carries the rank's traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
+               queue: Any, collective_timeout_s: float) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        result = fn(rank, world, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, args: Sequence[Any] = (), timeout_s: float = 120.0,
+              collective_timeout_s: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results."""
+    if world < 1:
+        raise ValueError(f"run_ranks: world must be >= 1, got {world}")
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = free_port()
+    processes = [
+        context.Process(target=_rank_main, args=(rank, world, port, fn, tuple(args), queue, collective_timeout_s),
+                        daemon=True)
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    try:
+        while len(results) + len(failures) < world:
+            if not queue.empty():
+                rank, ok, payload = queue.get()
+                if ok:
+                    results[rank] = payload
+                else:
+                    failures.append(f"--- rank {rank} ---\n{payload}")
+                continue
+            if datetime.datetime.now() > deadline:
+                failures.append(f"timed out after {timeout_s:.0f} s waiting for ranks "
+                                f"{sorted(set(range(world)) - set(results))}")
+                break
+            dead = [p for p in processes if p.exitcode not in (None, 0)]
+            if dead and queue.empty():
+                failures.append(f"rank process(es) died with exit codes {[p.exitcode for p in dead]}")
+                break
+            processes[0].join(0.02)
+    finally:
+        for process in processes:
+            process.join(5.0)
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
+    if failures:
+        raise RankError("local ranks failed:\n" + "\n".join(failures))
+    return [results[rank] for rank in range(world)]
