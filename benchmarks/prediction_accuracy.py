@@ -5,32 +5,34 @@ and measured step time (forward + backward + AdamW step) and peak memory of live
 error, and the Kendall tau between predicted and measured step times (per group and overall).
 
 Configurations are dataclasses with a ``kind``; ``RUNNERS[kind]`` measures one and
-``PREDICTORS[kind]`` predicts it:
+``PREDICTORS[kind]`` predicts it (one kind today, ``plan``): a plan trained through the backend
+(``mist_compiler.compile``) on 1, 2 or 4 local gloo ranks, torch limited to one thread per rank
+(one core is one device of the ``cpu`` profile). One rank: a stage with the whole model, batch,
+sequence, checkpointing and attention kernel varied. Two and four ranks: data parallelism at every
+ZeRO level, checkpointing, each offload kind, 1F1B pipelines.
 
-- ``single``: one process, one stage holding the whole model, ``torch.optim.AdamW``,
-  ``torch.utils.checkpoint`` on the first ``ckpt_layers`` blocks, torch limited to one thread (one
-  core is one device of the ``cpu`` profile). Peak: ``MemTracker`` over forward + backward with the
-  model and optimizer states tracked (gradients appear during the backward). Step time: this
-  process's CPU time (on the shared machine wall time also counts the other jobs).
-- ``plan``: a plan trained through the backend (``mist_compiler.compile``) on 2 or 4 local gloo
-  ranks: data parallelism at every ZeRO level, checkpointing, each offload kind, 1F1B pipelines.
-  Peak: ``cost.live_memory.DevicePeakMemory`` (every storage an op creates or touches, resized flat
-  buffers re-read, the runtime's host buffers left out; CUDA memory statistics on a GPU) over one
-  whole training step after a warm-up step, per rank; the model is built on the host and dropped
-  after ``compile``, as a GPU run would. Reported per pipeline stage, the largest over its ranks, and
-  the stage furthest from its prediction is printed. Step time: wall clock of the slowest rank,
-  best of the timed steps.
+- Peak memory: ``cost.live_memory.DevicePeakMemory`` (every storage an op creates or touches,
+  resized flat buffers re-read, the runtime's host buffers left out; CUDA memory statistics on a
+  GPU) over one whole training step after a warm-up step, per rank; the model is built on the host
+  and dropped after ``compile``, as a GPU run would. Reported per pipeline stage, the largest over
+  its ranks; the stage furthest from its prediction is printed.
+- Step time: one rank: its CPU time (nothing to wait for; the other jobs on the shared machine do
+  not count); several ranks: wall clock of the slowest rank. Best of the timed steps.
 
 Interleaved rounds over all configurations (a burst of load hits every configuration alike), each
 keeping its best time. Calibration (``--no-calibrate`` keeps the shipped profile): the profile's
-compute rates are re-measured at start with ``mistc profile``'s micro-benchmarks on the CPU clock;
-for the plan kind the collectives are measured over 1x2 and 1x4 gloo groups, and each rank's
-compute rate is scaled by the measured share of a core it gets when all ranks compute (4 ranks on
-this 2-core machine get about half a core each). No per-configuration adjustment.
-Prediction: ``single``: the stage cost model for one stage with every block (``dp = tp = 1``,
-torch AdamW traffic); ``plan``: ``mist_compiler.cost.analyze.analyze`` of the plan.
+compute rates are re-measured at the start of every round with ``mistc profile``'s micro-benchmarks
+on the CPU clock and the fastest calibration is used (the machine at its least loaded, as the best
+rounds are); the collectives are measured over 1x2 and 1x4 gloo groups and the slowdowns of
+channels running together with as many ranks as the plan has; each rank's compute rate is scaled
+by its share of a core (4 ranks on this 2-core machine: half a core each; the share measured at
+the time is printed beside it). No per-configuration adjustment. Caveat of the 4-rank plans: a
+rank that waits in a pipeline bubble hands its core to the others, which then run faster than
+half a core; a device model cannot describe that (hence no 4-stage pipeline here; on a machine
+with a core per rank it does not arise).
+Prediction: ``mist_compiler.cost.analyze.analyze`` of the plan.
 
-Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--only single|plan]``
+Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--ranks 1|2|4]``
 
 Last full run: see the closing note of issue 3 (figures are quoted as measured there, with the
 command above).
@@ -40,6 +42,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
+import os
 import statistics
 import sys
 import time
@@ -51,11 +55,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import checkpoint
 
 from mist_compiler.cost.hardware import HardwareProfile, load_profile
-from mist_compiler.cost.stage_api import StageCandidates, pipeline_iteration_time
-from mist_compiler.cost.stage_model import TORCH_ADAMW_BYTES_PER_PARAM, StageCostModel
+from mist_compiler.cost.stage_model import StageCostModel
 from mist_compiler.ir.plan import Offload, Plan, StagePlan
 from mist_compiler.models import TransformerConfig, TransformerLM, zoo_config
 
@@ -84,106 +86,11 @@ def model_config(name: str, seq_len: int) -> TransformerConfig:
     return zoo_config(name, seq_len)
 
 
-@dataclass(frozen=True)
-class SingleProcessConfig:
-    """One process, one stage with the whole model."""
-
-    model: str
-    micro_batch: int
-    seq_len: int
-    ckpt_layers: int = 0
-    attention: str = "flash"  # "math": SDPA's math backend (keeps the s x s probabilities)
-    kind: str = "single"
-    world: int = 1
-
-    @property
-    def label(self) -> str:
-        ckpt = f" ckpt{self.ckpt_layers}" if self.ckpt_layers else ""
-        math = " math" if self.attention == "math" else ""
-        return f"{self.model} b{self.micro_batch} s{self.seq_len}{ckpt}{math}"
-
-
 @dataclass
 class Outcome:
     step_s: float
     peak_bytes: float
     stage_peaks: list[float] | None = None  # multi-stage plans: peak per pipeline stage
-
-
-SINGLE_CONFIGS: list[SingleProcessConfig] = [
-    SingleProcessConfig("gpt-small", 2, 256),
-    SingleProcessConfig("gpt-small", 4, 256),
-    SingleProcessConfig("gpt-small", 8, 128),
-    SingleProcessConfig("gpt-small", 4, 256, ckpt_layers=2),
-    SingleProcessConfig("gpt-small", 8, 256, ckpt_layers=4),
-    SingleProcessConfig("gpt-small", 1, 64),
-    SingleProcessConfig("llama-small", 2, 256),
-    SingleProcessConfig("llama-small", 4, 256, ckpt_layers=2),
-    SingleProcessConfig("llama-small", 8, 128),
-    SingleProcessConfig("gpt-wide", 2, 512),
-    SingleProcessConfig("gpt-wide", 4, 256, ckpt_layers=3),
-    SingleProcessConfig("llama-deep", 4, 256),
-    SingleProcessConfig("llama-deep", 8, 256, ckpt_layers=4),
-    SingleProcessConfig("llama-deep", 2, 128),
-    SingleProcessConfig("gpt-small", 2, 256, attention="math"),
-    SingleProcessConfig("llama-small", 2, 128, ckpt_layers=2, attention="math"),
-]
-
-
-class CheckpointedBlock(nn.Module):
-    """Runs a block under non-reentrant activation checkpointing (keeps only its input)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.block, x, use_reentrant=False)
-
-
-def build(config: SingleProcessConfig) -> nn.Module:
-    torch.manual_seed(0)
-    model = TransformerLM(model_config(config.model, config.seq_len))
-    for index in range(config.ckpt_layers):
-        model.blocks[index] = CheckpointedBlock(model.blocks[index])
-    return model
-
-
-def measure_single(config: SingleProcessConfig, timed_steps: int, measure_memory: bool) -> Outcome:
-    """Best of ``timed_steps`` steps after a warm-up, and (if asked) the peak of live tensors."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    model = build(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    vocab = model.config.vocab
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (config.micro_batch, config.seq_len), generator=generator)
-    labels = torch.randint(0, vocab, (config.micro_batch, config.seq_len), generator=generator)
-
-    def forward_backward() -> None:
-        with sdpa_kernel(SDPBackend.MATH if config.attention == "math" else SDPBackend.FLASH_ATTENTION):
-            model(input_ids=ids, labels=labels).backward()
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        forward_backward()
-        optimizer.step()
-
-    step()  # warm-up: allocates gradients and optimizer states
-    best = float("inf")
-    for _ in range(timed_steps):
-        start = time.process_time()
-        step()
-        best = min(best, time.process_time() - start)
-    peak = float("nan")
-    if measure_memory:
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        with tracker:
-            forward_backward()
-        peak = float(sum(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values()))
-    return Outcome(best, peak)
 
 
 def cpu_seconds_per_call(fn: Callable[[], object], target_s: float = 0.15, repeats: int = 3) -> float:
@@ -255,9 +162,9 @@ def _compute_share_rank(rank: int, world: int, seconds: float) -> float:
     return calls / (time.perf_counter() - start)
 
 
-def compute_share(world: int, seconds: float = 2.0) -> float:
-    """The fraction of a lone rank's compute rate each of ``world`` ranks gets when all compute at
-    once (wall clock): about ``cores / world`` when the ranks outnumber the cores."""
+def measured_compute_share(world: int, seconds: float = 2.0) -> float:
+    """The fraction of a lone rank's compute rate each of ``world`` ranks got when all computed at
+    once (wall clock; printed next to the share the predictions use, as a check)."""
     from mist_compiler.backends.local_ranks import run_ranks
 
     alone = run_ranks(_compute_share_rank, 1, args=(seconds,), timeout_s=120.0)[0]
@@ -265,28 +172,45 @@ def compute_share(world: int, seconds: float = 2.0) -> float:
     return min(1.0, statistics.mean(together) / alone)
 
 
-def multi_rank_profile(base: HardwareProfile, worlds: list[int], log: Callable[[str], None] = print) -> dict[int, HardwareProfile]:
-    """Per world size: ``base`` (compute rates of one rank alone) with the collectives measured now
-    over 1x2 and 1x4 local gloo groups (``mistc profile``'s quick measurement) and the compute rates
-    scaled by the measured share of a core each rank gets when they all compute (4 ranks on this
-    2-core machine: about half a core each)."""
+def compute_share(world: int) -> float:
+    """Each rank's share of a core: one core per rank while they fit, else the cores shared evenly.
+    (Measured shares on the shared machine swing from 0.5 to 0.9 for 2 ranks with the other jobs'
+    load, so the predictions use the machine's shape, not a noisy reading.)"""
+    cores = os.cpu_count() or 1
+    return min(1.0, cores / world)
+
+
+@dataclass
+class LinkCalibration:
+    """Collective fits over 1x2 and 1x4 gloo groups, and the concurrency slowdowns per rank count."""
+
+    links: dict
+    factors: dict
+    slowdowns: dict[int, dict]
+
+
+def measure_links(worlds: list[int], log: Callable[[str], None] = print) -> LinkCalibration:
+    """``mistc profile``'s full (not --quick: quick gloo fits on this shared machine swing 10x)
+    collective and slowdown measurements, the slowdowns with as many ranks as a plan has."""
     from mist_compiler.cost.profiler import ProfilerOptions, fit_collectives, run_collective_group
 
-    options = ProfilerOptions(quick=True, device="cpu", log=lambda message: None)
-    results = [run_collective_group(world, "cpu", options, measure_concurrency=False, timeout_s=240.0)
-               for world in sorted(set(worlds)) if world > 1]
-    links, factors = fit_collectives(results)
-    fitted = HardwareProfile.from_dict({**base.to_dict(), "gpus_per_node": max(worlds), "collectives": links,
-                                        "collective_factor": factors}, source="benchmark calibration")
-    profiles = {}
-    for world in sorted(set(worlds)):
-        share = compute_share(world)
-        log(f"{world} ranks: each rank gets {share:.2f} of a lone rank's compute; collectives "
-            f"{ {shape: round(fit['bandwidth_gbps'], 3) for shape, fit in links.items()} } GB/s")
-        profiles[world] = dataclasses.replace(
-            fitted, peak_flops={k: v * share for k, v in fitted.peak_flops.items()},
-            memory_bandwidth=fitted.memory_bandwidth * share, op_overhead=fitted.op_overhead / share)
-    return profiles
+    options = ProfilerOptions(quick=False, device="cpu", log=lambda message: None)
+    results = {world: run_collective_group(world, "cpu", options, measure_concurrency=world in worlds, timeout_s=300.0)
+               for world in sorted(set(worlds) | {2, 4}) if world > 1}
+    links, factors = fit_collectives(list(results.values()))
+    log(f"collectives { {shape: round(float(fit['bandwidth_gbps']), 3) for shape, fit in links.items()} } GB/s")
+    return LinkCalibration(links, factors, {world: results[world]["slowdown"] for world in worlds})
+
+
+def multi_rank_profile(base: HardwareProfile, world: int, calibration: LinkCalibration) -> HardwareProfile:
+    """``base`` (compute rates of one rank alone) with the measured collectives and slowdowns, its
+    compute rates scaled by each rank's share of a core (4 ranks on this 2-core machine: half)."""
+    fitted = HardwareProfile.from_dict({**base.to_dict(), "gpus_per_node": max(calibration.slowdowns),
+                                        "collectives": calibration.links, "collective_factor": calibration.factors,
+                                        "slowdown": calibration.slowdowns[world]}, source="benchmark calibration")
+    share = compute_share(world)
+    return dataclasses.replace(fitted, peak_flops={k: v * share for k, v in fitted.peak_flops.items()},
+                               memory_bandwidth=fitted.memory_bandwidth * share, op_overhead=fitted.op_overhead / share)
 
 
 @lru_cache(maxsize=None)
@@ -296,20 +220,6 @@ def _analysed(model_name: str):
 
     program = capture(FACTORIES.get(model_name, model_name), dtype="float32")  # b and s stay symbolic
     return analyse_program(program)
-
-
-def predict_single(config: SingleProcessConfig, hardware: HardwareProfile) -> Outcome:
-    blocks, num_layers = _analysed(config.model)
-    # the runner steps torch.optim.AdamW (single-tensor loop on CPU), not a fused kernel
-    model = StageCostModel(blocks, hardware, config.seq_len, "float32", config.attention, config.model, num_layers,
-                           optimizer_bytes_per_param=TORCH_ADAMW_BYTES_PER_PARAM)
-    candidate = StageCandidates(
-        num_layers=num_layers, has_pre=True, has_post=True, nodes=1, gpus_per_node=1, micro_batch=config.micro_batch,
-        dp=1, tp=1, zero=0, ckpt_layers=config.ckpt_layers, offload_weights=0.0, offload_grads=0.0, offload_opt=0.0,
-        offload_acts=0.0, inflight=1)
-    estimate = model.evaluate(candidate)
-    step = pipeline_iteration_time(estimate.stable_s, estimate.delta_s, 1)
-    return Outcome(step, float(estimate.peak_memory_bytes[0]))
 
 
 @dataclass(frozen=True)
@@ -333,6 +243,7 @@ class PlanConfig:
     global_batch: int
     grad_accum: int
     stages: tuple[StageSpec, ...]
+    attention: str = "flash"  # "math": SDPA's math backend (keeps the s x s probabilities)
     kind: str = "plan"
 
     @property
@@ -362,13 +273,40 @@ class PlanConfig:
 
         pipeline = "|".join(stage_label(stage) for stage in self.stages)
         accum = f" ga{self.grad_accum}" if self.grad_accum > 1 else ""
-        return f"{self.world}r {self.model} {pipeline} gb{self.global_batch}{accum}"
+        math = " math" if self.attention == "math" else ""
+        return f"{self.world}r {self.model} {pipeline} gb{self.global_batch}{accum} s{self.seq_len}{math}"
 
 
 def _stages(*stages: StageSpec) -> tuple[StageSpec, ...]:
     return stages
 
 
+NUM_LAYERS = {"gpt-small": 4, "llama-small": 4, "gpt-wide": 3, "llama-deep": 8}
+
+
+def one_rank(model: str, batch: int, seq_len: int, ckpt: int = 0, attention: str = "flash") -> PlanConfig:
+    """One rank, one stage with the whole model (no communication)."""
+    return PlanConfig(model, seq_len, batch, 1, _stages(StageSpec(NUM_LAYERS[model], ckpt=ckpt)), attention)
+
+
+ONE_RANK_CONFIGS: list[PlanConfig] = [
+    one_rank("gpt-small", 2, 256),
+    one_rank("gpt-small", 4, 256),
+    one_rank("gpt-small", 8, 128),
+    one_rank("gpt-small", 4, 256, ckpt=2),
+    one_rank("gpt-small", 8, 256, ckpt=4),
+    one_rank("gpt-small", 1, 64),
+    one_rank("llama-small", 2, 256),
+    one_rank("llama-small", 4, 256, ckpt=2),
+    one_rank("llama-small", 8, 128),
+    one_rank("gpt-wide", 2, 512),
+    one_rank("gpt-wide", 4, 256, ckpt=3),
+    one_rank("llama-deep", 4, 256),
+    one_rank("llama-deep", 8, 256, ckpt=4),
+    one_rank("llama-deep", 2, 128),
+    one_rank("gpt-small", 2, 256, attention="math"),
+    one_rank("llama-small", 2, 128, ckpt=2, attention="math"),
+]
 PLAN_CONFIGS: list[PlanConfig] = [
     # 2 ranks: data parallel at every ZeRO level, checkpointing, each kind of offload, pipelines
     PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2))),
@@ -385,11 +323,11 @@ PLAN_CONFIGS: list[PlanConfig] = [
     PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(4, dp=4, zero=1, offload=Offload(opt=1.0)))),
     PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=2, ckpt=1),
                                                StageSpec(2, dp=2, zero=2, offload=Offload(grads=0.5)))),
-    PlanConfig("gpt-small", 256, 8, 4, _stages(StageSpec(1), StageSpec(1), StageSpec(1), StageSpec(1))),
+    PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=1, ckpt=2), StageSpec(2, dp=2, zero=3))),
 ]
-CONFIGS: list = SINGLE_CONFIGS + PLAN_CONFIGS
-QUICK: list = [SINGLE_CONFIGS[0], SINGLE_CONFIGS[14], PLAN_CONFIGS[3], PLAN_CONFIGS[7], PLAN_CONFIGS[11]]
-PLAN_STEPS_PER_ROUND = 3  # timed steps per launch of a plan's ranks (after a warm-up step)
+CONFIGS: list[PlanConfig] = ONE_RANK_CONFIGS + PLAN_CONFIGS
+QUICK: list[PlanConfig] = [ONE_RANK_CONFIGS[0], ONE_RANK_CONFIGS[14], PLAN_CONFIGS[3], PLAN_CONFIGS[7], PLAN_CONFIGS[11]]
+PLAN_STEPS_PER_ROUND = 4  # timed steps per launch of a plan's ranks (after a warm-up step)
 
 
 def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, measure_memory: bool) -> tuple[float, list[float]]:
@@ -403,12 +341,17 @@ def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, meas
     from mist_compiler.models import build_model
 
     plan = config.plan()
+    # one rank has nothing to wait for: its CPU clock is the step time and ignores the other jobs
+    clock = time.process_time if world == 1 else time.perf_counter
+    kernel = SDPBackend.MATH if config.attention == "math" else SDPBackend.FLASH_ATTENTION
     with contextlib.ExitStack() as stack:
+        stack.enter_context(sdpa_kernel(kernel))
         probe = stack.enter_context(DevicePeakMemory("cpu")) if measure_memory else None
         model = build_model(FACTORIES.get(config.model, config.model), seq_len=plan.seq_len)
         engine = compile_plan(model, plan, timeout_s=120.0)
         vocab = model_vocab(model)
-        del model  # the engine keeps this rank's stage only
+        del model  # the engine keeps this rank's stage only; the rest is cyclic garbage until collected
+        gc.collect()
         batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, step) for step in range(2)]
         engine.step(batches[0])  # warm-up: gradients, optimizer states, communication buffers exist from here on
         peak = float("nan")
@@ -417,11 +360,12 @@ def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, meas
             engine.step(batches[1])
             peak = float(probe.peak_bytes)
     times = []
-    for step in range(timed_steps):
-        dist.barrier()
-        start = time.perf_counter()
-        engine.step(batches[step % 2])
-        times.append(time.perf_counter() - start)
+    with sdpa_kernel(kernel):
+        for step in range(timed_steps):
+            dist.barrier()
+            start = clock()
+            engine.step(batches[step % 2])
+            times.append(clock() - start)
     engine.close()
     return peak, times
 
@@ -444,19 +388,19 @@ def measure_plan(config: PlanConfig, timed_steps: int, measure_memory: bool) -> 
 
 
 def predict_plan(config: PlanConfig, hardware: HardwareProfile) -> Outcome:
-    """``mist_compiler.analyze`` of the plan (the backend's fused flat-shard AdamW: the default
-    optimizer traffic), attention as the backend runs it on CPU (flash)."""
+    """``mist_compiler.analyze`` of the plan (the backend's flat-shard AdamW: the default optimizer
+    traffic) with the plan's attention kernel."""
     from mist_compiler.cost.analyze import analyze
 
     blocks, num_layers = _analysed(config.model)
-    cost_model = StageCostModel(blocks, hardware, config.seq_len, "float32", "flash", config.model, num_layers)
-    estimate = analyze(config.model, config.plan(), hardware, cost_model=cost_model)
+    cost_model = StageCostModel(blocks, hardware, config.seq_len, "float32", config.attention, config.model, num_layers)
+    estimate = analyze(config.model, config.plan(), hardware, cost_model=cost_model, attention=config.attention)
     peaks = [stage.peak_memory_mb * 1e6 for stage in estimate.stages]
     return Outcome(estimate.iteration_time_s, max(peaks), peaks)
 
 
-RUNNERS: dict[str, Callable[..., Outcome]] = {"single": measure_single, "plan": measure_plan}
-PREDICTORS: dict[str, Callable[..., Outcome]] = {"single": predict_single, "plan": predict_plan}
+RUNNERS: dict[str, Callable[..., Outcome]] = {"plan": measure_plan}
+PREDICTORS: dict[str, Callable[..., Outcome]] = {"plan": predict_plan}
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
@@ -485,35 +429,46 @@ def _summary(name: str, rows: list[tuple]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, 2 rounds")
-    parser.add_argument("--only", choices=("single", "plan"), help="run one kind of configuration")
+    parser.add_argument("--ranks", type=int, choices=(1, 2, 4), help="only the plans on this many ranks")
     parser.add_argument("--hardware", default="cpu", help="hardware profile of this machine")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="use the shipped profile as is (default: re-measure compute rates and collectives first)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    configs = [c for c in (QUICK if args.quick else CONFIGS) if args.only in (None, c.kind)]
+    configs = [c for c in (QUICK if args.quick else CONFIGS) if args.ranks in (None, c.world)]
     rounds = args.rounds or (2 if args.quick else 3)
-    single = load_profile(args.hardware) if args.no_calibrate else calibrated_profile(args.hardware)
-    print(f"profile {single.name}: fp32 peak {single.peak_flops['float32'] / 1e9:.1f} GFLOP/s, "
-          f"memory {single.memory_bandwidth / 1e9:.2f} GB/s, op overhead {single.op_overhead * 1e6:.1f} us, "
-          f"efficiencies {single.efficiency}", flush=True)
-    worlds = sorted({c.world for c in configs if c.kind == "plan"})
-    profiles = {1: single}
-    if worlds:
-        profiles.update({w: dataclasses.replace(single, gpus_per_node=max(worlds)) for w in worlds} if args.no_calibrate
-                        else multi_rank_profile(single, worlds))
-    predicted = [PREDICTORS[config.kind](config, profiles[config.world]) for config in configs]
+    worlds = sorted({c.world for c in configs if c.world > 1})
+    links = None
+    if worlds and not args.no_calibrate:
+        links = measure_links(worlds)
+        for world in worlds:
+            print(f"{world} ranks: each rank is {compute_share(world):.2f} of a core (measured now: "
+                  f"{measured_compute_share(world):.2f}); slowdowns {links.slowdowns[world]}", flush=True)
     best = [float("inf")] * len(configs)
     measured: list[Outcome | None] = [None] * len(configs)
+    calibrations = []
     for round_index in range(rounds):  # interleaved: a burst of load on the shared machine hits every config alike
+        if not args.no_calibrate:
+            calibrations.append(calibrated_profile(args.hardware))
         for index, config in enumerate(configs):
-            steps = 1 if config.kind == "single" else PLAN_STEPS_PER_ROUND
-            outcome = RUNNERS[config.kind](config, steps, measure_memory=round_index == 0)
+            outcome = RUNNERS[config.kind](config, PLAN_STEPS_PER_ROUND, measure_memory=round_index == 0)
             best[index] = min(best[index], outcome.step_s)
             if round_index == 0:
                 measured[index] = outcome
         print(f"round {round_index + 1}/{rounds} done", flush=True)
+    # the fastest calibration goes with the fastest rounds: both are the machine at its least loaded
+    single = (max(calibrations, key=lambda profile: profile.peak_flops["float32"]) if calibrations
+              else load_profile(args.hardware))
+    print(f"profile {single.name}: fp32 peak {single.peak_flops['float32'] / 1e9:.1f} GFLOP/s (best of "
+          f"{[round(p.peak_flops['float32'] / 1e9, 1) for p in calibrations]}), memory "
+          f"{single.memory_bandwidth / 1e9:.2f} GB/s, op overhead {single.op_overhead * 1e6:.1f} us, "
+          f"efficiencies {single.efficiency}", flush=True)
+    profiles = {1: single}
+    for world in worlds:
+        profiles[world] = (dataclasses.replace(single, gpus_per_node=max(worlds)) if links is None
+                           else multi_rank_profile(single, world, links))
+    predicted = [PREDICTORS[config.kind](config, profiles[config.world]) for config in configs]
     print(f"\n{'configuration':<44} {'pred s':>7} {'meas s':>7} {'err':>7}  {'pred MB':>8} {'meas MB':>8} {'err':>7}")
     rows: dict[str, list[tuple]] = {}
     for config, prediction, step_s, outcome in zip(configs, predicted, best, measured):
@@ -523,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         stages = f" (worst of {len(stage_pairs)} stages)" if len(stage_pairs) > 1 else ""
         print(f"{config.label + stages:<44} {prediction.step_s:>7.3f} {step_s:>7.3f} {prediction.step_s / step_s - 1:>+7.1%}  "
               f"{pred_mb / 1e6:>8.2f} {meas_mb / 1e6:>8.2f} {pred_mb / meas_mb - 1:>+7.2%}")
-        group = "1 process" if config.kind == "single" else f"{config.world} gloo ranks"
+        group = f"{config.world} rank" + ("s" if config.world > 1 else "")
         rows.setdefault(group, []).append((prediction.step_s, step_s, pred_mb, meas_mb))
     print()
     for group, group_rows in rows.items():

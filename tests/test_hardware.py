@@ -126,6 +126,8 @@ MALFORMED = [
     ("slowdown.compute|compute", 1.1, "slowdown.compute|compute"),
     ("op_overhead_s", -1e-6, "op_overhead_s"),
     ("op_overhead_s", "5us", "op_overhead_s"),
+    ("reduce_scatter_copies", -1, "reduce_scatter_copies"),
+    ("reduce_scatter_copies", "one", "reduce_scatter_copies"),
     ("unknown_field", 1, "unknown_field"),
 ]
 

@@ -9,7 +9,7 @@ bytes kept on the host can be measured even on CPU, where "host" and "device" ar
 fraction of the unit's saved activations to host memory, and during backward the runtime
 prefetches them back one unit ahead. Rule (documented for the cost model): tensors are offloaded
 in the order they are saved while the offloaded bytes stay within ``fraction`` of the bytes the
-unit has saved so far, so the offloaded share ends within one tensor of ``fraction``; parameters
+unit has saved so far (each storage counted once; a view saved again reuses its first decision), so the offloaded share ends within one tensor of ``fraction``; parameters
 (tensors whose storage is a weight buffer) are neither counted nor offloaded; non-contiguous
 tensors count but stay, and so do tensors already on the host.
 """
@@ -132,6 +132,7 @@ class ActivationOffloader:
         d2h_event: object = None
         prefetched: torch.Tensor | None = None
         h2d_event: object = None
+        uses: int = 1  # saved-tensor slots holding this record (a view saved twice shares one host copy)
 
     def __init__(self, fraction: float, streams: Streams, host_memory: HostMemory,
                  weight_storage_ptrs: Callable[[], set[int]]) -> None:
@@ -151,14 +152,29 @@ class ActivationOffloader:
         records: list[ActivationOffloader.Saved] = []
         self.pending.setdefault(unit, deque()).append(records)
         budget = {"saved": 0, "offloaded": 0}
+        decided: dict[tuple, ActivationOffloader.Saved | None] = {}  # a view saved again reuses its decision
+        counted: set[int] = set()  # storages already in the budget (each counts once)
 
         def pack(tensor: torch.Tensor):
             if self._is_weight(tensor):  # parameters are neither activations nor offloaded
                 return tensor
+            storage = tensor.untyped_storage()
+            view = (storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+            if view in decided:
+                record = decided[view]
+                if record is None:
+                    return tensor
+                record.uses += 1
+                return record
+            first = view[0] not in counted
+            counted.add(view[0])
             nbytes = tensor.numel() * tensor.element_size()
-            budget["saved"] += nbytes
-            if not self._offloadable(tensor) or budget["offloaded"] + nbytes > self.fraction * budget["saved"]:
-                self.kept_bytes += nbytes
+            if first:
+                budget["saved"] += storage.nbytes()
+            if not first or not self._offloadable(tensor) or budget["offloaded"] + nbytes > self.fraction * budget["saved"]:
+                # (another view of a storage seen before stays: moving it would keep the storage twice)
+                self.kept_bytes += nbytes if first else 0
+                decided[view] = None
                 return tensor
             budget["offloaded"] += nbytes
             self.offloaded_bytes += nbytes
@@ -166,6 +182,7 @@ class ActivationOffloader:
             event = self.streams.copy_async(host, tensor.detach().view(-1), "d2h")
             record = ActivationOffloader.Saved(host, tensor.device, tensor.shape, event)
             records.append(record)
+            decided[view] = record
             return record
 
         def unpack(packed):
@@ -174,7 +191,10 @@ class ActivationOffloader:
             if packed.prefetched is None:
                 self._prefetch_one(packed)
             self.streams.wait(packed.h2d_event)
-            tensor, packed.prefetched, packed.h2d_event = packed.prefetched, None, None
+            tensor = packed.prefetched
+            packed.uses -= 1
+            if packed.uses == 0:  # the last reader: autograd owns the device copy from here
+                packed.prefetched, packed.h2d_event = None, None
             return tensor.view(packed.shape)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

@@ -105,6 +105,7 @@ class StageMemory:
     acts: np.ndarray  # activations at the peak point
     acts_per_microbatch: np.ndarray  # one micro-batch's saved activations
     peak: np.ndarray
+    peak_forward_backward: np.ndarray | None = None  # the peak over the micro-batches' forward/backward only
 
 
 def _arrays(*values) -> list[np.ndarray]:
@@ -287,4 +288,5 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     return StageMemory(
         weights=weights, grads=np.where(at_step_wins, at_step, grads_at_peak), opt=opt,
         buffers=np.where(at_step_wins, step - at_step, weights_at_peak),
-        acts=np.where(at_step_wins, 0.0, acts_at_peak), acts_per_microbatch=per_microbatch, peak=peak)
+        acts=np.where(at_step_wins, 0.0, acts_at_peak), acts_per_microbatch=per_microbatch, peak=peak,
+        peak_forward_backward=weights + opt + in_steps)

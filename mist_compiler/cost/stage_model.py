@@ -409,6 +409,7 @@ class StageCostModel:
             "buffers": memory.buffers,
             "acts": memory.acts,
             "acts_per_microbatch": acts_per_mb,
+            "peak_forward_backward": np.where(unsupported, np.inf, memory.peak_forward_backward),
         }
         return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak, breakdown=breakdown)
 
