@@ -205,7 +205,8 @@ def measure_links(worlds: list[int], log: Callable[[str], None] = print) -> Link
 def multi_rank_profile(base: HardwareProfile, world: int, calibration: LinkCalibration) -> HardwareProfile:
     """``base`` (compute rates of one rank alone) with the measured collectives and slowdowns, its
     compute rates scaled by each rank's share of a core (4 ranks on this 2-core machine: half)."""
-    fitted = HardwareProfile.from_dict({**base.to_dict(), "gpus_per_node": max(calibration.slowdowns),
+    per_node = max(int(shape.split("x")[1]) for shape in calibration.links)
+    fitted = HardwareProfile.from_dict({**base.to_dict(), "gpus_per_node": per_node,
                                         "collectives": calibration.links, "collective_factor": calibration.factors,
                                         "slowdown": calibration.slowdowns[world]}, source="benchmark calibration")
     share = compute_share(world)
