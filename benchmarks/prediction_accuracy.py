@@ -53,7 +53,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mist_compiler.cost.hardware import HardwareProfile, load_profile
@@ -282,12 +281,10 @@ def _stages(*stages: StageSpec) -> tuple[StageSpec, ...]:
     return stages
 
 
-NUM_LAYERS = {"gpt-small": 4, "llama-small": 4, "gpt-wide": 3, "llama-deep": 8}
-
-
 def one_rank(model: str, batch: int, seq_len: int, ckpt: int = 0, attention: str = "flash") -> PlanConfig:
     """One rank, one stage with the whole model (no communication)."""
-    return PlanConfig(model, seq_len, batch, 1, _stages(StageSpec(NUM_LAYERS[model], ckpt=ckpt)), attention)
+    layers = model_config(model, seq_len).layers
+    return PlanConfig(model, seq_len, batch, 1, _stages(StageSpec(layers, ckpt=ckpt)), attention)
 
 
 ONE_RANK_CONFIGS: list[PlanConfig] = [

@@ -9,9 +9,10 @@ bytes kept on the host can be measured even on CPU, where "host" and "device" ar
 fraction of the unit's saved activations to host memory, and during backward the runtime
 prefetches them back one unit ahead. Rule (documented for the cost model): tensors are offloaded
 in the order they are saved while the offloaded bytes stay within ``fraction`` of the bytes the
-unit has saved so far (each storage counted once; a view saved again reuses its first decision), so the offloaded share ends within one tensor of ``fraction``; parameters
-(tensors whose storage is a weight buffer) are neither counted nor offloaded; non-contiguous
-tensors count but stay, and so do tensors already on the host.
+unit has saved so far (each storage counted once; a view saved again reuses its first decision),
+so the offloaded share ends within one tensor of ``fraction``; parameters (tensors whose storage
+is a weight buffer) are neither counted nor offloaded; non-contiguous tensors count but stay, and
+so do tensors already on the host.
 """
 from __future__ import annotations
 

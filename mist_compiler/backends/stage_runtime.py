@@ -182,11 +182,12 @@ class StageRuntime:
             if index + 1 < len(self.buckets) and not recompute:
                 for bucket in self._need_buckets[index + 1]:
                     bucket.fetch_weights()
-            if not recompute:
+            if index == 0 and not recompute:
                 # a micro-batch entering the stage first finishes the previous backward's reductions, so
                 # their full gradient buffers never outlive it (gloo's reduce-scatter never reports
                 # completion before wait(), so a non-blocking drain alone would keep them to the next step)
-                self._drain_completed(block=index == 0)
+                for bucket in self.buckets:
+                    bucket.drain(block=True)
         return hook
 
     def _make_forward_post(self, index: int):
@@ -239,10 +240,6 @@ class StageRuntime:
         # whose reduce-scatter never reports completion to a non-blocking check)
         for other_index, other in enumerate(self.buckets):
             other.drain(block=other_index != index)
-
-    def _drain_completed(self, block: bool = False) -> None:
-        for bucket in self.buckets:
-            bucket.drain(block=block)
 
     def _flush_incomplete(self) -> None:
         """Units whose backward began but some parameter got no gradient: reduce what they have."""

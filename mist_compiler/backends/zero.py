@@ -256,8 +256,7 @@ class UnitBucket:
             elif self.acc_has_data:
                 for start, part in self.grad_acc.parts():
                     comm[start:start + part.numel()].add_(part.to(comm.device, non_blocking=True))
-                # folded into the micro-batch buffer: the accumulator's device part can go now
-                self.grad_acc.device_part = torch.empty(0, dtype=torch.float32, device=ctx.device)
+                self._release_acc_device()  # folded into the micro-batch buffer: its device part can go now
             if ctx.zero == 0:
                 pending = all_reduce_flat(comm, ctx.group, f"all_reduce of unit {self.unit!r} grads")
                 self.reduced = comm  # released after the optimizer step

@@ -113,40 +113,42 @@ def _arrays(*values) -> list[np.ndarray]:
 
 
 class _Gradients:
-    """Gradient bytes of the backend at the points of a step, per candidate."""
+    """Gradient bytes of the backend at the points of a step, per candidate. Every quantity is linear
+    in a block's parameter count, so each is a per-element coefficient computed once."""
 
     def __init__(self, config: StageConfig, grad_bytes: float) -> None:
         zero, dp, accum, g = np.asarray(config.zero), *_arrays(config.dp, config.grad_accum, config.offload_grads)
-        self.zero, self.dp, self.g = zero, dp, g
         self.accumulating = accum > 1
-        self.grad_bytes = grad_bytes
-        self.mixed = grad_bytes < ACCUMULATOR_BYTES
+        full, shard = ACCUMULATOR_BYTES, ACCUMULATOR_BYTES / dp
+        # the fp32 accumulator a block keeps between micro-batches (ZeRO-2/3: its shard)
+        self._accumulator = np.where(self.accumulating, (1.0 - g) * np.where(zero >= 2, shard, full), 0.0)
+        # what a block adds once its backward of the iteration's last micro-batch is done. With
+        # accumulation the last micro-batch folds the accumulator's device part into what it reduces
+        # and releases it: in place without gradient offload (ZeRO-0 adds nothing), else the full
+        # micro-batch buffer is reduced and kept (ZeRO-0) or scattered to a shard (ZeRO-1)
+        zero0 = np.where(self.accumulating, g * full, full)
+        zero1 = np.where(self.accumulating, shard - (1.0 - g) * full, shard)
+        zero23 = np.where(self.accumulating, 0.0, (1.0 - g) * shard)
+        self._finished = np.select([zero == 0, zero == 1], [zero0, zero1], zero23)
+        # the micro-batch gradient buffer of the block whose backward runs (+ its fp32 reduction copy
+        # in mixed precision)
+        self._running = grad_bytes + (ACCUMULATOR_BYTES if grad_bytes < ACCUMULATOR_BYTES else 0.0)
+        self._scattered = (zero >= 1) & (dp > 1)
+        self._shard = shard
 
     def accumulator(self, numel: np.ndarray) -> np.ndarray:
-        """Device bytes of the fp32 accumulator a block keeps between micro-batches."""
-        share = np.where(self.zero >= 2, 1.0 / self.dp, 1.0)
-        return np.where(self.accumulating, (1.0 - self.g) * numel * share * ACCUMULATOR_BYTES, 0.0)
+        return numel * self._accumulator
 
     def finished(self, numel: np.ndarray) -> np.ndarray:
-        """Bytes a block adds once its backward of the iteration's last micro-batch is done."""
-        full, shard = numel * ACCUMULATOR_BYTES, numel / self.dp * ACCUMULATOR_BYTES
-        # with accumulation the last micro-batch folds the accumulator's device part into what it
-        # reduces and releases it: in place without gradient offload (ZeRO-0 adds nothing), else the
-        # full micro-batch buffer is reduced and kept (ZeRO-0) or scattered to a shard (ZeRO-1)
-        zero0 = np.where(self.accumulating, self.g * full, full)
-        zero1 = np.where(self.accumulating, shard - (1.0 - self.g) * full, shard)
-        zero23 = np.where(self.accumulating, 0.0, (1.0 - self.g) * shard)
-        return np.select([self.zero == 0, self.zero == 1], [zero0, zero1], zero23)
+        return numel * self._finished
 
     def running(self, numel: np.ndarray) -> np.ndarray:
-        """The micro-batch gradient buffer of the block whose backward runs."""
-        return numel * (self.grad_bytes + (ACCUMULATOR_BYTES if self.mixed else 0.0))
+        return numel * self._running
 
     def reducing(self, numel: np.ndarray, copies: float) -> np.ndarray:
         """On top of ``running`` while the block's gradients are reduce-scattered: the fresh shard
         and the library's copies of the fp32 input."""
-        scattered = (self.zero >= 1) & (self.dp > 1)
-        return np.where(scattered, (numel / self.dp + copies * numel) * ACCUMULATOR_BYTES, 0.0)
+        return numel * np.where(self._scattered, self._shard + copies * ACCUMULATOR_BYTES, 0.0)
 
 
 def greedy_offload(saved_sequence: list[np.ndarray], offloadable: list[bool], fraction: np.ndarray) -> np.ndarray:
@@ -273,16 +275,17 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
                backward_points(np.where(grads.accumulating, between, 0.0), grads.finished))]
     points = [(held_count * one_held + posted_receive + acts, weights_here, grad)
               for held_count, phase_points in phases for acts, weights_here, grad in phase_points]
-    sums = np.stack([acts + transient_weights + grad for acts, transient_weights, grad in points])
-    largest = np.argmax(sums, axis=0)
-    columns = np.arange(sums.shape[1]) if sums.ndim > 1 else None
-    pick = (lambda index: np.stack(index)[largest, columns]) if columns is not None else (lambda index: np.stack(index)[largest])
-    acts_at_peak = pick([np.broadcast_to(p[0], sums.shape[1:]) for p in points])
-    weights_at_peak = pick([np.broadcast_to(p[1], sums.shape[1:]) for p in points])
-    grads_at_peak = pick([np.broadcast_to(p[2], sums.shape[1:]) for p in points])
+    shape = np.broadcast_shapes(*(np.shape(part) for point in points for part in point))
+    # one (points, candidates) array per part; the peak point's parts are read off at its index
+    acts_by_point, weights_by_point, grads_by_point = (
+        np.stack([np.broadcast_to(point[part], shape) for point in points]) for part in range(3))
+    sums = acts_by_point + weights_by_point + grads_by_point
+    largest = np.expand_dims(np.argmax(sums, axis=0), 0)
+    acts_at_peak, weights_at_peak, grads_at_peak = (
+        np.take_along_axis(parts, largest, axis=0)[0] for parts in (acts_by_point, weights_by_point, grads_by_point))
+    in_steps = np.take_along_axis(sums, largest, axis=0)[0]
     largest_unit_shard = np.maximum(np.maximum(p_pre, p_layer), p_post) * shard * (1.0 - o)
     step = at_step + np.minimum(largest_unit_shard, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES
-    in_steps = np.max(sums, axis=0)
     peak = weights + opt + np.maximum(in_steps, step)
     at_step_wins = step > in_steps
     return StageMemory(

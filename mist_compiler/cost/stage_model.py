@@ -145,8 +145,9 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         backward_peaks=[_lambdify(e) for e in _weighted_points(block, "backward", attention)],
         forward_peaks_weights_free=[_lambdify(e) for e in _weights_free_points(block, "forward", attention)],
         backward_peaks_weights_free=[_lambdify(e) for e in _weights_free_points(block, "backward", attention)],
-        saved_sequence=[_lambdify(e) for e in block.memory.saved_sequence],
-        saved_offloadable=list(block.memory.saved_offloadable) or [True] * len(block.memory.saved_sequence),
+        # activation offload is priced per layer (greedy_offload), so only the layer's sequence is needed
+        saved_sequence=[_lambdify(e) for e in block.memory.saved_sequence] if block.kind == "layer" else [],
+        saved_offloadable=list(block.memory.saved_offloadable) if block.kind == "layer" else [],
         params_per_device=_lambdify(block.params_per_device),
         tp_supported=block.tp_supported,
         op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},

@@ -276,6 +276,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
         fw_free = [p for p, needs in zip(fw, forward_needs_weights[label]) if not needs]
         bw_weights = [p for p, needs in zip(bw, backward_needs_weights[label]) if needs] or [saved_total]
         bw_free = [p for p, needs in zip(bw, backward_needs_weights[label]) if not needs]
+        save_order = _save_order(saved_of[label], names, order)
 
         def by_kernel(points: list[sympy.Expr], math_extra: list[sympy.Expr]) -> dict[str, list[sympy.Expr]]:
             if not points:
@@ -289,8 +290,8 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
             backward_peaks=by_kernel(bw, [saved_total + 3 * probs]),
             input=input_bytes, output=sympy.expand(output_bytes[label]),
             saved_names=[b.name for b in saved_of[label]],
-            saved_sequence=[sympy.expand(saved.size[b]) for b in _save_order(saved_of[label], names, order)],
-            saved_offloadable=[saved.contiguous[b] for b in _save_order(saved_of[label], names, order)],
+            saved_sequence=[sympy.expand(saved.size[b]) for b in save_order],
+            saved_offloadable=[saved.contiguous[b] for b in save_order],
             attention_probs=sympy.expand(probs),
             # the math kernel's score workspace is inside attention, where the weights are in use
             forward_peaks_weights=by_kernel(fw_weights, [saved_total + 2 * probs]),
@@ -312,9 +313,9 @@ def _save_order(bases: list[fx.Node], names: set[str], order: dict[fx.Node, int]
     """Saved storages in the order the block's forward saves them: autograd saves a tensor when the
     first of the block's ops that reads it (directly or through a view) runs."""
     def first_reader(base: fx.Node) -> int:
-        readers = [order[user] for view in [base, *base.users] for user in view.users
+        holders = [base, *(user for user in base.users if is_view(user))]
+        readers = [order[user] for holder in holders for user in holder.users
                    if user.name in names and user in order and not is_view(user)]
-        readers += [order[user] for user in base.users if user.name in names and not is_view(user)]
         return min(readers, default=order.get(base, -1))
     return sorted(bases, key=first_reader)
 
