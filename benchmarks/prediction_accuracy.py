@@ -17,13 +17,16 @@ ZeRO level, checkpointing, each offload kind, 1F1B pipelines.
   and dropped after ``compile``, as a GPU run would. Reported per pipeline stage, the largest over
   its ranks; the stage furthest from its prediction is printed.
 - Step time: one rank: its CPU time (nothing to wait for; the other jobs on the shared machine do
-  not count); several ranks: wall clock of the slowest rank. Best of the timed steps.
+  not count); several ranks: wall clock of the slowest rank. Median of the timed steps of a round.
 
-Interleaved rounds over all configurations (a burst of load hits every configuration alike), each
-keeping its best time. Calibration (``--no-calibrate`` keeps the shipped profile): the profile's
-compute rates are re-measured at the start of every round with ``mistc profile``'s micro-benchmarks
-on the CPU clock and the fastest calibration is used (the machine at its least loaded, as the best
-rounds are); the collectives are measured over 1x2 and 1x4 gloo groups and the slowdowns of
+Interleaved rounds over all configurations (a burst of load hits every configuration alike).
+Calibration (``--no-calibrate`` keeps the shipped profile): right before each run, the profile's
+compute rates (matmul, attention, memory, per-op overhead, the backend's AdamW step) are
+re-measured with ``mistc profile``'s micro-benchmarks on the CPU clock, and that run is predicted
+with that profile: this CPU's speed drifts by 10-25% within minutes (other tenants, clocks), and a
+calibration taken at another moment than its run mostly measures the drift. A configuration's
+error is the geometric mean over rounds of predicted/measured, its printed times the geometric
+means. The collectives are measured once over 1x2 and 1x4 gloo groups and the slowdowns of
 channels running together with as many ranks as the plan has; each rank's compute rate is scaled
 by its share of a core (4 ranks on this 2-core machine: half a core each; the share measured at
 the time is printed beside it). No per-configuration adjustment. Caveat of the 4-rank plans: a
@@ -43,6 +46,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import statistics
 import sys
@@ -55,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mist_compiler.backends.host_allocator import keep_freed_host_memory
 from mist_compiler.cost.hardware import HardwareProfile, load_profile
 from mist_compiler.cost.stage_model import StageCostModel
 from mist_compiler.ir.plan import Offload, Plan, StagePlan
@@ -92,21 +97,25 @@ class Outcome:
     stage_peaks: list[float] | None = None  # multi-stage plans: peak per pipeline stage
 
 
-def cpu_seconds_per_call(fn: Callable[[], object], target_s: float = 0.15, repeats: int = 3) -> float:
-    """Best per-call *CPU* seconds of ``fn`` (this process's own clock: other work on the shared
-    machine does not count, unlike wall time)."""
+def cpu_seconds_per_call(fn: Callable[[], object], target_s: float = 0.15, repeats: int = 5) -> float:
+    """Median per-call *CPU* seconds of ``fn`` over ``repeats`` batches of about ``target_s`` each
+    (this process's own clock: other work on the shared machine does not count, unlike wall time).
+
+    The median, as for the step times it is compared with: this CPU's speed swings within seconds,
+    and the best of short batches catches faster moments than the best of one-second steps would.
+    """
     fn()
     start = time.process_time()
     fn()
     once = max(time.process_time() - start, 1e-6)
     calls = max(1, int(target_s / once))
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.process_time()
         for _ in range(calls):
             fn()
-        best = min(best, (time.process_time() - start) / calls)
-    return best
+        times.append((time.process_time() - start) / calls)
+    return statistics.median(times)
 
 
 def calibrated_profile(name: str) -> HardwareProfile:
@@ -117,7 +126,7 @@ def calibrated_profile(name: str) -> HardwareProfile:
     time so that other work on the shared machine does not distort them; links and copies stay
     as shipped.
     """
-    from mist_compiler.cost.profiler import ComputeMeasurements, _efficiencies
+    from mist_compiler.cost.profiler import ComputeMeasurements, _efficiencies, adamw_params_per_s
 
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -139,12 +148,15 @@ def calibrated_profile(name: str) -> HardwareProfile:
     softmax_rate = 2 * nbytes / cpu_seconds_per_call(lambda: torch.softmax(rows, dim=1))
     tiny, tiny_out = torch.ones(1), torch.empty(1)
     overhead = cpu_seconds_per_call(lambda: torch.add(tiny, tiny, out=tiny_out))
+    adam_rate = adamw_params_per_s("cpu", 4 << 20, 0.15, timer=lambda fn, sync, target: cpu_seconds_per_call(fn, target))
     base = load_profile(name)
     measured = ComputeMeasurements({"float32": peak}, model_rate, attention_rate, copy_rate, add_rate, reduce_rate,
-                                   base.h2d_bandwidth, base.d2h_bandwidth, "float32", norm_rate, softmax_rate, overhead)
+                                   base.h2d_bandwidth, base.d2h_bandwidth, "float32", norm_rate, softmax_rate, overhead,
+                                   adam_rate, adam_rate)
     peaks = {**base.peak_flops, "float32": peak}
     return dataclasses.replace(base, peak_flops=peaks, efficiency=_efficiencies(measured, peaks),
-                               memory_bandwidth=copy_rate, op_overhead=overhead)
+                               memory_bandwidth=copy_rate, op_overhead=overhead, optimizer_params_per_s=adam_rate,
+                               host_optimizer_params_per_s=adam_rate)
 
 
 def _compute_share_rank(rank: int, world: int, seconds: float) -> float:
@@ -210,7 +222,9 @@ def multi_rank_profile(base: HardwareProfile, world: int, calibration: LinkCalib
                                         "slowdown": calibration.slowdowns[world]}, source="benchmark calibration")
     share = compute_share(world)
     return dataclasses.replace(fitted, peak_flops={k: v * share for k, v in fitted.peak_flops.items()},
-                               memory_bandwidth=fitted.memory_bandwidth * share, op_overhead=fitted.op_overhead / share)
+                               memory_bandwidth=fitted.memory_bandwidth * share, op_overhead=fitted.op_overhead / share,
+                               optimizer_params_per_s=fitted.optimizer_params_per_s * share,
+                               host_optimizer_params_per_s=fitted.host_optimizer_params_per_s * share)
 
 
 @lru_cache(maxsize=None)
@@ -369,14 +383,14 @@ def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, meas
 
 
 def measure_plan(config: PlanConfig, timed_steps: int, measure_memory: bool) -> Outcome:
-    """Spawn the plan's ranks; step time is the slowest rank's, best over the timed steps; the
+    """Spawn the plan's ranks; step time is the slowest rank's, median over the timed steps; the
     peak is per stage, the largest over the stage's ranks (``Outcome.stage_peaks``)."""
     from mist_compiler.backends.local_ranks import run_ranks
     from mist_compiler.backends.topology import Topology
 
     results = run_ranks(_plan_rank, config.world, args=(config, timed_steps, measure_memory), timeout_s=900.0,
                         collective_timeout_s=300.0)
-    step_s = min(max(times[step] for _, times in results) for step in range(timed_steps))
+    step_s = statistics.median(max(times[step] for _, times in results) for step in range(timed_steps))
     topology = Topology(config.plan())
     stage_peaks = [0.0] * len(config.stages)
     for rank, (peak, _) in enumerate(results):
@@ -399,6 +413,10 @@ def predict_plan(config: PlanConfig, hardware: HardwareProfile) -> Outcome:
 
 RUNNERS: dict[str, Callable[..., Outcome]] = {"plan": measure_plan}
 PREDICTORS: dict[str, Callable[..., Outcome]] = {"plan": predict_plan}
+
+
+def geometric_mean(values: list[float]) -> float:
+    return math.exp(statistics.mean(math.log(value) for value in values))
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
@@ -434,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    keep_freed_host_memory()  # calibrate with the host allocator setting the CPU ranks run with
     configs = [c for c in (QUICK if args.quick else CONFIGS) if args.ranks in (None, c.world)]
     rounds = args.rounds or (2 if args.quick else 3)
     worlds = sorted({c.world for c in configs if c.world > 1})
@@ -443,33 +462,41 @@ def main(argv: list[str] | None = None) -> int:
         for world in worlds:
             print(f"{world} ranks: each rank is {compute_share(world):.2f} of a core (measured now: "
                   f"{measured_compute_share(world):.2f}); slowdowns {links.slowdowns[world]}", flush=True)
-    best = [float("inf")] * len(configs)
+    # per configuration and round: the profile calibrated just before the run, and the run's step time
+    rounds_of: list[list[tuple[HardwareProfile, float]]] = [[] for _ in configs]
     measured: list[Outcome | None] = [None] * len(configs)
-    calibrations = []
-    for round_index in range(rounds):  # interleaved: a burst of load on the shared machine hits every config alike
-        if not args.no_calibrate:
-            calibrations.append(calibrated_profile(args.hardware))
+    for round_index in range(rounds):  # interleaved: a burst of load hits every config alike
         for index, config in enumerate(configs):
+            profile = load_profile(args.hardware) if args.no_calibrate else calibrated_profile(args.hardware)
             outcome = RUNNERS[config.kind](config, PLAN_STEPS_PER_ROUND, measure_memory=round_index == 0)
-            best[index] = min(best[index], outcome.step_s)
+            rounds_of[index].append((profile, outcome.step_s))
             if round_index == 0:
                 measured[index] = outcome
         print(f"round {round_index + 1}/{rounds} done", flush=True)
-    # the fastest calibration goes with the fastest rounds: both are the machine at its least loaded
-    single = (max(calibrations, key=lambda profile: profile.peak_flops["float32"]) if calibrations
-              else load_profile(args.hardware))
-    print(f"profile {single.name}: fp32 peak {single.peak_flops['float32'] / 1e9:.1f} GFLOP/s (best of "
-          f"{[round(p.peak_flops['float32'] / 1e9, 1) for p in calibrations]}), memory "
-          f"{single.memory_bandwidth / 1e9:.2f} GB/s, op overhead {single.op_overhead * 1e6:.1f} us, "
-          f"efficiencies {single.efficiency}", flush=True)
-    profiles = {1: single}
-    for world in worlds:
-        profiles[world] = (dataclasses.replace(single, gpus_per_node=max(worlds)) if links is None
-                           else multi_rank_profile(single, world, links))
-    predicted = [PREDICTORS[config.kind](config, profiles[config.world]) for config in configs]
+    calibrations = [profile for pairs in rounds_of for profile, _ in pairs]
+    peaks = [profile.peak_flops["float32"] / 1e9 for profile in calibrations]
+    print(f"profile {args.hardware}: {len(calibrations)} calibrations, fp32 peak {min(peaks):.1f}-{max(peaks):.1f} GFLOP/s "
+          f"(median {statistics.median(peaks):.1f}), memory {statistics.median(p.memory_bandwidth for p in calibrations) / 1e9:.2f} "
+          f"GB/s, AdamW {statistics.median(p.device_adam_params_per_s for p in calibrations) / 1e9:.3f} G params/s, "
+          f"op overhead {statistics.median(p.op_overhead for p in calibrations) * 1e6:.1f} us (medians)", flush=True)
+
+    def for_world(profile: HardwareProfile, world: int) -> HardwareProfile:
+        if world == 1:
+            return profile
+        return (dataclasses.replace(profile, gpus_per_node=max(worlds)) if links is None
+                else multi_rank_profile(profile, world, links))
+
+    predicted, measured_steps = [], []
+    for config, pairs in zip(configs, rounds_of):
+        # each round's run against the profile measured right before it; geometric means over rounds
+        outcomes = [PREDICTORS[config.kind](config, for_world(profile, config.world)) for profile, _ in pairs]
+        step_s = geometric_mean([measured_s for _, measured_s in pairs])
+        ratio = geometric_mean([outcome.step_s / measured_s for outcome, (_, measured_s) in zip(outcomes, pairs)])
+        predicted.append(dataclasses.replace(outcomes[0], step_s=ratio * step_s))
+        measured_steps.append(step_s)
     print(f"\n{'configuration':<44} {'pred s':>7} {'meas s':>7} {'err':>7}  {'pred MB':>8} {'meas MB':>8} {'err':>7}")
     rows: dict[str, list[tuple]] = {}
-    for config, prediction, step_s, outcome in zip(configs, predicted, best, measured):
+    for config, prediction, step_s, outcome in zip(configs, predicted, measured_steps, measured):
         # per pipeline stage: the stage whose predicted peak is furthest from its measured one
         stage_pairs = list(zip(prediction.stage_peaks or [prediction.peak_bytes], outcome.stage_peaks or [outcome.peak_bytes]))
         pred_mb, meas_mb = max(stage_pairs, key=lambda pair: abs(pair[0] / pair[1] - 1))

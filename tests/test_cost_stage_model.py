@@ -118,6 +118,35 @@ def test_hundred_thousand_candidates_under_a_second(model):
     assert elapsed < 3.0  # generous: the machine is shared; about 0.5 s when idle
 
 
+def _stage_params(model) -> float:
+    return sum(block.params * (model.num_layers if kind == "layer" else 1) for kind, block in model.blocks.items())
+
+
+def test_optimizer_step_runs_at_the_profiles_adam_rate(model):
+    """The step's device part is parameters / the profile's AdamW rate (measured by ``mistc profile``)."""
+    rate = 1e9
+    measured = dataclasses.replace(model, hardware=dataclasses.replace(model.hardware, optimizer_params_per_s=rate))
+    halved = dataclasses.replace(model, hardware=dataclasses.replace(model.hardware, optimizer_params_per_s=rate / 2))
+    extra = halved.evaluate(one()).delta_s[0] - measured.evaluate(one()).delta_s[0]
+    assert extra * rate == pytest.approx(_stage_params(model), rel=1e-6)
+
+
+def test_gradient_buffer_passes_are_priced(model):
+    """Every micro-batch zeroes its gradient buffer and, with data parallelism, scales it in place;
+    accumulating micro-batches add into an fp32 accumulator (a 1/dp shard from ZeRO-2 on)."""
+    from mist_compiler.cost.op_time import op_class_time
+
+    grad_bytes = 4.0 * _stage_params(model)
+    elementwise = lambda nbytes: float(op_class_time(model.hardware, "float32", "elementwise", 0.0, nbytes))
+    alone, dp2 = model.evaluate(one()), model.evaluate(one(gpus_per_node=2, dp=2))
+    assert dp2.breakdown["compute"][0] - alone.breakdown["compute"][0] == pytest.approx(elementwise(2 * grad_bytes))
+    dp4 = dict(gpus_per_node=4, dp=4)
+    growth = {zero: model.evaluate(one(zero=zero, grad_accum=4, **dp4)).delta_s[0]
+              - model.evaluate(one(zero=zero, grad_accum=1, **dp4)).delta_s[0] for zero in (0, 2)}
+    assert growth[0] == pytest.approx(elementwise(3 * 3 * grad_bytes))
+    assert growth[2] == pytest.approx(growth[0] / 4)
+
+
 def test_bad_arguments_name_the_field():
     with pytest.raises(StageModelError, match="attention"):
         build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="float32", attention="paged")

@@ -57,6 +57,20 @@ def test_save_and_load_round_trip(tmp_path, name):
     assert load_profile(str(path)) == profile
 
 
+def test_adam_rate_is_measured_or_the_fused_kernel_roofline(l4_data):
+    from mist_compiler.cost.hardware import DEFAULT_HOST_ADAM_PARAMS_PER_S, FUSED_ADAM_BYTES_PER_PARAM
+
+    l4 = HardwareProfile.from_dict(l4_data)
+    assert l4.device_adam_params_per_s == pytest.approx(l4.memory_bandwidth / FUSED_ADAM_BYTES_PER_PARAM)
+    assert l4.host_adam_params_per_s == DEFAULT_HOST_ADAM_PARAMS_PER_S
+    measured = HardwareProfile.from_dict({**l4_data, "optimizer_gparams_per_s": 2.5, "host_optimizer_gparams_per_s": 0.3})
+    assert measured.device_adam_params_per_s == pytest.approx(2.5e9)
+    assert measured.host_adam_params_per_s == pytest.approx(0.3e9)
+    assert HardwareProfile.from_dict(measured.to_dict()) == measured
+    cpu = load_profile("cpu")  # measured: the backend's torch AdamW on one core
+    assert cpu.device_adam_params_per_s == cpu.optimizer_params_per_s > 0
+
+
 def test_unknown_profile_lists_the_shipped_ones():
     with pytest.raises(ProfileError, match="l4"):
         load_profile("no-such-gpu")
@@ -128,6 +142,8 @@ MALFORMED = [
     ("op_overhead_s", "5us", "op_overhead_s"),
     ("reduce_scatter_copies", -1, "reduce_scatter_copies"),
     ("reduce_scatter_copies", "one", "reduce_scatter_copies"),
+    ("optimizer_gparams_per_s", 0, "optimizer_gparams_per_s"),
+    ("host_optimizer_gparams_per_s", "fast", "host_optimizer_gparams_per_s"),
     ("unknown_field", 1, "unknown_field"),
 ]
 

@@ -3,7 +3,8 @@
 Set-up reads top to bottom in the order it happens: check the plan against the launched world
 and the model (before any computation), build the process groups, lower this rank's stage
 program (:mod:`.codegen`), wrap its units in the per-stage data-parallel runtime (ZeRO, offload,
-AdamW), tie embedding/head gradients across stages, link the pipeline neighbours.
+AdamW), tie embedding/head gradients across stages, link the pipeline neighbours. On a CPU
+device the process keeps freed host memory for reuse (:mod:`.host_allocator`).
 
 ``step(batch)`` runs one training iteration: every rank is given the same global batch and takes
 its own rows; the stage runs the 1F1B schedule over ``grad_accum`` micro-batches, each loss
@@ -33,6 +34,7 @@ from torch import nn
 from mist_compiler.ir.plan import Plan, PlanError, load_plan
 
 from .codegen import StageProgram, check_plan_against_model, lower
+from .host_allocator import keep_freed_host_memory
 from .tensor_parallel import shard_dims
 from .pipeline import BACKWARD, FORWARD, P2P, build_links, one_f_one_b
 from .topology import ProcessGroups, Topology, build_groups
@@ -196,6 +198,8 @@ class Engine:
         self.coord = self.topology.coord(self.rank)
         self.stage_plan = plan.stages[self.coord.stage]
         self.device = torch.device(device) if device is not None else _default_device()
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # large per-step tensors reuse memory instead of page-faulting it in again
         timeout = datetime.timedelta(seconds=timeout_s)
         self.tied_names = _tied_parameter_names(model)
         self.groups: ProcessGroups = build_groups(self.topology, self.rank, tied=bool(self.tied_names), timeout=timeout)

@@ -21,6 +21,12 @@ Meaning of the fields the cost model reads:
 * ``reduce_scatter_copies`` (optional, default 0): transient copies of its whole input that the
   communication library's reduce-scatter allocates while it runs (gloo: 1, measured by
   ``mistc profile``; NCCL: 0); the memory model adds them to the gradient reduction.
+* ``optimizer_gparams_per_s`` (optional): AdamW update rate, 1e9 fp32 parameters/s, of the
+  backend's flat-shard optimizer kernel on the device (``mistc profile`` times it). Absent: the fused
+  kernel's ``FUSED_ADAM_BYTES_PER_PARAM`` of traffic at ``memory_bandwidth`` (the datasheet profiles).
+  On a CPU the kernel is torch's several-pass AdamW and runs at about a third of that.
+* ``host_optimizer_gparams_per_s`` (optional): the same for optimizer states offloaded to the host
+  (the update runs on the host CPU). Absent: ``DEFAULT_HOST_ADAM_PARAMS_PER_S``.
 * ``slowdown['A|B']``: factor by which channel A runs slower while channel B is active
   (channels ``compute``, ``collective``, ``h2d``, ``d2h``); missing pairs are 1. ``cost.overlap``
   simulates a phase with them.
@@ -35,6 +41,14 @@ PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 CHANNELS = ("compute", "collective", "h2d", "d2h")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "broadcast", "all_to_all")
 DTYPES = ("float32", "float16", "bfloat16")
+# A fused AdamW step (the backend's flat-shard kernel) reads master weight, gradient and both moments
+# and writes weight and moments back with the low-precision copy: 28 bytes per fp32 parameter.
+FUSED_ADAM_BYTES_PER_PARAM = 28.0
+DEFAULT_HOST_ADAM_PARAMS_PER_S = 1.0e9  # multi-threaded CPU Adam (DeepSpeed CPU-Adam order)
+
+
+OPTIONAL_KEYS = {"description", "collective_factor", "slowdown", "op_overhead_s", "reduce_scatter_copies",
+                 "optimizer_gparams_per_s", "host_optimizer_gparams_per_s"}
 
 
 class ProfileError(ValueError):
@@ -91,6 +105,18 @@ class HardwareProfile:
     description: str = ""
     op_overhead: float = 0.0  # s, fixed cost of launching one op (framework dispatch / kernel launch)
     reduce_scatter_copies: float = 0.0  # transient copies of its input a reduce-scatter allocates
+    optimizer_params_per_s: float = 0.0  # measured AdamW rate on the device; 0: from memory_bandwidth
+    host_optimizer_params_per_s: float = 0.0  # measured AdamW rate on the host; 0: the default
+
+    @property
+    def device_adam_params_per_s(self) -> float:
+        """AdamW parameters per second on the device: measured, else the fused kernel's roofline."""
+        return self.optimizer_params_per_s or self.memory_bandwidth / FUSED_ADAM_BYTES_PER_PARAM
+
+    @property
+    def host_adam_params_per_s(self) -> float:
+        """AdamW parameters per second for states offloaded to the host."""
+        return self.host_optimizer_params_per_s or DEFAULT_HOST_ADAM_PARAMS_PER_S
 
     def efficiency_of(self, op_class: str) -> float:
         """Efficiency of an op class; a class the profile does not list gets ``default`` (else 1)."""
@@ -100,7 +126,7 @@ class HardwareProfile:
     def from_dict(cls, data: Any, source: str = "<profile>") -> "HardwareProfile":
         top = {"name", "device_memory_gb", "gpus_per_node", "peak_tflops", "efficiency",
                "memory_bandwidth_gbps", "collectives", "h2d_gbps", "d2h_gbps"}
-        _keys(data, source, top, {"description", "collective_factor", "slowdown", "op_overhead_s", "reduce_scatter_copies"})
+        _keys(data, source, top, OPTIONAL_KEYS)
         _require(isinstance(data["name"], str) and data["name"].strip() != "", "name", f"expected a non-empty string, got {data['name']!r}")
         _require(isinstance(data.get("description", ""), str), "description", "expected a string")
         gpus_per_node = data["gpus_per_node"]
@@ -150,7 +176,11 @@ class HardwareProfile:
         copies = data.get("reduce_scatter_copies", 0.0)
         _require(_number(copies) and 0 <= copies <= 8, "reduce_scatter_copies",
                  f"copies of the input, between 0 and 8, got {copies!r}")
+        rates = {key: _positive(data[key], key) * 1e9 if key in data else 0.0
+                 for key in ("optimizer_gparams_per_s", "host_optimizer_gparams_per_s")}
         return cls(
+            optimizer_params_per_s=rates["optimizer_gparams_per_s"],
+            host_optimizer_params_per_s=rates["host_optimizer_gparams_per_s"],
             op_overhead=float(op_overhead),
             reduce_scatter_copies=float(copies),
             name=data["name"],
@@ -184,6 +214,9 @@ class HardwareProfile:
             "slowdown": {f"{a}|{b}": v for (a, b), v in self.slowdown.items()},
             "op_overhead_s": self.op_overhead,
             "reduce_scatter_copies": self.reduce_scatter_copies,
+            **({"optimizer_gparams_per_s": self.optimizer_params_per_s / 1e9} if self.optimizer_params_per_s else {}),
+            **({"host_optimizer_gparams_per_s": self.host_optimizer_params_per_s / 1e9}
+               if self.host_optimizer_params_per_s else {}),
         }
 
 

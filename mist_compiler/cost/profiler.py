@@ -119,6 +119,8 @@ class ComputeMeasurements:
     norm_bytes_per_s: float
     softmax_bytes_per_s: float
     op_overhead_s: float
+    adam_params_per_s: float = 0.0  # the backend's AdamW kernel on the device (0: not measured)
+    host_adam_params_per_s: float = 0.0  # the same on host tensors, with the worker's threads
 
 
 def _dtypes(device: str) -> list[str]:
@@ -183,8 +185,46 @@ def measure_compute(device: str, options: ProfilerOptions) -> ComputeMeasurement
     tiny_out = torch.empty(1, device=device)
     overhead = seconds_per_call(lambda: torch.add(tiny, tiny, out=tiny_out), sync, target)
     log(f"per-op overhead (one-element add): {overhead * 1e6:.2f} us")
+    adam_rate, host_adam_rate = measure_adamw(device, options)
     return ComputeMeasurements(matmul, model_rate, attention_rate, copy_rate, add_rate, reduce_rate,
-                               h2d_rate, d2h_rate, main_dtype, norm_rate, softmax_rate, overhead)
+                               h2d_rate, d2h_rate, main_dtype, norm_rate, softmax_rate, overhead,
+                               adam_rate, host_adam_rate)
+
+
+def adamw_params_per_s(device: str, numel: int, target_s: float, timer: Callable = seconds_per_call) -> float:
+    """Parameters per second of one step of the backend's flat-shard AdamW (``kernels.adamw``, the
+    fused Triton kernel on a GPU, torch's update elsewhere) over ``numel`` fp32 parameters."""
+    import torch
+
+    from mist_compiler.backends import kernels
+
+    param, grad = torch.randn(numel, device=device), torch.randn(numel, device=device)
+    exp_avg, exp_avg_sq = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
+    step = lambda: kernels.adamw(param, grad, exp_avg, exp_avg_sq, step=10, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                 weight_decay=0.01)
+    return numel / timer(step, _sync_for(device), target_s)
+
+
+def measure_adamw(device: str, options: ProfilerOptions) -> tuple[float, float]:
+    """AdamW rates on the device and, for offloaded optimizer states, on the host with the threads a
+    backend worker runs with (``OMP_NUM_THREADS``, else 1). On a CPU the two are the same kernel."""
+    import torch
+
+    numel = 64 << 20 if device == "cuda" else (1 << 20 if options.quick else 4 << 20)
+    rate = adamw_params_per_s(device, numel, options.bench_s)
+    options.log(f"AdamW step ({numel >> 20}M fp32 params on {device}): {rate / 1e9:.3f} G params/s")
+    if device == "cpu":
+        return rate, rate
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+    try:
+        host_numel = 1 << 20 if options.quick else 4 << 20
+        host_rate = adamw_params_per_s("cpu", host_numel, options.bench_s)
+    finally:
+        torch.set_num_threads(threads)
+    options.log(f"AdamW step on the host ({torch.get_num_threads()} threads available, worker runs "
+                f"{os.environ.get('OMP_NUM_THREADS', 1)}): {host_rate / 1e9:.3f} G params/s")
+    return rate, host_rate
 
 
 def _measure_host_copies(device: str, numel: int, sync, target: float, log) -> tuple[float, float]:
@@ -627,12 +667,16 @@ def _resolve_device(options: ProfilerOptions) -> str:
 
 @contextlib.contextmanager
 def _as_one_rank(device: str):
-    """Torch limited to one thread on CPU, as the CPU backend runs its ranks; GPU memory handed back after."""
+    """Torch limited to one thread on CPU and freed host memory kept for reuse, as the CPU backend runs
+    its ranks; GPU memory handed back after."""
     import torch
+
+    from mist_compiler.backends.host_allocator import keep_freed_host_memory
 
     threads = torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)
+        keep_freed_host_memory()
     try:
         yield
     finally:
@@ -672,10 +716,17 @@ def _assemble(options: ProfilerOptions, device: str, per_node: int, measured: Co
         "slowdown": slowdown,
         "op_overhead_s": float(f"{measured.op_overhead_s:.3g}"),
         "reduce_scatter_copies": reduce_scatter_copies,
+        **_optimizer_rates(measured),
     }
     profile = HardwareProfile.from_dict(data, source="measured profile")
     options.log(f"done in {time.perf_counter() - started:.1f} s")
     return profile
+
+
+def _optimizer_rates(measured: ComputeMeasurements) -> dict[str, float]:
+    rates = {"optimizer_gparams_per_s": measured.adam_params_per_s,
+             "host_optimizer_gparams_per_s": measured.host_adam_params_per_s}
+    return {key: float(f"{rate / 1e9:.4g}") for key, rate in rates.items() if rate > 0}
 
 
 def profile_machine(options: ProfilerOptions) -> HardwareProfile:
@@ -735,6 +786,8 @@ def recalibrate_compute(base: HardwareProfile, options: ProfilerOptions | None =
     profile = dataclasses.replace(
         base, peak_flops={**base.peak_flops, **peaks}, efficiency=_efficiencies(measured, peaks),
         memory_bandwidth=measured.copy_bytes_per_s, op_overhead=measured.op_overhead_s,
+        optimizer_params_per_s=measured.adam_params_per_s or base.optimizer_params_per_s,
+        host_optimizer_params_per_s=measured.host_adam_params_per_s or base.host_optimizer_params_per_s,
         description=f"{base.description} Compute side re-measured by recalibrate_compute ({peak_note}; {_load_note()}).")
     return HardwareProfile.from_dict(profile.to_dict(), source="recalibrated profile")
 

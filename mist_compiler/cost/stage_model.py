@@ -18,13 +18,14 @@ Per candidate (one pipeline stage, one device's view):
 - offload copies: offloaded weights come in (h2d) for the forward and the backward of every
   micro-batch, offloaded gradients go out (d2h) every backward, offloaded activations go out in
   the forward and come back in the backward; offloaded optimizer states are stepped on the host
-  (``HOST_ADAM_PARAMS_PER_S``) with their gradients out and weights back in (``delta``);
+  (the profile's host AdamW rate) with their gradients out and weights back in (``delta``);
 - pipeline point-to-point: a stage that is not the last sends its output forward and receives
   its gradient; a stage that is not the first does the opposite;
 - channels of one phase are combined by the overlap model (``overlap.overlap``);
 - ``stable_s`` = forward + backward phases of one micro-batch; ``delta_s`` = gradient
-  synchronisation + optimizer step (device part at memory bandwidth, host part) + zeroing the
-  gradients + offload traffic of the step + the first ZeRO-3 gather that nothing hides;
+  synchronisation + optimizer step (device and host parts at the profile's AdamW rates) + adding
+  the other micro-batches' gradients into the accumulator + offload traffic of the step + the
+  first ZeRO-3 gather that nothing hides;
 - the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``MATH_ATTENTION_PASSES``);
 - memory: ``cost.memory`` closed forms over the per-block liveness results.
 Evaluation groups candidates by their distinct ``(micro_batch, tp, nodes, gpus_per_node)`` so
@@ -48,13 +49,6 @@ from .op_time import op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
 
-# Adam step memory traffic per parameter. A fused step (the backend's flat-shard kernel) reads
-# master weight, gradient, both moments and writes them back with the low-precision copy: 28 bytes.
-# torch.optim.AdamW's single-tensor loop makes ~10 passes (mul_, lerp_, mul_+addcmul_, sqrt, div,
-# add_, addcdiv_): 80 bytes per fp32 parameter.
-FUSED_ADAM_BYTES_PER_PARAM = 28.0
-TORCH_ADAMW_BYTES_PER_PARAM = 80.0
-HOST_ADAM_PARAMS_PER_S = 1.0e9  # CPU Adam throughput for offloaded optimizer states (DeepSpeed CPU-Adam order)
 BLOCK_KINDS = ("pre", "layer", "post")
 
 
@@ -217,7 +211,6 @@ class StageCostModel:
     attention: str = "flash"
     model_name: str = ""
     num_layers: int = 0
-    optimizer_bytes_per_param: float = FUSED_ADAM_BYTES_PER_PARAM
     _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -344,7 +337,9 @@ class StageCostModel:
         grad_bytes = stage_params * grad_b
         forward_compute = stage_sum("forward_compute")
         recompute = ckpt * layer["forward_compute"]
-        backward_compute = stage_sum("backward_compute") + recompute
+        grad_buffer_s = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
+                                      grad_buffer_bytes_moved(grad_bytes, dp))
+        backward_compute = stage_sum("backward_compute") + recompute + grad_buffer_s
         tp_exposed = stage_sum("forward_tp") + stage_sum("backward_tp") + ckpt * layer["forward_tp"]
         gather = collective_time(self.hardware, "all_gather", weight_bytes, dp_nodes, dp_gpus)
         scatter = collective_time(self.hardware, "reduce_scatter", grad_bytes, dp_nodes, dp_gpus)
@@ -372,16 +367,13 @@ class StageCostModel:
         after_step_gather = np.where((zero == 1) | (zero == 2), gather, 0.0)
         opt_share = np.where(zero >= 1, 1.0 / dp, 1.0)
         shard_params = stage_params * opt_share
-        device_step = op_class_time(self.hardware, self.dtype, "optimizer", 0.0,
-                                    (1.0 - offload_o) * shard_params * self.optimizer_bytes_per_param)
-        host_step = offload_o * shard_params / HOST_ADAM_PARAMS_PER_S
+        device_step = (1.0 - offload_o) * shard_params / self.hardware.device_adam_params_per_s
+        host_step = offload_o * shard_params / self.hardware.host_adam_params_per_s
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
-        # gradients are zeroed once per iteration: a memset of the rank's gradient buffer (its
-        # offloaded part is zeroed on the host, counted at the same rate)
-        grad_share = np.where(zero >= 2, 1.0 / dp, 1.0)
-        zero_grads = op_class_time(self.hardware, self.dtype, "elementwise", 0.0, grad_bytes * grad_share)
-        step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step + zero_grads
+        accumulate = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
+                                   accumulation_bytes_moved(stage_params, zero, dp, c.grad_accum))
+        step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step + accumulate
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
                                                            dp_nodes, dp_gpus), 0.0)
         delta = sync + step + after_step_gather + first_gather
@@ -413,6 +405,23 @@ class StageCostModel:
             "peak_forward_backward": np.where(unsupported, np.inf, memory.peak_forward_backward),
         }
         return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak, breakdown=breakdown)
+
+
+def grad_buffer_bytes_moved(grad_bytes: np.ndarray, dp: np.ndarray) -> np.ndarray:
+    """Bytes the backend moves over a micro-batch's gradient buffers besides the backward itself:
+    zeroing them before the backward (one write), and with data parallelism scaling them by
+    ``1/dp`` in place before the reduction (a read and a write)."""
+    return grad_bytes * (1.0 + np.where(np.asarray(dp) > 1, 2.0, 0.0))
+
+
+def accumulation_bytes_moved(stage_params: np.ndarray, zero: np.ndarray, dp: np.ndarray,
+                             grad_accum: np.ndarray) -> np.ndarray:
+    """Bytes of adding the micro-batches' gradients into the fp32 accumulator, per iteration:
+    every micro-batch after the first reads the accumulator and its gradients and writes the sum
+    (levels 0-1 hold the whole stage's gradients, levels 2-3 the rank's reduced shard)."""
+    zero, dp = np.asarray(zero), np.asarray(dp, dtype=float)
+    accumulator_bytes = 4.0 * stage_params * np.where(zero >= 2, 1.0 / dp, 1.0)
+    return 3.0 * accumulator_bytes * np.maximum(np.asarray(grad_accum, dtype=float) - 1.0, 0.0)
 
 
 def _capture_seq_len(name: str, seq_len: int) -> int:
