@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -103,6 +104,8 @@ def find_owner_module(params: list[torch.Tensor]) -> nn.Module:
     best: nn.Module | None = None
     best_size = None
     for obj in gc.get_objects():
+        if isinstance(obj, weakref.ProxyTypes):  # isinstance on a dead proxy raises ReferenceError
+            continue
         if not isinstance(obj, nn.Module) or isinstance(obj, fx.GraphModule):
             continue
         try:
