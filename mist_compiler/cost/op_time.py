@@ -15,8 +15,8 @@ import numpy as np
 from .hardware import HardwareProfile
 
 COMPUTE_BOUND = ("matmul", "attention")
-MEMORY_BOUND = ("elementwise", "norm", "softmax", "embedding", "optimizer")
-FALLBACK = {"norm": "reduction", "softmax": "reduction", "embedding": "elementwise", "optimizer": "elementwise"}
+MEMORY_BOUND = ("elementwise", "norm", "softmax", "embedding")
+FALLBACK = {"norm": "reduction", "softmax": "reduction", "embedding": "elementwise"}
 
 
 def class_efficiency(profile: HardwareProfile, op_class: str) -> float:

@@ -215,15 +215,13 @@ def measure_adamw(device: str, options: ProfilerOptions) -> tuple[float, float]:
     options.log(f"AdamW step ({numel >> 20}M fp32 params on {device}): {rate / 1e9:.3f} G params/s")
     if device == "cpu":
         return rate, rate
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+    threads, worker_threads = torch.get_num_threads(), int(os.environ.get("OMP_NUM_THREADS", 1))
+    torch.set_num_threads(worker_threads)
     try:
-        host_numel = 1 << 20 if options.quick else 4 << 20
-        host_rate = adamw_params_per_s("cpu", host_numel, options.bench_s)
+        host_rate = adamw_params_per_s("cpu", 1 << 20 if options.quick else 4 << 20, options.bench_s)
     finally:
         torch.set_num_threads(threads)
-    options.log(f"AdamW step on the host ({torch.get_num_threads()} threads available, worker runs "
-                f"{os.environ.get('OMP_NUM_THREADS', 1)}): {host_rate / 1e9:.3f} G params/s")
+    options.log(f"AdamW step on the host ({worker_threads} threads, as a worker runs): {host_rate / 1e9:.3f} G params/s")
     return rate, host_rate
 
 
