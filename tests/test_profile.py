@@ -215,3 +215,13 @@ def test_overlap_model_predicts_three_cpu_channels_run_together():
         torch.set_num_threads(threads)
     predicted = float(overlap(profile, alone["compute"], 0.0, alone["h2d"], alone["d2h"]).total_s)
     assert predicted == pytest.approx(max(finished.values()), rel=0.35)
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_collective_slowdown_channel_uses_the_largest_timed_message(quick):
+    """The collective that slowdowns are measured with is in the bandwidth regime of gradient buckets
+    (a small gloo all-reduce is latency-bound and barely competes with compute for the cores)."""
+    from mist_compiler.cost.profiler import _Channel, _message_sizes
+
+    channel = _Channel("collective", "cpu", quick)
+    assert channel.buffer.numel() * channel.buffer.element_size() == max(_message_sizes("cpu", quick))

@@ -11,7 +11,7 @@ thread as the CPU backend runs its ranks):
   gloo on CPU, NCCL on GPU), fitted to alpha-beta from a few message sizes; point-to-point;
 * concurrency slowdowns: each ordered pair of channels (compute, collective, h2d, d2h) run
   together on threads (their own CUDA streams on GPU), the foreground channel timed against
-  itself alone.
+  itself alone; the collective is an all-reduce of the sweep's largest message.
 
 Multi-node shapes need ranks on several machines and are not measured; ``cost.comm`` derives them.
 All distributed work runs in spawned processes with timeouts; nothing is left running.
@@ -262,7 +262,9 @@ class _Channel:
         elif name == "collective":
             import torch.distributed as dist
 
-            self.buffer = torch.ones((64 << 20 if on_gpu else 256 << 10), device=device)
+            # the sweep's largest message: the bandwidth regime gradient buckets and weight gathers are
+            # in (on CPU a small one is latency-bound and hardly competes with compute for the cores)
+            self.buffer = torch.ones(max(_message_sizes(device, quick)) // 4, device=device)
             self._step = lambda: dist.all_reduce(self.buffer, group=group)
         else:
             numel = (64 << 20) if on_gpu else ((1 << 20) if quick else (2 << 20))
