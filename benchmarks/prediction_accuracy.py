@@ -20,11 +20,14 @@ ZeRO level, checkpointing, each offload kind, 1F1B pipelines.
   not count); several ranks: wall clock of the slowest rank. Median of the timed steps of a round.
 
 Interleaved rounds over all configurations (a burst of load hits every configuration alike).
-Calibration (``--no-calibrate`` keeps the shipped profile): right before each run, the profile's
-compute rates (matmul, attention, memory, per-op overhead, the backend's AdamW step) are
-re-measured with ``mistc profile``'s micro-benchmarks on the CPU clock, and that run is predicted
-with that profile: this CPU's speed drifts by 10-25% within minutes (other tenants, clocks), and a
-calibration taken at another moment than its run mostly measures the drift. A configuration's
+Calibration (``--no-calibrate`` keeps the shipped profile): right before each run, in the run's
+own rank processes and all ranks at once, the profile's compute rates (matmul, attention, memory,
+per-op overhead, the backend's AdamW step) are re-measured with ``mistc profile``'s
+micro-benchmarks on the CPU clock, averaged over the ranks, and that run is predicted with that
+profile: this CPU's speed drifts by 10-25% within minutes (other tenants, clocks), so a
+calibration taken at another moment than its run mostly measures the drift; and ranks on one
+machine share its caches and memory bandwidth, so a device's rates are the ones it gets while
+the other devices run. A configuration's
 error is the geometric mean over rounds of predicted/measured, its printed times the geometric
 means. The collectives are measured once over 1x2 and 1x4 gloo groups and the slowdowns of
 channels running together with as many ranks as the plan has; each rank's compute rate is scaled
@@ -95,6 +98,7 @@ class Outcome:
     step_s: float
     peak_bytes: float
     stage_peaks: list[float] | None = None  # multi-stage plans: peak per pipeline stage
+    calibration: HardwareProfile | None = None  # compute rates measured by the run's ranks right before it
 
 
 def cpu_seconds_per_call(fn: Callable[[], object], target_s: float = 0.15, repeats: int = 5) -> float:
@@ -157,6 +161,23 @@ def calibrated_profile(name: str) -> HardwareProfile:
     return dataclasses.replace(base, peak_flops=peaks, efficiency=_efficiencies(measured, peaks),
                                memory_bandwidth=copy_rate, op_overhead=overhead, optimizer_params_per_s=adam_rate,
                                host_optimizer_params_per_s=adam_rate)
+
+
+def mean_profile(profiles: list[HardwareProfile]) -> HardwareProfile:
+    """The first profile with the compute rates ``calibrated_profile`` measures averaged over all
+    (one calibration per rank of a run)."""
+    def mean(values) -> float:
+        return statistics.mean(float(v) for v in values)
+
+    first = profiles[0]
+    return dataclasses.replace(
+        first,
+        peak_flops={**first.peak_flops, "float32": mean(p.peak_flops["float32"] for p in profiles)},
+        efficiency={key: mean(p.efficiency[key] for p in profiles) for key in first.efficiency},
+        memory_bandwidth=mean(p.memory_bandwidth for p in profiles),
+        op_overhead=mean(p.op_overhead for p in profiles),
+        optimizer_params_per_s=mean(p.optimizer_params_per_s for p in profiles),
+        host_optimizer_params_per_s=mean(p.host_optimizer_params_per_s for p in profiles))
 
 
 def _compute_share_rank(rank: int, world: int, seconds: float) -> float:
@@ -342,9 +363,13 @@ QUICK: list[PlanConfig] = [ONE_RANK_CONFIGS[0], ONE_RANK_CONFIGS[14], PLAN_CONFI
 PLAN_STEPS_PER_ROUND = 4  # timed steps per launch of a plan's ranks (after a warm-up step)
 
 
-def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, measure_memory: bool) -> tuple[float, list[float]]:
+def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, measure_memory: bool,
+               calibrate: str | None) -> tuple[float, list[float], HardwareProfile | None]:
     """One rank trains ``config``'s plan: (peak device bytes of live tensors over one whole training
-    step after a warm-up step, wall seconds of each of ``timed_steps`` further steps)."""
+    step after a warm-up step, wall seconds of each of ``timed_steps`` further steps, and with
+    ``calibrate`` (a profile name) that profile's compute rates as this rank measured them first,
+    all ranks at once: ranks on one machine share its caches and memory bandwidth, so a rank's
+    rates are measured while the others run too, as they will while training)."""
     import torch.distributed as dist
 
     from mist_compiler.backends.engine import compile as compile_plan
@@ -353,6 +378,11 @@ def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, meas
     from mist_compiler.models import build_model
 
     plan = config.plan()
+    calibration = None
+    if calibrate is not None:
+        keep_freed_host_memory()  # as the engine will set it
+        dist.barrier()
+        calibration = calibrated_profile(calibrate)
     # one rank has nothing to wait for: its CPU clock is the step time and ignores the other jobs
     clock = time.process_time if world == 1 else time.perf_counter
     kernel = SDPBackend.MATH if config.attention == "math" else SDPBackend.FLASH_ATTENTION
@@ -379,24 +409,26 @@ def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, meas
             engine.step(batches[step % 2])
             times.append(clock() - start)
     engine.close()
-    return peak, times
+    return peak, times, calibration
 
 
-def measure_plan(config: PlanConfig, timed_steps: int, measure_memory: bool) -> Outcome:
+def measure_plan(config: PlanConfig, timed_steps: int, measure_memory: bool, calibrate: str | None = None) -> Outcome:
     """Spawn the plan's ranks; step time is the slowest rank's, median over the timed steps; the
-    peak is per stage, the largest over the stage's ranks (``Outcome.stage_peaks``)."""
+    peak is per stage, the largest over the stage's ranks (``Outcome.stage_peaks``); with
+    ``calibrate``, the ranks' calibrations averaged (``Outcome.calibration``)."""
     from mist_compiler.backends.local_ranks import run_ranks
     from mist_compiler.backends.topology import Topology
 
-    results = run_ranks(_plan_rank, config.world, args=(config, timed_steps, measure_memory), timeout_s=900.0,
-                        collective_timeout_s=300.0)
-    step_s = statistics.median(max(times[step] for _, times in results) for step in range(timed_steps))
+    results = run_ranks(_plan_rank, config.world, args=(config, timed_steps, measure_memory, calibrate),
+                        timeout_s=900.0, collective_timeout_s=300.0)
+    step_s = statistics.median(max(times[step] for _, times, _ in results) for step in range(timed_steps))
     topology = Topology(config.plan())
     stage_peaks = [0.0] * len(config.stages)
-    for rank, (peak, _) in enumerate(results):
+    for rank, (peak, _, _) in enumerate(results):
         stage = topology.coord(rank).stage
         stage_peaks[stage] = max(stage_peaks[stage], peak)
-    return Outcome(step_s, max(stage_peaks), stage_peaks)
+    calibration = mean_profile([profile for _, _, profile in results]) if calibrate is not None else None
+    return Outcome(step_s, max(stage_peaks), stage_peaks, calibration)
 
 
 def predict_plan(config: PlanConfig, hardware: HardwareProfile) -> Outcome:
@@ -467,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     measured: list[Outcome | None] = [None] * len(configs)
     for round_index in range(rounds):  # interleaved: a burst of load hits every config alike
         for index, config in enumerate(configs):
-            profile = load_profile(args.hardware) if args.no_calibrate else calibrated_profile(args.hardware)
-            outcome = RUNNERS[config.kind](config, PLAN_STEPS_PER_ROUND, measure_memory=round_index == 0)
+            outcome = RUNNERS[config.kind](config, PLAN_STEPS_PER_ROUND, measure_memory=round_index == 0,
+                                           calibrate=None if args.no_calibrate else args.hardware)
+            profile = outcome.calibration or load_profile(args.hardware)
             rounds_of[index].append((profile, outcome.step_s))
             if round_index == 0:
                 measured[index] = outcome
