@@ -484,7 +484,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    keep_freed_host_memory()  # calibrate with the host allocator setting the CPU ranks run with
     configs = [c for c in (QUICK if args.quick else CONFIGS) if args.ranks in (None, c.world)]
     rounds = args.rounds or (2 if args.quick else 3)
     worlds = sorted({c.world for c in configs if c.world > 1})
