@@ -219,14 +219,28 @@ def test_megatron_baseline_is_uniform():
     assert max(s.num_layers for s in stages) - min(s.num_layers for s in stages) <= 1
 
 
-def test_cbc_fallback_finds_the_same_optimum(monkeypatch):
+def test_each_solver_really_works_and_finds_the_same_optimum(monkeypatch):
+    """Both solvers are installed by the package (highsbox, cbcbox) and give the same plan time."""
     from mist_compiler.tuner import inter_stage
 
     model = small_model(4e7)
-    highs = tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=model, workload=WORK)
-    monkeypatch.setattr(inter_stage, "solver_name", lambda: "CBC")
-    cbc = tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=model, workload=WORK)
-    assert cbc.predicted_time_s == pytest.approx(highs.predicted_time_s, rel=1e-9)
+    times = {}
+    for name in inter_stage.SOLVERS:
+        assert inter_stage.solver_works(name), f"python-mip cannot build a model with {name}"
+        monkeypatch.setattr(inter_stage, "solver_name", lambda name=name: name)
+        times[name] = tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=model, workload=WORK).predicted_time_s
+    assert times["CBC"] == pytest.approx(times["HIGHS"], rel=1e-9)
+
+
+def test_solver_choice_falls_back_to_cbc_when_highs_cannot_build_a_model(monkeypatch):
+    from mist_compiler.tuner import inter_stage
+    from mist_compiler.tuner.space import TuneError
+
+    monkeypatch.setattr(inter_stage, "_working", {"HIGHS": False})
+    assert inter_stage.solver_name() == "CBC"
+    monkeypatch.setattr(inter_stage, "_working", {"HIGHS": False, "CBC": False})
+    with pytest.raises(TuneError, match="no MILP solver works"):
+        inter_stage.solver_name()
 
 
 def test_milp_alone_matches_brute_force_on_a_fixed_frontier():

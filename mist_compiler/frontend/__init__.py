@@ -2,7 +2,7 @@
 
 Names are imported lazily (torch is heavy). ``capture`` is also the submodule's name, so use
 ``mist_compiler.capture`` or ``mist_compiler.frontend.capture.capture`` for the function.
-Importing ``mist_compiler.frontend.dynamo_backend`` registers the "mist" torch.compile backend.
+The "mist" torch.compile backend is ``dynamo_backend.mist_backend`` (found through the package's entry point).
 """
 from __future__ import annotations
 

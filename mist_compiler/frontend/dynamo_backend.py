@@ -6,8 +6,10 @@ forward/backward compilers that return the partitioned graphs as boxed callables
 ``options={"plan": ...}`` (or any option other than the analysis ones) it hands over to
 ``mist_compiler.backends.dynamo_runtime.compile_with_plan`` (the distributed runtime).
 
-Registered as "mist" on import (``torch._dynamo.register_backend``) and through the
-``torch_dynamo_backends`` entry point when the package is installed.
+Reached as "mist" through the ``torch_dynamo_backends`` entry point of the installed package:
+dynamo imports this module and registers :func:`mist_backend` itself, so importing it must
+not register anything (a second registration is dynamo's "duplicate name" error, TORCH-NOTES
+section 9). :func:`register` is for a source tree that is not installed; it is idempotent.
 """
 from __future__ import annotations
 
@@ -98,12 +100,9 @@ def mist_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any):
     return joint_backend(on_capture)(gm, example_inputs)
 
 
-def _register() -> None:
+def register() -> None:
+    """Make ``backend="mist"`` available without the installed entry point (safe to call again)."""
     from torch._dynamo.backends.registry import _COMPILER_FNS
 
-    if _COMPILER_FNS.get("mist") is not mist_backend:
-        _COMPILER_FNS.pop("mist", None)
+    if "mist" not in _COMPILER_FNS:
         torch._dynamo.register_backend(name="mist")(mist_backend)
-
-
-_register()

@@ -203,6 +203,7 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
     """
     space = space or SearchSpace()
     say = progress or (lambda message: None)
+    solver = solver_name()  # fails now, in one line, rather than after the whole search
     started = time.perf_counter()
     cluster = Cluster(nodes, gpus_per_node)
     profile = None
@@ -227,7 +228,7 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
     stage_options = space.stage_count_options(work.num_layers, cluster.world)
     max_stages = max(stage_options)
     g_options = [g for g in space.grad_accum_options(work.global_batch)]
-    stats: dict = {"solver": solver_name(), "space": space.describe(), "grad_accum_tried": 0, "milps": 0,
+    stats: dict = {"solver": solver, "space": space.describe(), "grad_accum_tried": 0, "milps": 0,
                    "milps_skipped": 0, "analysis_s": stats_analysis_s, "evaluated": 0, "frontier_points": 0, "max_gap": 0.0, "statuses": {}}
     # order G values by a cheap bound so a good plan is found early and prunes the rest
     g_bounds = sorted((probe_work_bound(cost_model, work, cluster, space, g, max_stages), g) for g in g_options)

@@ -14,7 +14,7 @@ is exact, and the stages are then ordered by what they fit. The bubble term of a
 bounded using only the first stage's time before it (conservative; the reported time is
 recomputed exactly for the final order).
 
-Solved with HiGHS when ``highspy`` imports, else CBC, always under a time limit; the gap is
+Solved with HiGHS when python-mip can build a model with it, else CBC (:func:`solver_name`), always under a time limit; the gap is
 reported. Choices that cannot beat the incumbent (``G * T_c + sum of the other stages' minimum
 times >= incumbent``) are dropped before the program is built.
 """
@@ -28,18 +28,43 @@ import numpy as np
 
 from ..cost.stage_api import pipeline_iteration_time
 from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable
-from .space import Cluster, SearchSpace, Workload
+from .space import Cluster, SearchSpace, TuneError, Workload
 
 MAX_BINARIES = 2000
 
 
-def solver_name() -> str:
-    try:
-        import highspy  # noqa: F401
+SOLVERS = ("HIGHS", "CBC")  # preference order
+_working: dict[str, bool] = {}
 
-        return "HIGHS"
-    except ImportError:
-        return "CBC"
+
+def solver_works(name: str) -> bool:
+    """Whether python-mip can build and solve a one-variable MILP with ``name`` (cached per process).
+
+    Importing a solver's Python package proves nothing (TORCH-NOTES section 9: highspy 1.16
+    imports but no longer exports the C API mip loads); building a model is the only real test.
+    """
+    if name not in _working:
+        import mip
+
+        try:
+            model = mip.Model(sense=mip.MINIMIZE, solver_name=name)
+            model.verbose = 0
+            x = model.add_var(var_type=mip.BINARY)
+            model.objective = mip.minimize(x)
+            model.add_constr(x >= 1)
+            _working[name] = model.optimize(max_seconds=10) == mip.OptimizationStatus.OPTIMAL and round(x.x) == 1
+        except Exception:  # mip raises FileNotFoundError, OSError, ImportError ... for a missing library
+            _working[name] = False
+    return _working[name]
+
+
+def solver_name() -> str:
+    """The first solver of ``SOLVERS`` that python-mip can really use (HiGHS, else CBC)."""
+    for name in SOLVERS:
+        if solver_works(name):
+            return name
+    raise TuneError("no MILP solver works: python-mip can use neither HiGHS (pip install highsbox) nor CBC "
+                    "(pip install cbcbox); reinstall mist-compiler to get both")
 
 
 @dataclass
