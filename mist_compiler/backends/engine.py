@@ -31,11 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mist_compiler.ir.model_graph import PARAMETER, ModelGraph, ShardSpec
 from mist_compiler.ir.plan import Plan, PlanError, load_plan
+from mist_compiler.ir.program import MistProgram
 
-from .codegen import StageProgram, check_plan_against_model, lower
+from ..ops.tensor_parallel import ProcessGroup
+from .codegen import check_plan_against_program, lower
 from .host_allocator import keep_freed_host_memory
-from .tensor_parallel import shard_dims
+from .materialize import InitTensors, ModuleTensors, StageProgram, TensorSource
 from .pipeline import BACKWARD, FORWARD, P2P, build_links, one_f_one_b
 from .topology import ProcessGroups, Topology, build_groups
 
@@ -183,8 +186,10 @@ class StepState:
 class Engine:
     """Executes a Plan on this rank; see the module docstring."""
 
-    def __init__(self, model: nn.Module, plan: Plan, *, optimizer: Any = None, device: torch.device | str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, runtime_factory: Callable[..., Any] | None = None) -> None:
+    def __init__(self, model: nn.Module | str, plan: Plan, *, optimizer: Any = None,
+                 device: torch.device | str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 runtime_factory: Callable[..., Any] | None = None, program: MistProgram | None = None,
+                 source: TensorSource | None = None) -> None:
         self.plan = plan
         self.timeout_s = timeout_s
         self.source_model: nn.Module | None = None  # set by the dynamo runtime
@@ -193,7 +198,9 @@ class Engine:
         _ensure_process_group(timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.topology.check_world_size(self.world)
-        check_plan_against_model(plan, model)
+        # the program that was (or would be) analysed: the same capture is what this rank runs
+        self.captured = program if program is not None else capture_for_plan(model, plan)
+        check_plan_against_program(plan, self.captured)
         self.monitor = FailureMonitor(self.rank, self.world, timeout_s)
         self.coord = self.topology.coord(self.rank)
         self.stage_plan = plan.stages[self.coord.stage]
@@ -201,18 +208,21 @@ class Engine:
         if self.device.type == "cpu":
             keep_freed_host_memory()  # large per-step tensors reuse memory instead of page-faulting it in again
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.tied_names = _tied_parameter_names(model)
-        self.groups: ProcessGroups = build_groups(self.topology, self.rank, tied=bool(self.tied_names), timeout=timeout)
-        self.program: StageProgram = lower(model, plan, self.coord, self.groups.tp)
-        self.program.module.to(self.device)
-        self.tied = TiedWeights.create(self, model) if self.tied_names and plan.pp > 1 else None
-        units = [u for u in self.program.units if self.tied is None or u[0] not in self.tied.excluded_units]
+        tied_fqns = tied_parameters(self.captured.model_graph)
+        self.groups: ProcessGroups = build_groups(self.topology, self.rank, tied=bool(tied_fqns), timeout=timeout)
+        source = source or (ModuleTensors(model) if isinstance(model, nn.Module) else InitTensors(model, plan.seq_len))
+        tp_group = ProcessGroup(self.groups.tp, self.coord.tp_index, self.stage_plan.tp)
+        self.program: StageProgram = lower(self.captured, plan, self.coord, source, device=self.device, tp_group=tp_group)
+        self.tied_names = {name for name, fqn in self.program.fqn.items() if fqn in tied_fqns}
+        self.tied = TiedWeights.create(self) if self.tied_names and plan.pp > 1 else None
+        units = self.program.units
         self.offload_table = {name: self.program.offload[name] for name, _ in units}
         factory = runtime_factory or _default_runtime_factory()
         self.runtime = factory(
             units, dp_group=self.groups.dp, zero=self.stage_plan.zero, offload=self.offload_table,
             optimizer=optimizer if optimizer is not None else _default_optimizer(), device=self.device,
             param_dtype=DTYPES[plan.dtype], timeout_s=timeout_s,
+            exclude=frozenset(self.tied.params.values()) if self.tied is not None else frozenset(),
         )
         self._offload_hooks = install_activation_offload(self.runtime, units, self.offload_table,
                                                          checkpointed=self.program.checkpointed)
@@ -387,20 +397,19 @@ class Engine:
         return params
 
     def gather_full_state(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
-        """The whole model's parameters (unsharded, CPU) on rank ``dst``; None elsewhere.
+        """The whole model's parameters (unsharded, fp32, CPU) on rank ``dst``, named as in the model;
+        None elsewhere.
 
-        Collective: every rank must call it. Tensor-parallel slices are concatenated along their
-        split dimension; data-parallel replicas are taken from dp index 0.
+        Collective: every rank must call it. Tensor-parallel slices are put back together
+        (fused projections part by part); data-parallel replicas are taken from dp index 0.
         """
         self.flush_optimizer_step()
-        dims: dict[str, int | None] = {}
-        for unit_name, module in self.program.units:
-            dims.update(shard_dims(module, unit_name))
         mine = None
         full = self.named_full_parameters()  # a collective under ZeRO-3: every rank takes part
         if self.coord.dp_index == 0:
-            params = {name: tensor.detach().float().cpu() for name, tensor in full.items()}
-            mine = (self.coord.tp_index, {name: (tensor, dims.get(name)) for name, tensor in params.items()})
+            params = {self.program.fqn.get(name, name): (tensor.detach().float().cpu(), self.program.shards.get(name))
+                      for name, tensor in full.items()}
+            mine = (self.coord.tp_index, self.stage_plan.tp, params)
         gathered: list[Any] = [None] * self.world if self.rank == dst else None
         if self.world > 1:
             dist.gather_object(mine, gathered, dst=dst)
@@ -408,19 +417,14 @@ class Engine:
             gathered = [mine]
         if self.rank != dst:
             return None
-        pieces: dict[str, dict[int, tuple[torch.Tensor, int | None]]] = {}
+        pieces: dict[str, dict[int, tuple[torch.Tensor, ShardSpec | None, int]]] = {}
         for item in gathered:
             if item is None:
                 continue
-            tp_index, params = item
-            for name, (tensor, dim) in params.items():
-                pieces.setdefault(name, {})[tp_index] = (tensor, dim)
-        state = {}
-        for name, by_tp in pieces.items():
-            ordered = [by_tp[t] for t in sorted(by_tp)]
-            dim = ordered[0][1]
-            state[name] = ordered[0][0] if dim is None else torch.cat([t for t, _ in ordered], dim=dim)
-        return state
+            tp_index, degree, params = item
+            for name, (tensor, spec) in params.items():
+                pieces.setdefault(name, {})[tp_index] = (tensor, spec, degree)
+        return {name: unshard(by_tp) for name, by_tp in pieces.items()}
 
     def close(self) -> None:
         self.monitor.stop()
@@ -483,21 +487,14 @@ class TiedWeights:
         self.group = engine.groups.tied
         self.source = engine.topology.rank_of(0, 0, engine.coord.tp_index)
         self.last_backward = False
-        self.excluded_units: set[str] = set()
-        self.params: dict[str, nn.Parameter] = {}
+        self.params: dict[str, nn.Parameter] = {}  # on the last stage: the tied copies, kept out of its runtime
         if not self.is_first:
-            for unit_name, module in engine.program.units:
-                owned = {f"{unit_name}.{n}" for n, _ in module.named_parameters()}
-                tied_here = owned & set(names)
-                if tied_here and tied_here != owned:
-                    raise PlanError(f"unit {unit_name} mixes tied and untied parameters; cannot pipeline it")
-                if tied_here:
-                    self.excluded_units.add(unit_name)
-                    for n, p in module.named_parameters():
-                        self.params[f"{unit_name}.{n}"] = p
+            for name, param in _unit_parameters(engine.program.units):
+                if name in names:
+                    self.params[name] = param
 
     @classmethod
-    def create(cls, engine: "Engine", model: nn.Module) -> "TiedWeights | None":
+    def create(cls, engine: "Engine") -> "TiedWeights | None":
         if engine.coord.stage not in (0, engine.plan.pp - 1):
             return None
         local = {name for name, _ in _unit_parameters(engine.program.units)}
@@ -555,13 +552,39 @@ def _unit_parameters(units: list[tuple[str, nn.Module]]):
             yield f"{unit_name}.{name}" if unit_name else name, param
 
 
-def _tied_parameter_names(model: nn.Module) -> set[str]:
-    """Qualified names of parameters registered under more than one name (tied weights)."""
-    names_by_id: dict[int, list[str]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            names_by_id.setdefault(id(param), []).append(f"{module_name}.{name}" if module_name else name)
-    return {name for names in names_by_id.values() if len(set(names)) > 1 for name in names}
+def tied_parameters(graph: ModelGraph) -> set[str]:
+    """Names of the parameters both the pre part (embedding) and the post part (head) read."""
+    by_name = graph._by_name()
+
+    def read_by(nodes: tuple[str, ...]) -> set[str]:
+        return {a.name for n in nodes for a in by_name[n].all_input_nodes
+                if graph.tensors.get(a.name, ("", ""))[0] == PARAMETER}
+
+    return {graph.tensors[p][1] for p in read_by(graph.pre) & read_by(graph.post)}
+
+
+def unshard(by_tp: dict[int, tuple[torch.Tensor, ShardSpec | None, int]]) -> torch.Tensor:
+    """A whole tensor from its tensor-parallel pieces (rank -> (piece, split, degree))."""
+    ranks = sorted(by_tp)
+    first, spec, degree = by_tp[ranks[0]]
+    if spec is None or degree == 1:
+        return first
+    if len(ranks) != degree:
+        raise RuntimeError(f"tensor-parallel pieces of ranks {ranks} do not make up degree {degree}")
+    parts = spec.segments or (first.shape[spec.dim] * degree,)
+    columns = []
+    for index, part in enumerate(parts):
+        piece = part // degree
+        offset = sum(p // degree for p in parts[:index])
+        columns += [by_tp[r][0].narrow(spec.dim, offset, piece) for r in ranks]
+    return torch.cat(columns, dim=spec.dim)
+
+
+def capture_for_plan(model: nn.Module | str, plan: Plan) -> MistProgram:
+    """Capture ``model`` as the plan will run it (the plan's dtype: dtypes are part of the trace)."""
+    from ..frontend.capture import capture
+
+    return capture(model, dtype=plan.dtype)
 
 
 def _default_device() -> torch.device:

@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..ir.stage import split_boundary
 from .streams import Streams, host_empty
 
 
@@ -48,13 +49,6 @@ class HostMemory:
             totals[kind] = totals.get(kind, 0) + tensor.numel() * tensor.element_size()
         self._tensors = alive
         return totals
-
-
-def split_boundary(numel: int, host_fraction: float) -> int:
-    """Number of leading elements kept on the device when ``host_fraction`` is offloaded."""
-    if not 0.0 <= host_fraction <= 1.0:
-        raise ValueError(f"offload fraction must be in [0, 1], got {host_fraction}")
-    return numel - int(round(host_fraction * numel))
 
 
 class SplitBuffer:

@@ -25,7 +25,7 @@ Contract details:
 - Every dp rank starts from dp-rank 0's weights (one broadcast per unit at construction).
 - Trainable parameters move into the runtime's buffers on ``device``; modules' buffers (e.g.
   rotary tables) stay where they are, so move the modules to ``device`` first. Frozen parameters
-  (``requires_grad=False``) are left alone: not sharded, not updated.
+  (``requires_grad=False``) and those in ``exclude`` are left alone: not sharded, not updated.
 - The units' ``.grad`` tensors are views into the runtime's gradient buckets. Setting them to
   None (``zero_grad``) is tolerated (the next gradient is copied back into the bucket, at the cost
   of one extra copy) but pointless: the runtime zeroes its buckets itself.
@@ -69,8 +69,9 @@ class StageRuntime:
     def __init__(self, units: list[tuple[str, nn.Module]], *, dp_group: dist.ProcessGroup | None,
                  zero: int, offload: Offload | dict[str, UnitOffload], optimizer: AdamWConfig,
                  device: torch.device, param_dtype: torch.dtype = torch.float32,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, exclude: frozenset = frozenset()) -> None:
         self._validate(units, zero, param_dtype, timeout_s)
+        self.exclude = {id(p) for p in exclude}  # parameters someone else keeps (a tied head)
         self.unit_names = [name for name, _ in units]
         self.modules = [module for _, module in units]
         self.device = torch.device(device)
@@ -122,7 +123,7 @@ class StageRuntime:
         for unit, module in units:
             owned[unit], needs[unit] = [], [unit]
             for name, param in module.named_parameters(remove_duplicate=True):
-                if not param.requires_grad:
+                if not param.requires_grad or id(param) in self.exclude:
                     continue
                 if id(param) in owner_of:
                     if owner_of[id(param)] not in needs[unit]:

@@ -33,27 +33,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import kernels
+from ..ir.stage import UnitOffload
 from .dist_compat import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from .flat_buffer import FlatLayout, FreeableBuffer, bind_grads, bind_params
 from .offload import HostMemory, SplitBuffer
 from .optimizer import ShardState
 from .streams import Streams
-
-
-@dataclass(frozen=True)
-class UnitOffload:
-    """Fractions of one unit's weights / grads / optimizer state / activations kept on the host."""
-
-    weights: float = 0.0
-    grads: float = 0.0
-    opt: float = 0.0
-    acts: float = 0.0
-
-    def __post_init__(self) -> None:
-        for kind in ("weights", "grads", "opt", "acts"):
-            value = getattr(self, kind)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"UnitOffload.{kind} must be in [0, 1], got {value}")
 
 
 @dataclass

@@ -21,14 +21,18 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
+from ..ir.model_graph import ModelGraph
 from ..ir.program import ATTENTION_KERNELS, IRError, MistProgram
 from ..models import resolve_model
 from ..passes.block_discovery import BlockPartition, block_discovery, wl_hash
 from ..passes.manager import PassManager, PassResult
 from ..passes.shape_prop import shape_prop
-from .joint import CaptureError, JointCapture, loss_of, trace_joint
+from ..passes.tp_recognition import recognise
+from .boundaries import install_boundary_hooks
+from .joint import CaptureError, JointCapture, loss_of, model_call_kwargs, trace_joint
 from .layer_stack import LayerStackError, find_layer_stack
 from .lowering import lower_to_ir
+from .regions import find_regions, with_real_names
 
 # what a forward that depends on tensor *values* raises under FakeTensorMode
 FAKE_TENSOR_LIMITS = (
@@ -58,6 +62,7 @@ class CaptureState:
     shapes: dict | None = None
     partition: BlockPartition | None = None
     program: MistProgram | None = None
+    model_graph: ModelGraph | None = None
 
     def __str__(self) -> str:
         if self.program is not None:
@@ -102,12 +107,15 @@ def capture(
         keep_one_layer_per_group,  # trace one representative per group
         check_model_output,  # forward returns a scalar loss or logits
         trace_joint_graph,  # dynamo + aot_autograd: joint forward+backward ATen graph, b and s symbolic
+        find_model_graph,  # the torch-level graph of the same trace, cut into pre / layers / post
+        recognise_tensor_parallel,  # the one tensor-parallel recogniser: how each tensor splits, or why not
         shape_prop,  # every node's shape as sympy in b, s
         block_discovery,  # pre / layers / post, Weisfeiler-Lehman class hash per layer
         lower_to_ir,  # IR nodes, attention op, saved tensors per block class
     ]
     manager = PassManager(passes, print_after=print_after, on_dump=on_dump)
-    return manager(state).program.program
+    final = manager(state).program
+    return replace(final.program, model_graph=final.model_graph)
 
 
 def _token_dtypes(example_inputs: Sequence[torch.Tensor] | None) -> tuple:
@@ -223,14 +231,32 @@ def find_layer_list(model: nn.Module) -> str | None:
         return None
 
 
+# per-layer counters every layer differs in without running different code
+_INDEX_ATTRIBUTES = {"layer_idx", "layer_id", "layer_index", "layer_number", "idx", "index", "block_idx"}
+
+
+def _plain_attributes(module: nn.Module) -> list[tuple[str, str]]:
+    """The module's own settings of plain types (a sliding window, an attention type ...): layers
+    of one class that differ in them may run different code, so they are not grouped together."""
+    found = []
+    for key, value in sorted(vars(module).items()):
+        if key.startswith("_") or key in _INDEX_ATTRIBUTES or key == "training":
+            continue
+        if value is None or isinstance(value, (bool, int, float, str)):
+            found.append((key, repr(value)))
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+            found.append((key, repr(tuple(value))))
+    return found
+
+
 def module_signature(module: nn.Module) -> str:
-    """WL hash of a module tree: types, forward code, parameter/buffer shapes and dtypes."""
+    """WL hash of a module tree: types, forward code, plain settings, parameter/buffer shapes and dtypes."""
     tree = nx.DiGraph()
     for name, sub in module.named_modules():
         tensors = [(k, tuple(v.shape), str(v.dtype)) for k, v in list(sub._parameters.items()) + list(sub._buffers.items())
                    if v is not None]
         forward = getattr(type(sub).forward, "__qualname__", "")
-        tree.add_node(name, label=f"{type(sub).__qualname__}|{forward}|{tensors}")
+        tree.add_node(name, label=f"{type(sub).__qualname__}|{forward}|{tensors}|{_plain_attributes(sub)}")
         if name:
             tree.add_edge(name.rpartition(".")[0], name)
     return hashlib.sha1(wl_hash(tree).encode()).hexdigest()[:16]
@@ -262,7 +288,8 @@ def keep_one_layer_per_group(state: CaptureState) -> CaptureState:
     if state.layer_list is None:
         return state
     layers = state.model.get_submodule(state.layer_list)
-    kept = nn.ModuleList(layers[group[0]] for group in state.layer_groups)
+    kept = nn.ModuleList(copy.copy(layers[group[0]]) for group in state.layer_groups)
+    install_boundary_hooks(kept, state.layer_list)  # on capture's own copies (hook tables made private)
     return replace(state, model=replace_submodule(state.model, state.layer_list, kept))
 
 
@@ -279,7 +306,7 @@ def check_model_output(state: CaptureState) -> PassResult:
     input_ids, labels = _example_tokens(state)
     try:
         with state.fake_mode, torch.no_grad():
-            output = state.model(input_ids=input_ids, labels=labels)
+            output = state.model(input_ids=input_ids, labels=labels, **model_call_kwargs(state.model))
     except FAKE_TENSOR_LIMITS as error:
         caused = [line.strip() for line in str(error).splitlines() if "Caused by" in line]
         raise CaptureError(
@@ -288,6 +315,21 @@ def check_model_output(state: CaptureState) -> PassResult:
         ) from None
     loss_of(output, state.model_name)
     return PassResult(state, modified=False)
+
+
+def find_model_graph(state: CaptureState) -> CaptureState:
+    """Pass: the torch-level graph of the trace, cut into regions (what the lowering runs)."""
+    if state.layer_list is None or not state.joint.boundaries:
+        return state  # no layer list: analysable, but only as a whole (no pipeline)
+    graph = find_regions(state.joint.torch_graph, state.joint.boundaries, state.layer_list, state.layer_groups)
+    return replace(state, model_graph=with_real_names(graph, state.layer_groups))
+
+
+def recognise_tensor_parallel(state: CaptureState) -> CaptureState:
+    """Pass: decide how the model splits over tensor-parallel ranks (priced and run alike)."""
+    if state.model_graph is None:
+        return state
+    return replace(state, model_graph=replace(state.model_graph, tp=recognise(state.model_graph)))
 
 
 def trace_joint_graph(state: CaptureState) -> CaptureState:

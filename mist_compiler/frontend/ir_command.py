@@ -11,7 +11,7 @@ import sys
 
 DTYPE_CHOICES = ("float32", "float16", "bfloat16")
 CAPTURE_PASSES = ("build_fake_model", "group_layers", "keep_one_layer_per_group", "check_model_output",
-                  "trace_joint_graph", "shape_prop", "block_discovery", "lower_to_ir")
+                  "trace_joint_graph", "find_model_graph", "recognise_tensor_parallel", "shape_prop", "block_discovery", "lower_to_ir")
 # The plan-driven lowering passes of the backend (backends/codegen.py); they need --plan.
 LOWERING_PASSES = ("partition", "tp_sharding", "checkpoint", "offload_insertion")
 
@@ -72,9 +72,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--after {lowering_after[0]} is a lowering pass: it needs --plan PLAN")
     if args.plan:
         from ..backends.codegen import dump_lowered
+        from ..ir.plan import load_plan
 
+        plan = load_plan(args.plan)
+        program = capture(args.model, dtype=plan.dtype, attention=args.attention)
         for name in lowering_after or ["offload_insertion"]:
-            print(dump_lowered(args.model, args.plan, name))
+            print(dump_lowered(program, plan, name))
         return 0
 
     def dump(name: str, state) -> None:

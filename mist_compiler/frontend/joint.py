@@ -11,6 +11,7 @@ FakeTensors, compiled with ``dynamic=True`` so the batch and sequence sizes are 
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,6 +25,7 @@ from torch._functorch.partitioners import default_partition
 
 from ..ir.program import B, S
 from ..passes.block_discovery import module_paths
+from .boundaries import Boundaries, strip_boundaries
 
 
 @dataclass
@@ -39,6 +41,7 @@ class JointCapture:
     symbol_map: dict  # ShapeEnv symbol -> IR symbol (b, s)
     primal_params: dict[str, str] = field(default_factory=dict)  # joint placeholder -> parameter path
     primal_inputs: dict[str, str] = field(default_factory=dict)  # joint placeholder -> input name
+    boundaries: Boundaries = field(default_factory=Boundaries)  # layer entry/exit values of torch_graph
 
 
 def _is_parameter(node: torch.fx.Node, example) -> bool:
@@ -74,6 +77,7 @@ def joint_backend(on_capture: Callable[[JointCapture], None]):
     """A dynamo backend that records the joint graph and runs the partitioned graphs."""
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list, **_kwargs):
+        boundaries = strip_boundaries(gm)  # capture's layer markers (none when the user compiles)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
         def partition(joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
@@ -88,7 +92,7 @@ def joint_backend(on_capture: Callable[[JointCapture], None]):
                 else:
                     inputs[primal.name] = node.name
             on_capture(JointCapture(gm, joint, forward, backward, num_fwd_outputs, saved,
-                                    batch_seq_symbols(gm), params, inputs))
+                                    batch_seq_symbols(gm), params, inputs, boundaries))
             return forward, backward
 
         def boxed(graph: torch.fx.GraphModule, _inputs):
@@ -99,8 +103,18 @@ def joint_backend(on_capture: Callable[[JointCapture], None]):
     return backend
 
 
-def _run_model(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor):
-    return model(input_ids=input_ids, labels=labels)
+def takes_use_cache(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward has a ``use_cache`` switch (Hugging Face models): training
+    never wants a key/value cache, whose updates would otherwise be traced and run."""
+    try:
+        return "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def model_call_kwargs(model: torch.nn.Module) -> dict:
+    """Keyword arguments every training call of ``model`` adds to ``input_ids`` and ``labels``."""
+    return {"use_cache": False} if takes_use_cache(model) else {}
 
 
 def loss_of(output, model_name: str = "model") -> torch.Tensor:
@@ -148,9 +162,10 @@ def _logging_functions() -> set:
 def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> JointCapture:
     """Trace ``model(input_ids=, labels=) -> loss`` (FakeTensor weights) into a joint graph."""
     captured: list[JointCapture] = []
+    extra = model_call_kwargs(model)
 
     def run(model, input_ids, labels):
-        output = _run_model(model, input_ids, labels)
+        output = model(input_ids=input_ids, labels=labels, **extra)
         loss = loss_of(output)
         if loss.dim() == 3:  # logits: the capture adds the standard next-token loss
             loss = torch.nn.functional.cross_entropy(loss.float().flatten(0, 1), labels.flatten())

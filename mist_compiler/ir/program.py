@@ -296,6 +296,8 @@ class MistProgram:
     symbols: tuple = ("b", "s")
     config: dict = field(default_factory=dict)
     captured_attention_ops: tuple = ()
+    # the torch-level program the lowering passes cut and the runtime executes (live, not serialised)
+    model_graph: Any = field(default=None, repr=False, compare=False)
 
     @property
     def params(self) -> int:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .initialize import initialize
+
 
 @dataclass(frozen=True)
 class TransformerConfig:
@@ -108,9 +110,13 @@ class Attention(nn.Module):
         self.k = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
         self.v = nn.Linear(cfg.hidden, kv_dim, bias=cfg.bias)
         self.o = nn.Linear(cfg.hidden, cfg.hidden, bias=cfg.bias)
+        self.o.residual_projection = True  # its initial weights are scaled down with depth
         if self.rotary:
-            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
-            self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.rope_theta = cfg.rope_theta
+            self.register_buffer("inv_freq", self.rotary_frequencies(), persistent=False)
+
+    def rotary_frequencies(self) -> torch.Tensor:
+        return 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
 
     def apply_rotary(self, x: torch.Tensor, seq: int) -> torch.Tensor:
         positions = torch.arange(seq, device=x.device, dtype=torch.float32)
@@ -146,6 +152,7 @@ class MLP(nn.Module):
             self.gate = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)
         self.up = nn.Linear(cfg.hidden, cfg.ffn, bias=cfg.bias)
         self.down = nn.Linear(cfg.ffn, cfg.hidden, bias=cfg.bias)
+        self.down.residual_projection = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -182,21 +189,24 @@ class TransformerLM(nn.Module):
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tied_head:
             self.head.weight = self.embed.weight
-        self.reset_parameters()
+        initialize(self)
 
-    def reset_parameters(self) -> None:
-        """GPT-2 style init: N(0, 0.02), output projections scaled by depth, norms to one."""
-        depth_scale = 1.0 / math.sqrt(2 * self.config.layers)
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = 0.02 * depth_scale if name.endswith((".o", ".down")) else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2 style init of one module's own tensors: N(0, 0.02), output projections scaled by
+        depth, norms to one (the per-module rule :mod:`.initialize` seeds and applies)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            depth_scale = 1.0 / math.sqrt(2 * self.config.layers)
+            std = 0.02 * depth_scale if getattr(module, "residual_projection", False) else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+            nn.init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, Attention) and module.rotary:
+            module.inv_freq.copy_(module.rotary_frequencies())
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(input_ids)

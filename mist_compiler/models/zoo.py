@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .initialize import has_init_rule, initialize
 from .transformer import TransformerConfig, TransformerLM
 
 
@@ -138,7 +139,14 @@ def resolve_model(spec: str, seq_len: int | None = None) -> ModelSpec:
 
 
 def build_model(spec: str, seq_len: int | None = None, seed: int | None = 0) -> nn.Module:
-    """Build the named model with real (random) weights on the CPU."""
+    """Build the named model with real (random) weights on the CPU.
+
+    With a ``seed``, a model with a per-module initialisation rule is initialised module by
+    module from it (:mod:`.initialize`), as every rank of a plan initialises its own shards; other
+    models keep their constructor's initialisation under the global seed."""
     if seed is not None:
         torch.manual_seed(seed)
-    return resolve_model(spec, seq_len).build()
+    model = resolve_model(spec, seq_len).build()
+    if seed is not None and has_init_rule(model):
+        initialize(model, seed)
+    return model

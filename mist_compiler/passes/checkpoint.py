@@ -1,19 +1,21 @@
-"""Activation checkpointing: recompute the first ``ckpt_layers`` blocks of a stage in backward.
+"""Activation checkpointing: recompute the first ``ckpt_layers`` layers of a stage in backward.
 
-Each chosen ``call_module`` block node ``y = block(x)`` becomes
-``y = checkpoint(block, x, use_reentrant=False)``: the block keeps its identity (its hooks still
-fire, in forward and again during recomputation) and only its inputs are kept for backward.
+On a :class:`~mist_compiler.ir.stage.StageGraph`, each chosen layer call ``y = layer(x, *glue)``
+becomes ``y = checkpoint_block(layer, x, *glue)`` (non-reentrant ``torch.utils.checkpoint``): the
+unit keeps its identity (its hooks still fire, in forward and again during recomputation) and
+only its inputs are kept for backward. The first layers are chosen, as the cost model assumes
+(they are the ones whose activations live longest in a 1F1B schedule).
 """
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from ..ir.stage import StageGraph
 from .manager import PassResult
-from .partition import stage_interface
+from .tp_sharding import clone_graph
 
 
 class CheckpointError(ValueError):
@@ -32,26 +34,24 @@ def checkpoint_block(block, *args, **kwargs):
 
 @dataclass
 class ActivationCheckpoint:
-    """Wrap the first ``ckpt_layers`` layer blocks of the stage program."""
+    """Wrap the first ``ckpt_layers`` layer units of the stage."""
 
     ckpt_layers: int
     name: str = "checkpoint"
 
-    def __call__(self, gm: fx.GraphModule) -> PassResult:
-        blocks = stage_interface(gm).block_targets
-        if not 0 <= self.ckpt_layers <= len(blocks):
-            raise CheckpointError(f"ckpt_layers={self.ckpt_layers} but the stage has {len(blocks)} layer blocks")
+    def __call__(self, stage: StageGraph) -> PassResult:
+        layers = stage.layer_units
+        if not 0 <= self.ckpt_layers <= len(layers):
+            raise CheckpointError(f"ckpt_layers={self.ckpt_layers} but stage {stage.stage} has {len(layers)} layers")
         if self.ckpt_layers == 0:
-            return PassResult(gm, False)
-        chosen = set(blocks[: self.ckpt_layers])
-        graph = copy.deepcopy(gm.graph)
+            return PassResult(stage, False)
+        chosen = {unit.name for unit in layers[: self.ckpt_layers]}
+        graph = clone_graph(stage.graph)
         for node in list(graph.nodes):
             if node.op == "call_module" and node.target in chosen:
                 with graph.inserting_before(node):
                     module = graph.get_attr(node.target)
                 node.op, node.target = "call_function", checkpoint_block
                 node.args = (module, *node.args)
-        rewritten = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-        rewritten.meta.update(gm.meta)
-        rewritten.meta["mist_checkpointed"] = sorted(chosen)
-        return PassResult(rewritten, True)
+        units = [replace(u, checkpointed=u.name in chosen) for u in stage.units]
+        return PassResult(replace(stage, graph=graph, units=units), True)

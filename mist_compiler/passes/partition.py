@@ -1,326 +1,338 @@
-"""Pipeline partitioning: cut a model into per-stage programs at layer-block boundaries.
+"""Pipeline partitioning: the captured torch-level program -> one stage's program.
 
-``trace_model`` turns the model into a torch-level fx graph whose layer blocks (and every module
-holding its own parameters: embeddings, norms, the head) are leaf ``call_module`` nodes. The
-``partition`` pass then assigns each node to a stage:
+Input: the :class:`~mist_compiler.ir.model_graph.ModelGraph` capture produced (the graph the cost
+model priced, cut into pre / layer / post regions), a plan and a stage index. Output: a
+:class:`~mist_compiler.ir.stage.StageGraph`:
 
-- a layer block goes to the stage whose plan range holds its index;
-- a parameter-holding module or parameter read before the first block is "pre" (first stage),
-  after it "post" (last stage);
-- any other node runs where its latest input is produced; nodes that depend on nothing but the
-  batch inputs and constants (positions, masks) are *free*: copied into every stage that needs
-  them instead of being sent.
-
-A value produced on stage ``i`` and used on a later stage crosses every cut in between: it is an
-output of stages ``i..j-1`` and an input of stages ``i+1..j``. The stage program is a
-``GraphModule`` ``forward(*boundary_inputs, **batch_inputs)`` returning a tuple of boundary
-outputs (the loss on the last stage); its ``meta["mist_stage"]`` is a :class:`StageInterface`.
+- every node of the pre and post regions that depends on the batch alone (positions, masks,
+  rotary tables, shifted labels: *free* values) is recomputed, in the top-level graph, by every
+  stage that needs it, never sent;
+- the rest of the pre region is the ``pre`` unit (first stage), the rest of the post region the
+  ``post`` unit (last stage); layer ``k`` is a unit running its group representative's region
+  with layer ``k``'s own tensors (the region graph is built once per group and shared);
+- the hidden state crosses every cut; a pre value that later layers read (anything but a free
+  value) crosses every cut up to the last stage that reads it.
+Dynamo's batch and sequence size inputs become ``input_ids.size(d)``.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
-from torch import nn
 
-from mist_compiler.frontend.layer_stack import LayerStack, find_layer_stack
-from mist_compiler.ir.plan import Plan
-
+from ..ir.model_graph import BUFFER, CONSTANT, PARAMETER, LayerRegion, ModelGraph
+from ..ir.plan import Plan
+from ..ir.stage import BoundaryValue, StageGraph, StageInterface, Unit
 from .manager import PassResult
 
-FREE = -1  # stage of a node that only depends on batch inputs and constants
+HIDDEN = "hidden"  # name of the carried hidden state in stage interfaces
+_GRAD_MODE = {torch._C._set_grad_enabled}
+_DROPPED = {torch._C._log_api_usage_once}
 
 
 class PartitionError(ValueError):
-    """A model that cannot be cut into pipeline stages; the message says why."""
+    """A model or plan that cannot be cut into pipeline stages; the message says why."""
 
 
-@dataclass(frozen=True)
-class BoundaryValue:
-    """One value crossing a pipeline cut: its per-sample shape and whether dim 0 is the batch."""
+def _is_side_effect(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _GRAD_MODE
 
-    name: str
-    sample_shape: tuple[int, ...]  # shape without the batch dimension (full shape if not batched)
-    dtype: torch.dtype
-    batched: bool
 
-    @property
-    def needs_grad(self) -> bool:
-        return self.batched and self.dtype.is_floating_point
+def free_values(graph: ModelGraph) -> set[str]:
+    """Names of the pre/post nodes computed from the batch alone (no parameter, no hidden state)."""
+    free: set[str] = set()
+    layer_nodes = {name for region in graph.regions for name in region.nodes}
+    for node in graph.graph.graph.nodes:
+        if node.op == "placeholder":
+            kind = graph.tensors.get(node.name, ("input", ""))[0]
+            if kind != PARAMETER:
+                free.add(node.name)
+        elif node.op == "get_attr":
+            free.add(node.name)
+        elif node.op in ("call_function", "call_method") and node.name not in layer_nodes \
+                and not _is_side_effect(node) and node.target not in _DROPPED:
+            if all(arg.name in free for arg in node.all_input_nodes):
+                free.add(node.name)
+    return free
 
-    def shape(self, batch: int) -> tuple[int, ...]:
-        return (batch, *self.sample_shape) if self.batched else self.sample_shape
+
+def _external_inputs(nodes: list[fx.Node], inside: set[str]) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg.name not in inside and arg not in found:
+                found.append(arg)
+    return found
+
+
+def _copy_into(graph: fx.Graph, nodes: list[fx.Node], env: dict[str, fx.Node]) -> None:
+    for node in nodes:
+        env[node.name] = graph.node_copy(node, lambda arg: env[arg.name])
 
 
 @dataclass
-class StageInterface:
-    """What a stage program receives and returns."""
-
-    stage: int
-    num_stages: int
-    inputs: list[BoundaryValue]  # received from the previous stage, in this order
-    batch_inputs: list[str]  # fed from the batch (input_ids, labels, ...)
-    outputs: list[BoundaryValue]  # sent to the next stage, in this order (empty on the last)
-    block_targets: list[str] = field(default_factory=list)  # call_module targets of layer blocks
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+class _UnitGraph:
+    graph: fx.Graph
+    inputs: list[str]  # source node names passed as arguments, in order
+    outputs: list[str]  # source node names returned (a tuple when more than one)
+    tensors: dict[str, tuple[str, str]]
 
 
-class _BlockLeafTracer(fx.Tracer):
-    """Stops at layer blocks and at every module that owns parameters itself."""
-
-    def __init__(self, stack: LayerStack) -> None:
-        super().__init__()
-        self.block_paths = {stack.block_path(i) for i in range(len(stack))}
-
-    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        if qualified_name in self.block_paths:
-            return True
-        if any(True for _ in module.parameters(recurse=False)):
-            return True
-        return super().is_leaf_module(module, qualified_name)
-
-
-def _is_hf_model(model: nn.Module) -> bool:
-    return type(model).__module__.startswith("transformers.")
-
-
-def _trace_hf(model: nn.Module, stack: LayerStack) -> fx.GraphModule:
-    try:
-        from transformers.utils.fx import HFTracer
-    except ImportError as error:
-        raise PartitionError(f"cannot cut {type(model).__name__} for pipelining: transformers.utils.fx is unavailable ({error}); "
-                             "use a plan with one stage (the module then runs whole)") from None
-    block_paths = {stack.block_path(i) for i in range(len(stack))}
-
-    class _HFBlockTracer(HFTracer):
-        def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-            return qualified_name in block_paths or super().is_leaf_module(module, qualified_name)
-
-    try:
-        tracer = _HFBlockTracer()
-        dummy = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}
-        graph = tracer.trace(model, dummy_inputs=dummy)
-    except Exception as error:  # HF tracing fails in many model-specific ways
-        raise PartitionError(f"cannot cut {type(model).__name__} for pipelining: symbolic tracing failed ({error}); "
-                             "use a plan with one stage (the module then runs whole)") from None
-    gm = fx.GraphModule(model, graph)
-    _return_loss_only(gm)
-    gm.meta["mist_layer_stack"] = stack.path
-    return gm
-
-
-def _return_loss_only(gm: fx.GraphModule) -> None:
-    """Hugging Face models return an output object; keep only its ``loss``."""
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    value = output.args[0]
-    if isinstance(value, dict) and "loss" in value:
-        output.args = (value["loss"],)
-    elif isinstance(value, fx.Node):
-        with gm.graph.inserting_before(output):
-            output.args = (gm.graph.call_function(operator.getitem, (value, "loss")),)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-
-
-def trace_model(model: nn.Module) -> fx.GraphModule:
-    """A torch-level fx graph of ``model`` with layer blocks and parameter owners as leaves."""
-    stack = find_layer_stack(model)
-    if _is_hf_model(model):
-        return _trace_hf(model, stack)
-    try:
-        graph = _BlockLeafTracer(stack).trace(model)
-    except Exception as error:  # data-dependent control flow and the like
-        raise PartitionError(f"cannot cut {type(model).__name__} for pipelining: symbolic tracing failed ({error}); "
-                             "use a plan with one stage (the module then runs whole)") from None
-    gm = fx.GraphModule(model, graph)
-    gm.meta["mist_layer_stack"] = stack.path
-    return gm
-
-
-def _owns_parameters(gm: fx.GraphModule, node: fx.Node) -> bool:
-    if node.op == "call_module":
-        return any(True for _ in gm.get_submodule(node.target).parameters())
-    if node.op == "get_attr":
-        return isinstance(_resolve_attr(gm, node.target), nn.Parameter)
-    return False
-
-
-def _resolve_attr(gm: nn.Module, target: str):
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _inputs_of(node: fx.Node) -> list[fx.Node]:
-    return list(node.all_input_nodes)
-
-
-def assign_stages(gm: fx.GraphModule, plan: Plan, stack_path: str) -> dict[fx.Node, int]:
-    """Stage index of every node (``FREE`` for batch-only nodes), see the module docstring."""
-    prefix = f"{stack_path}." if stack_path else ""
-    last = plan.pp - 1
-    stage_of_layer = {}
-    for index, stage in enumerate(plan.stages):
-        for layer in range(*stage.layers):
-            stage_of_layer[layer] = index
-    stages: dict[fx.Node, int] = {}
-    seen_block = False
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and node.target.startswith(prefix) and node.target[len(prefix):].isdigit():
-            layer = int(node.target[len(prefix):])
-            if layer not in stage_of_layer:
-                raise PartitionError(f"layer block {node.target} is outside the plan's layer ranges (0..{plan.num_layers})")
-            stages[node] = stage_of_layer[layer]
-            seen_block = True
-        elif node.op == "placeholder":
-            stages[node] = FREE
-        elif _owns_parameters(gm, node):
-            stages[node] = last if seen_block else 0
-        elif node.op == "output":
-            stages[node] = last
-        else:
-            stages[node] = max((stages[i] for i in _inputs_of(node)), default=FREE)
-    for node, stage in stages.items():  # a node's inputs may never come from a later stage
-        for source in _inputs_of(node):
-            if stages[source] > stage and node.op != "output":
-                raise PartitionError(f"node {node.name} (stage {stage}) uses {source.name} from the later stage {stages[source]}")
-    return stages
-
-
-def _model_device(gm: fx.GraphModule) -> torch.device:
-    return next((p.device for p in gm.parameters()), torch.device("cpu"))
-
-
-def _classify_boundary(gm: fx.GraphModule, plan: Plan, names: set[str]) -> dict[str, BoundaryValue]:
-    """Run the graph (no grad) on batches of one and two samples: dims that change are batch dims.
-
-    On a meta-device model this costs nothing; on a real one it is one small forward.
-    """
-    device = _model_device(gm)
-    shapes: dict[int, dict[str, torch.Tensor]] = {}
-    for batch in (1, 2):
-        values: dict[str, torch.Tensor] = {}
-
-        class _Recorder(fx.Interpreter):
-            def run_node(self, n: fx.Node):
-                result = super().run_node(n)
-                if n.name in names:
-                    if not isinstance(result, torch.Tensor):
-                        raise PartitionError(f"value {n.name} crosses a pipeline cut but is a {type(result).__name__}, not a tensor")
-                    values[n.name] = result
-                return result
-
-        ids = torch.zeros(batch, plan.seq_len, dtype=torch.long, device=device)
-        inputs = {"input_ids": ids, "labels": ids}
-        with torch.no_grad():
-            _Recorder(gm).run(*[inputs.get(p.target) for p in gm.graph.nodes if p.op == "placeholder"])
-        shapes[batch] = values
-    result = {}
-    for name, small in shapes[1].items():
-        large = shapes[2][name]
-        batched = small.dim() > 0 and small.shape[0] == 1 and large.shape[0] == 2
-        if list(small.shape[1:] if batched else small.shape) != list(large.shape[1:] if batched else large.shape):
-            raise PartitionError(f"value {name} has a batch dimension other than dim 0 ({tuple(large.shape)}); cannot send it between stages")
-        result[name] = BoundaryValue(name, tuple(small.shape[1:] if batched else small.shape), small.dtype, batched)
-    return result
-
-
-def _stage_graph(gm: fx.GraphModule, stages: dict[fx.Node, int], stage: int,
-                 crossing: dict[int, list[fx.Node]], is_last: bool) -> tuple[fx.Graph, list[str]]:
-    """Copy the nodes of one stage (plus the free nodes they need) into a new graph."""
+def _unit_graph(model: ModelGraph, nodes: list[fx.Node], outputs: list[str], tensor_name) -> _UnitGraph:
+    """A standalone graph running ``nodes``: outside values become arguments, tensors attributes."""
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in crossing.get(stage - 1, []):
-        env[node] = graph.placeholder(node.name)
-    own = {n for n, s in stages.items() if s == stage and n.op not in ("output", "placeholder")}
-    needed_outputs = crossing.get(stage, []) if not is_last else []
-    final = next(n for n in gm.graph.nodes if n.op == "output")
-    roots = list(own) + needed_outputs + ([final.args[0]] if is_last else [])
-    required: set[fx.Node] = set()
-    todo = [r for r in roots if isinstance(r, fx.Node)]
-    while todo:  # free nodes the stage needs
-        node = todo.pop()
-        if node in required or node in env:
+    env: dict[str, fx.Node] = {}
+    inside = {n.name for n in nodes}
+    inputs, tensors = [], {}
+    for arg in _external_inputs(nodes, inside):
+        if arg.op == "placeholder" and arg.name in model.tensors:
+            kind, name = model.tensors[arg.name]
+            attr = tensor_name(arg.name, name)
+            if attr is not None:
+                tensors[attr] = (kind, name)
+                env[arg.name] = graph.get_attr(attr)
+                env[arg.name].meta.update(arg.meta)
+                continue
+        if arg.op == "get_attr":
+            tensors[arg.target] = (CONSTANT, arg.target)
+            env[arg.name] = graph.get_attr(arg.target)
+            env[arg.name].meta.update(arg.meta)
             continue
-        required.add(node)
-        todo.extend(i for i in _inputs_of(node) if i not in env)
-    batch_inputs = []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node in required:
-            env[node] = graph.placeholder(node.target, default_value=None)
-            batch_inputs.append(node.target)
-    for node in gm.graph.nodes:
-        if node in required and node.op != "placeholder" and node.op != "output":
-            if stages[node] not in (stage, FREE):
-                raise PartitionError(f"stage {stage} needs {node.name} from stage {stages[node]} but it does not cross the cut")
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    if is_last:
-        graph.output(env[final.args[0]])
-    else:
-        graph.output(tuple(env[n] for n in needed_outputs))
-    return graph, batch_inputs
+        placeholder = graph.placeholder(arg.name)
+        placeholder.meta.update(arg.meta)
+        env[arg.name] = placeholder
+        inputs.append(arg.name)
+    _copy_into(graph, nodes, env)
+    result = [env[name] for name in outputs]
+    graph.output(result[0] if len(result) == 1 else tuple(result))
+    return _UnitGraph(graph, inputs, outputs, tensors)
 
 
-def crossing_values(gm: fx.GraphModule, stages: dict[fx.Node, int], num_stages: int) -> dict[int, list[fx.Node]]:
-    """For each cut ``i`` (between stage i and i+1) the values that cross it, in graph order."""
-    crossing: dict[int, list[fx.Node]] = {i: [] for i in range(num_stages - 1)}
-    for node in gm.graph.nodes:
-        produced = stages[node]
-        if produced == FREE or node.op == "output":
-            continue
-        used = max((stages[u] for u in node.users), default=produced)
-        for cut in range(produced, used):
-            crossing[cut].append(node)
-    return crossing
+def layer_graph(model: ModelGraph, region: LayerRegion) -> _UnitGraph:
+    """The program of one layer group: ``(hidden, *glue) -> hidden`` with the layer's tensors as
+    attributes named by their path inside the layer."""
+    by_name = model._by_name()
+    nodes = [by_name[name] for name in region.nodes]
+    unit = _unit_graph(model, nodes, [region.carried_out],
+                       lambda placeholder, name: region.params.get(placeholder))
+    order = [region.carried_in, *region.glue]
+    if sorted(unit.inputs) != sorted(order):
+        raise PartitionError(f"layer {model.layer_list}.{region.layers[0]}: its inputs {unit.inputs} are not "
+                             f"its hidden state and glue {order}")
+    placeholders = {n.name: n for n in unit.graph.nodes if n.op == "placeholder"}
+    first = next(iter(unit.graph.nodes))
+    for name in order:  # placeholders in the calling order: hidden state first, then the glue
+        with unit.graph.inserting_before(first):
+            moved = unit.graph.placeholder(f"{name}_in")
+        moved.meta.update(placeholders[name].meta)
+        placeholders[name].replace_all_uses_with(moved)
+        unit.graph.erase_node(placeholders[name])
+    unit.inputs = order
+    return unit
 
 
+def _symbol_values(model: ModelGraph, micro_batch: int, seq_len: int) -> tuple[dict, sympy.Symbol | None]:
+    values, batch_symbol = {}, None
+    for placeholder, (_, dim) in model.sizes.items():
+        value = model.node(placeholder).meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            symbol = value.node.expr
+            values[symbol] = micro_batch if dim == 0 else seq_len
+            if dim == 0:
+                batch_symbol = symbol
+    return values, batch_symbol
+
+
+def boundary_value(model: ModelGraph, source: str, name: str, micro_batch: int, seq_len: int) -> BoundaryValue:
+    """The :class:`BoundaryValue` of a graph value sent between stages (shape from the trace)."""
+    value = model.node(source).meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        raise PartitionError(f"value {source} crosses a pipeline cut but is a {type(value).__name__}, not a tensor")
+    values, batch_symbol = _symbol_values(model, micro_batch, seq_len)
+    dims = [d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(int(d)) for d in value.shape]
+    batched = bool(dims) and batch_symbol is not None and dims[0] == batch_symbol
+    rest = dims[1:] if batched else dims
+    if batch_symbol is not None and any(batch_symbol in d.free_symbols for d in rest):
+        raise PartitionError(f"value {source} has its batch dimension elsewhere than dim 0 "
+                             f"({tuple(value.shape)}); it cannot be sent between stages")
+    sample = tuple(int(d.subs(values)) for d in rest)
+    return BoundaryValue(name, sample, value.dtype, batched)
+
+
+@dataclass
 class Partition:
-    """The pipeline partitioning pass for one stage of a plan (full model graph -> stage program)."""
+    """The partition pass for one stage of a plan: ``ModelGraph -> StageGraph``."""
 
-    name = "partition"
+    plan: Plan
+    stage: int
+    name: str = "partition"
 
-    def __init__(self, plan: Plan, stage: int) -> None:
-        if not 0 <= stage < plan.pp:
-            raise PartitionError(f"stage {stage} is out of range for a plan of {plan.pp} stages")
-        self.plan = plan
-        self.stage = stage
-
-    def __call__(self, gm: fx.GraphModule) -> PassResult:
-        stack_path = gm.meta.get("mist_layer_stack")
-        if stack_path is None:
-            stack_path = find_layer_stack(gm).path
-        stages = assign_stages(gm, self.plan, stack_path)
-        crossing = crossing_values(gm, stages, self.plan.pp)
-        is_last = self.stage == self.plan.pp - 1
-        graph, batch_inputs = _stage_graph(gm, stages, self.stage, crossing, is_last)
-        names = {n.name for cut in crossing.values() for n in cut}
-        boundary = _classify_boundary(gm, self.plan, names) if names else {}
-        stage_gm = fx.GraphModule(gm, graph, class_name=f"Stage{self.stage}")
-        prefix = f"{stack_path}."
-        stage_gm.meta["mist_layer_stack"] = stack_path
-        stage_gm.meta["mist_stage"] = StageInterface(
-            stage=self.stage, num_stages=self.plan.pp,
-            inputs=[boundary[n.name] for n in crossing.get(self.stage - 1, [])],
-            batch_inputs=batch_inputs,
-            outputs=[] if is_last else [boundary[n.name] for n in crossing[self.stage]],
-            block_targets=[n.target for n in graph.nodes if n.op == "call_module" and n.target.startswith(prefix)
-                           and n.target[len(prefix):].isdigit()],
-        )
-        return PassResult(stage_gm, self.plan.pp > 1)
+    def __call__(self, model: ModelGraph) -> PassResult:
+        if model.num_layers != self.plan.num_layers:
+            raise PartitionError(f"the plan covers {self.plan.num_layers} layers but the model has {model.num_layers}")
+        return PassResult(_build_stage(model, self.plan, self.stage), True)
 
 
-def stage_interface(gm: fx.GraphModule) -> StageInterface:
-    interface = gm.meta.get("mist_stage")
-    if interface is None:
-        raise PartitionError("the program has no stage interface; run the partition pass first")
-    return interface
+def _stage_of_pre_outputs(model: ModelGraph, plan: Plan, pre_unit_nodes: set[str]) -> dict[str, int]:
+    """For every pre-unit value read outside the pre unit: the last stage that reads it."""
+    last_stage = {}
+    by_name = model._by_name()
+    stage_of_layer = {k: i for i, s in enumerate(plan.stages) for k in range(*s.layers)}
+    post_stage = plan.pp - 1
+    for name in pre_unit_nodes:
+        for user in by_name[name].users:
+            if user.name in pre_unit_nodes:
+                continue
+            readers = [post_stage] if user.name in model.post else []
+            for region in model.regions:
+                if user.name in region.nodes:
+                    readers += [stage_of_layer[k] for k in region.layers]
+            last_stage[name] = max([last_stage.get(name, 0), *readers])
+    return last_stage
+
+
+def _build_stage(model: ModelGraph, plan: Plan, index: int) -> StageGraph:
+    stage = plan.stages[index]
+    first, last = index == 0, index == plan.pp - 1
+    by_name = model._by_name()
+    free = free_values(model)
+    pre_nodes = [by_name[n] for n in model.pre if n not in free and not _is_side_effect(by_name[n])
+                 and by_name[n].target not in _DROPPED]
+    post_nodes = [by_name[n] for n in model.post if n not in free and not _is_side_effect(by_name[n])
+                  and by_name[n].target not in _DROPPED]
+    pre_names = {n.name for n in pre_nodes}
+    crossing = _stage_of_pre_outputs(model, plan, pre_names)  # pre value -> last stage reading it
+    first_region = model.region_of_layer(0)
+    hidden_source = first_region.carried_in
+
+    order = list(by_name)
+    later = lambda at: sorted((n for n, s in crossing.items() if s >= at and n != hidden_source), key=order.index)
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    inputs: list[BoundaryValue] = []
+    micro, seq = stage.micro_batch, plan.seq_len
+    if not first:  # the hidden state, then the pre values this or a later stage reads
+        previous_out = model.region_of_layer(stage.layers[0] - 1).carried_out
+        env[hidden_source] = graph.placeholder(HIDDEN)
+        inputs.append(boundary_value(model, previous_out, HIDDEN, micro, seq))
+        for name in later(index):
+            env[name] = graph.placeholder(name)
+            inputs.append(boundary_value(model, name, name, micro, seq))
+    units: list[Unit] = []
+    needed = _needed_free_values(model, plan, index, free, pre_nodes, post_nodes)
+    batch_inputs = _emit_free_values(model, graph, env, needed, free)
+    if first:
+        outputs = [hidden_source] + [n for n in later(0) if n in pre_names]
+        unit = _unit_graph(model, pre_nodes, outputs, lambda placeholder, name: name)
+        units.append(Unit("pre", "pre", unit.graph, unit.tensors, "pre"))
+        call = graph.call_module("pre", tuple(env[name] for name in unit.inputs))
+        for position, name in enumerate(outputs):
+            env[name] = call if len(outputs) == 1 else graph.call_function(operator.getitem, (call, position))
+    hidden = env[hidden_source]
+    layer_graphs: dict[int, _UnitGraph] = {}
+    for layer in range(*stage.layers):
+        region = model.region_of_layer(layer)
+        if region.traced not in layer_graphs:
+            layer_graphs[region.traced] = layer_graph(model, region)
+        unit = layer_graphs[region.traced]
+        target = f"{model.layer_list}.{layer}" if model.layer_list else str(layer)
+        tensors = {attr: (kind, model.layer_fqn(layer, attr)) for attr, (kind, _) in unit.tensors.items()
+                   if kind in (PARAMETER, BUFFER)}
+        tensors.update({attr: t for attr, t in unit.tensors.items() if t[0] == CONSTANT})
+        units.append(Unit(target, "layer", unit.graph, tensors, region.label, layer))
+        hidden = graph.call_module(target, (hidden, *(env[name] for name in region.glue)))
+    outputs_sent: list[BoundaryValue] = []
+    if last:
+        env_hidden = model.regions[-1].carried_out
+        env[env_hidden] = hidden
+        final = next(n for n in model.graph.graph.nodes if n.op == "output").args[0]
+        final = final[0] if isinstance(final, (tuple, list)) else final
+        outputs = [final.name]
+        unit = _unit_graph(model, post_nodes, outputs, lambda placeholder, name: name)
+        missing = [name for name in unit.inputs if name not in env]
+        if missing:
+            raise PartitionError(f"the last stage needs {missing} but no earlier part of the model provides them")
+        units.append(Unit("post", "post", unit.graph, unit.tensors, "post"))
+        graph.output(graph.call_module("post", tuple(env[name] for name in unit.inputs)))
+    else:
+        forwarded = later(index + 1)
+        sent = [hidden] + [env[n] for n in forwarded]
+        last_layer = model.region_of_layer(stage.layers[1] - 1).carried_out
+        outputs_sent.append(boundary_value(model, last_layer, HIDDEN, micro, seq))
+        outputs_sent += [boundary_value(model, n, n, micro, seq) for n in forwarded]
+        graph.output(tuple(sent))
+    graph.lint()
+    interface = StageInterface(index, plan.pp, inputs, batch_inputs, outputs_sent,
+                               [u.name for u in units if u.kind == "layer"])
+    return StageGraph(index, plan.pp, graph, interface, units, _top_level_tensors(graph, model), plan_dtype=plan.dtype)
+
+
+def _needed_free_values(model: ModelGraph, plan: Plan, index: int, free: set[str], pre_nodes, post_nodes) -> set[str]:
+    """Free values this stage's units read (and, transitively, the free values they come from)."""
+    stage = plan.stages[index]
+    roots: list[str] = []
+    if index == 0:
+        roots += [a.name for a in _external_inputs(pre_nodes, {n.name for n in pre_nodes})]
+    for layer in range(*stage.layers):
+        roots += list(model.region_of_layer(layer).glue)
+    if index == plan.pp - 1:
+        roots += [a.name for a in _external_inputs(post_nodes, {n.name for n in post_nodes})]
+    by_name = model._by_name()
+    needed: set[str] = set()
+    todo = [r for r in roots if r in free]
+    while todo:
+        name = todo.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        todo += [a.name for a in by_name[name].all_input_nodes if a.name in free]
+    return needed
+
+
+def _emit_free_values(model: ModelGraph, graph: fx.Graph, env: dict[str, fx.Node], needed: set[str],
+                      free: set[str]) -> list[str]:
+    """Copy the needed free values into the top-level graph, in their order (grad-mode switches
+    between them too); returns the batch inputs the stage reads."""
+    batch_inputs = []
+    batch_nodes: dict[str, fx.Node] = {}
+    for node in model.graph.graph.nodes:
+        if node.op == "placeholder" and node.name in model.batch_inputs and (
+                node.name in needed or any(p in needed for p, (src, _) in model.sizes.items()
+                                           if src == model.batch_inputs[node.name])):
+            name = model.batch_inputs[node.name]
+            batch_nodes[name] = env[node.name] = graph.placeholder(name, default_value=None)
+            env[node.name].meta.update(node.meta)
+            batch_inputs.append(name)
+    for node in model.graph.graph.nodes:
+        if node.name in env:
+            continue
+        if node.op == "placeholder" and node.name in needed:
+            if node.name in model.sizes:
+                source, dim = model.sizes[node.name]
+                env[node.name] = graph.call_method("size", (batch_nodes[source], dim))
+            else:  # a buffer read by free code: an attribute of the stage module
+                env[node.name] = graph.get_attr(model.tensors[node.name][1])
+            env[node.name].meta.update(node.meta)
+        elif node.name in needed or (_is_side_effect(node) and needed):
+            env[node.name] = graph.node_copy(node, lambda arg: env[arg.name])
+    return batch_inputs
+
+
+def _top_level_tensors(graph: fx.Graph, model: ModelGraph) -> dict[str, tuple[str, str]]:
+    """Attributes the top-level graph reads: buffers of the model (by name) and graph constants."""
+    buffers = {name for kind, name in model.tensors.values() if kind == BUFFER}
+    found = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            found[node.target] = (BUFFER, node.target) if node.target in buffers else (CONSTANT, node.target)
+    return found
+
+
+def stage_interface(stage: StageGraph) -> StageInterface:
+    return stage.interface
+
+
+__all__ = ["HIDDEN", "Partition", "PartitionError", "boundary_value", "free_values", "layer_graph", "stage_interface"]

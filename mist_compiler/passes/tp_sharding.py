@@ -1,247 +1,193 @@
-"""Tensor-parallel sharding of a stage program (Megatron-style, found by data flow).
+"""Tensor-parallel sharding: apply the recognised plan to one stage's unit graphs.
 
-Inside every layer block, each value is classified as *const* (shapes, parameters read by
-non-linear code, anything not derived from the block input), *replicated* (the block input and
-what is computed from it identically on every rank) or *sharded* (split along features). A
-linear reading a replicated value becomes column-parallel (its output is sharded); a linear
-reading a sharded value becomes row-parallel (its partial output is all-reduced, hence
-replicated). Elementwise code, head reshapes and attention keep the state of their inputs, so
-q/k/v -> attention -> o and up/gate -> activation -> down pair up on GPT and LLaMA alike, and
-head-split attention follows because the model derives head counts from shapes. Anything else
-(a sharded value meeting a replicated one, reaching a norm or the block output) is an error.
-
-Outside the blocks: the token embedding (an ``nn.Embedding`` of ``input_ids``) becomes
-vocab-parallel; the head (the linear whose output only feeds ``F.cross_entropy``) becomes
-column-parallel without a gather and the loss call is rewritten into the vocab-parallel
-cross-entropy. Other modules stay replicated.
+Input: a :class:`~mist_compiler.ir.stage.StageGraph` and the model's
+:class:`~mist_compiler.ir.model_graph.TensorParallelPlan` (made by ``tp_recognition``, the one
+recogniser); output: the same stage whose units record how each tensor is split
+(``Unit.shards``) and whose graphs call the collectives (``tp.copy``, ``tp.reduce``,
+``tp.embedding``, ``tp.cross_entropy``, see :mod:`mist_compiler.ops.tensor_parallel`), with every
+size written as a number for a split dimension divided by the degree. Nothing is decided here.
+The vocabulary (embedding and head) is split only when the degree divides it; otherwise those
+stay whole on every rank.
 """
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any
+import operator
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
-from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
-import torch.nn.functional as F
-from torch import nn
 
-from mist_compiler.backends.tensor_parallel import (
-    ColumnParallelLinear, RowParallelLinear, TensorParallelError, VocabParallelCrossEntropy, VocabParallelEmbedding,
-)
-
+from ..ir.model_graph import GraphEdit, ModelGraph, RegionSharding, ShardSpec, TensorParallelPlan
+from ..ir.stage import StageGraph, Unit
 from .manager import PassResult
-from .partition import stage_interface
 
 
-class State(Enum):
-    CONST = 0
-    REPLICATED = 1
-    SHARDED = 2
+class TensorParallelError(ValueError):
+    """A plan asking for a tensor-parallel degree the model cannot take; names the layer and why."""
 
 
-_SHAPE_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda"}
-_REDUCING_METHODS = {"mean", "sum", "norm", "var", "std", "softmax", "log_softmax", "max", "min", "amax", "amin", "cumsum"}
+def check_degree(plan: TensorParallelPlan | None, degree: int, where: str = "tp") -> None:
+    """Refuse ``degree`` when the model's recognised structure cannot be split that way."""
+    if degree == 1:
+        return
+    if plan is None or not plan.supported:
+        reason = plan.reason if plan is not None else "the model has no layer list"
+        raise TensorParallelError(f"{where}: tensor parallelism is not possible for this model: {reason}")
+    if plan.granularity % degree:
+        raise TensorParallelError(f"{where}: tp={degree} does not divide the model's split sizes "
+                                  f"(heads, key/value heads, features: their gcd is {plan.granularity})")
 
 
-_NORMS = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm", "softmax", "log_softmax"}
+def clone_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` whose nodes share their metadata values (no FakeTensor is copied)."""
+    new = fx.Graph()
+    output = new.graph_copy(graph, {})
+    new.output(output)
+    return new
 
 
-class _DataFlowRecorder(TorchFunctionMode):
-    """Runs a block on an example input and propagates each tensor's :class:`State` op by op."""
-
-    def __init__(self, block: nn.Module, block_name: str) -> None:
-        super().__init__()
-        self.block_name = block_name
-        self.states: dict[int, State] = {}
-        self.alive: list[torch.Tensor] = []  # keeps ids unique while recording
-        self.roles: dict[str, str] = {}
-        self.inside_linear = 0
-        self.handles = []
-        for path, module in block.named_modules():
-            if isinstance(module, nn.Linear):
-                self.handles.append(module.register_forward_pre_hook(self._enter_linear(path)))
-                self.handles.append(module.register_forward_hook(self._leave_linear(path)))
-
-    def state(self, value: Any) -> State:
-        return self.states.get(id(value), State.CONST) if isinstance(value, torch.Tensor) else State.CONST
-
-    def mark(self, value: torch.Tensor, state: State) -> None:
-        self.states[id(value)] = state
-        self.alive.append(value)
-
-    def _enter_linear(self, path: str):
-        def hook(module, args):
-            state = self.state(args[0])
-            if state != State.CONST:
-                role = "column" if state == State.REPLICATED else "row"
-                if self.roles.setdefault(path, role) != role:
-                    raise TensorParallelError(f"{self.block_name}.{path} is used both as column- and row-parallel")
-            self.inside_linear += 1
-        return hook
-
-    def _leave_linear(self, path: str):
-        def hook(module, args, output):
-            self.inside_linear -= 1
-            role = self.roles.get(path)
-            if role is not None:
-                self.mark(output, State.SHARDED if role == "column" else State.REPLICATED)
-        return hook
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.inside_linear:
-            return out
-        inputs = {self.state(v) for v in pytree.tree_leaves((args, kwargs))} - {State.CONST}
-        name = getattr(func, "__name__", str(func))
-        if inputs == {State.REPLICATED, State.SHARDED}:
-            raise TensorParallelError(f"{self.block_name}: {name} mixes sharded and replicated values; cannot shard this structure")
-        state = inputs.pop() if inputs else State.CONST
-        if state == State.SHARDED and (name in _NORMS or (name in _REDUCING_METHODS and _reduces_features(args, kwargs))):
-            raise TensorParallelError(f"{self.block_name}: {name} reduces over tensor-parallel-sharded features; cannot shard this structure")
-        if state != State.CONST:
-            for leaf in pytree.tree_leaves(out):
-                if isinstance(leaf, torch.Tensor):
-                    self.mark(leaf, state)
-        return out
+def _node(graph: fx.Graph, name: str) -> fx.Node:
+    for candidate in (name, f"{name}_in"):
+        for node in graph.nodes:
+            if node.name == candidate:
+                return node
+    raise KeyError(f"node {name} is not in the unit graph")
 
 
-def _reduces_features(args: tuple, kwargs: dict) -> bool:
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    return dim is None or dim == -1 or (isinstance(dim, (tuple, list)) and -1 in dim)
+def _divide(value, position: tuple, degree: int):
+    if not position:
+        if not isinstance(value, int) or value % degree:
+            raise TensorParallelError(f"size {value} cannot be divided by the tensor-parallel degree {degree}")
+        return value // degree
+    head, rest = position[0], position[1:]
+    items = list(value)
+    items[head] = _divide(items[head], rest, degree)
+    return type(value)(items) if not isinstance(value, torch.Size) else torch.Size(items)
 
 
-def linear_roles(block: nn.Module, block_name: str = "block", example: torch.Tensor | None = None) -> dict[str, str]:
-    """``{linear submodule path: "column" | "row"}`` for one layer block, by data flow.
-
-    The block runs once on ``example`` (default ``[1, 4, in_features of its first linear]``)
-    while every torch op is recorded, so shape-dependent Python code takes its real path.
-    """
-    if example is None:
-        first = next((m for m in block.modules() if isinstance(m, nn.Linear)), None)
-        if first is None:
-            return {}
-        example = torch.zeros(1, 4, first.in_features, dtype=first.weight.dtype, device=first.weight.device)
-    recorder = _DataFlowRecorder(block, block_name)
-    try:
-        with torch.no_grad(), recorder:
-            recorder.mark(example, State.REPLICATED)
-            output = block(example)
-    finally:
-        for handle in recorder.handles:
-            handle.remove()
-    if recorder.state(output) == State.SHARDED:
-        raise TensorParallelError(f"{block_name}: the block output would be sharded; cannot shard this structure")
-    unpaired = [name for name, module in block.named_modules() if isinstance(module, nn.Linear) and name not in recorder.roles]
-    if unpaired:
-        raise TensorParallelError(f"{block_name}: linear(s) {unpaired} are not on the path of the block input; cannot shard them")
-    return recorder.roles
+def _is_column_matmul(node: fx.Node, activation: fx.Node, sharded: dict[str, ShardSpec]) -> bool:
+    name = getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_method":
+        return False
+    if name == "linear" and node.args[0] is activation:
+        weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        column_dim = 0
+    elif name == "addmm" and node.args[1] is activation:
+        weight, column_dim = node.args[2], 1
+    elif name in ("matmul", "mm") and node.args[0] is activation:
+        weight, column_dim = node.args[1], 1
+    else:
+        return False
+    return isinstance(weight, fx.Node) and weight.op == "get_attr" and \
+        sharded.get(weight.target, ShardSpec(-1)).dim == column_dim
 
 
-def shard_block(block: nn.Module, roles: dict[str, str], group, rank: int, world: int, block_name: str) -> nn.Module:
-    """A copy of ``block`` with each linear replaced by its column/row-parallel slice."""
-    linears = {id(block.get_submodule(path)): block.get_submodule(path) for path in roles}
-    sharded = copy.deepcopy(block, memo=dict(linears))  # the linears are replaced, do not copy them
-    for path, role in roles.items():
-        parent_path, _, attr = path.rpartition(".")
-        parent = sharded.get_submodule(parent_path) if parent_path else sharded
-        linear = getattr(parent, attr)
-        cls = ColumnParallelLinear if role == "column" else RowParallelLinear
-        setattr(parent, attr, cls(linear, group, rank, world, name=f"{block_name}.{path}"))
-    return sharded
+def _attr_of(graph: fx.Graph, attrs: dict[str, str], placeholder: str) -> fx.Node:
+    target = attrs[placeholder]
+    return next(n for n in graph.nodes if n.op == "get_attr" and n.target == target)
 
 
-def _flows_only_to_cross_entropy(node: fx.Node) -> fx.Node | None:
-    """The ``F.cross_entropy`` node that consumes ``node`` (via float/view/reshape), or None."""
-    passthrough = {"float", "view", "reshape", "contiguous", "to"}
-    frontier, found = [node], None
-    while frontier:
-        current = frontier.pop()
-        for user in current.users:
-            if user.op == "call_function" and user.target is getattr and user.args[1] in _SHAPE_ATTRS:
-                continue
-            if user.op == "call_method" and user.target in passthrough and user.args[0] is current:
-                frontier.append(user)
-            elif user.op == "call_function" and user.target is F.cross_entropy and user.args[0] is current:
-                found = user
+def apply_edits(graph: fx.Graph, edits: list[GraphEdit], attrs: dict[str, str], shards: dict[str, ShardSpec],
+                degree: int) -> bool:
+    """Rewrite ``graph`` in place; ``attrs`` maps captured placeholders to the unit's attributes."""
+    uses_tp = False
+    for edit in edits:
+        node = _node(graph, edit.node)
+        if edit.kind == "divide_arg":
+            index, rest = edit.position[0], edit.position[1:]
+            args = list(node.args)
+            args[index] = _divide(args[index], rest, degree)
+            node.args = tuple(args)
+        elif edit.kind == "defer_bias":
+            name = getattr(node.target, "__name__", "")
+            if name == "addmm":
+                node.target, node.args = torch.mm, (node.args[1], node.args[2])
             else:
-                return None
-    return found
+                node.args, node.kwargs = (node.args[0], node.args[1]), {k: v for k, v in node.kwargs.items() if k != "bias"}
+        elif edit.kind == "copy_in":
+            users = [u for u in node.users if _is_column_matmul(u, node, shards)]
+            with graph.inserting_after(node):
+                copied = graph.call_module("tp.copy", (node,))
+            copied.meta.update(node.meta)
+            for user in users:
+                user.replace_input_with(node, copied)
+            uses_tp = True
+        elif edit.kind == "reduce_out":
+            users = list(node.users)
+            with graph.inserting_after(node):
+                reduced = graph.call_module("tp.reduce", (node,))
+            reduced.meta.update(node.meta)
+            result = reduced
+            for bias in edit.data:
+                with graph.inserting_after(result):
+                    weight = _attr_of(graph, attrs, bias)
+                    result = graph.call_function(operator.add, (result, weight))
+                result.meta.update(node.meta)
+            for user in users:
+                user.replace_input_with(node, result)
+            uses_tp = True
+        elif edit.kind == "vocab_embedding":
+            node.op, node.target = "call_module", "tp.embedding"
+            node.args, node.kwargs = node.args[:3], {}
+            uses_tp = True
+        elif edit.kind == "vocab_loss":
+            ignore_index, reduction = edit.data
+            node.op, node.target = "call_module", "tp.cross_entropy"
+            node.args, node.kwargs = (node.args[0], node.args[1]), {"ignore_index": ignore_index,
+                                                                     "reduction": reduction}
+            uses_tp = True
+        else:
+            raise TensorParallelError(f"unknown tensor-parallel edit {edit.kind!r}")
+    graph.lint()
+    return uses_tp
+
+
+def _vocab_divisible(model: ModelGraph, region: RegionSharding, degree: int) -> bool:
+    by_name = model._by_name()
+    for name, spec in region.shards.items():
+        size = by_name[name].meta["example_value"].shape[spec.dim]
+        if int(size) % degree:
+            return False
+    return True
+
+
+def _unit_attrs(model: ModelGraph, unit: Unit) -> dict[str, str]:
+    """Captured placeholder -> the unit's attribute for it."""
+    if unit.kind == "layer":
+        region = next(r for r in model.regions if r.label == unit.region)
+        return dict(region.params)
+    return {placeholder: name for placeholder, (_, name) in model.tensors.items() if name in unit.tensors}
 
 
 @dataclass
 class TensorParallel:
-    """The TP sharding pass for one rank of a stage: ``world`` ranks, this one ``rank``."""
+    """The sharding pass for one rank: ``(tp rank, degree)`` of the stage's tensor-parallel group."""
 
-    group: Any
+    model: ModelGraph
     rank: int
-    world: int
+    degree: int
     name: str = "tp_sharding"
 
-    def __call__(self, gm: fx.GraphModule) -> PassResult:
-        if self.world == 1:
-            return PassResult(gm, False)
-        interface = stage_interface(gm)
-        blocks = set(interface.block_targets)
-        graph = copy.deepcopy(gm.graph)
-        modules: dict[str, Any] = {}
-        for node in graph.nodes:
-            if node.op == "get_attr":
-                modules[node.target] = _resolve(gm, node.target)
-            if node.op != "call_module" or node.target in modules:
-                continue
-            module = gm.get_submodule(node.target)
-            if node.target in blocks:
-                roles = linear_roles(module, node.target)
-                modules[node.target] = shard_block(module, roles, self.group, self.rank, self.world, node.target)
-            elif isinstance(module, nn.Embedding) and _is_input_ids(node.args[0]):
-                modules[node.target] = VocabParallelEmbedding(module, self.group, self.rank, self.world, node.target)
-            elif isinstance(module, nn.Linear) and (loss := _flows_only_to_cross_entropy(node)) is not None:
-                modules[node.target] = ColumnParallelLinear(module, self.group, self.rank, self.world, node.target)
-                loss_name = f"{loss.name}_vocab_parallel"
-                modules[loss_name] = self._loss_module(loss)
-                loss.op, loss.target, loss.args, loss.kwargs = "call_module", loss_name, loss.args[:2], {}
-            else:
-                modules[node.target] = module
-        sharded = fx.GraphModule(modules, graph, class_name=type(gm).__name__)
-        sharded.meta.update(gm.meta)
-        sharded.meta["mist_tp"] = (self.rank, self.world)
-        return PassResult(sharded, True)
-
-    def _loss_module(self, loss: fx.Node) -> VocabParallelCrossEntropy:
-        kwargs = dict(loss.kwargs)
-        if kwargs.get("weight") is not None or kwargs.get("label_smoothing", 0.0) != 0.0:
-            raise TensorParallelError(f"{loss.name}: vocab-parallel cross-entropy supports no class weights and no label smoothing")
-        if kwargs.get("size_average") is not None or kwargs.get("reduce") is not None:
-            raise TensorParallelError(f"{loss.name}: legacy size_average/reduce arguments are not supported")
-        if len(loss.args) > 2:
-            raise TensorParallelError(f"{loss.name}: pass cross_entropy options as keywords to shard it")
-        return VocabParallelCrossEntropy(self.group, self.rank, self.world, kwargs.get("ignore_index", -100),
-                                         kwargs.get("reduction", "mean"))
+    def __call__(self, stage: StageGraph) -> PassResult:
+        if self.degree == 1:
+            return PassResult(stage, False)
+        plan = self.model.tp
+        check_degree(plan, self.degree, f"plan field stages[{stage.stage}].tp")
+        done: dict[int, tuple[fx.Graph, bool]] = {}
+        units = []
+        for unit in stage.units:
+            region = plan.regions.get(unit.region, RegionSharding())
+            if unit.kind != "layer" and not _vocab_divisible(self.model, region, self.degree):
+                region = RegionSharding()
+            attrs = _unit_attrs(self.model, unit)
+            shards = {attrs[p]: spec for p, spec in region.shards.items() if p in attrs}
+            if id(unit.graph) not in done:
+                graph = clone_graph(unit.graph)
+                uses_tp = apply_edits(graph, region.edits, attrs, shards, self.degree)
+                done[id(unit.graph)] = (graph, uses_tp)
+            graph, uses_tp = done[id(unit.graph)]
+            units.append(replace(unit, graph=graph, shards=shards, needs_tp=uses_tp))
+        return PassResult(replace(stage, units=units, tp=(self.rank, self.degree)), True)
 
 
-def _is_input_ids(arg: Any) -> bool:
-    return isinstance(arg, fx.Node) and arg.op == "placeholder" and arg.target == "input_ids"
-
-
-def _resolve(module: nn.Module, target: str) -> Any:
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def check_heads_divisible(config: Any, tp: int, where: str = "tp") -> None:
-    """Head-split attention needs heads and key/value heads divisible by the TP degree."""
-    heads = getattr(config, "heads", None)
-    kv_heads = getattr(config, "num_kv_heads", None)
-    if heads is not None and heads % tp:
-        raise TensorParallelError(f"{where}: {heads} attention heads are not divisible by tp={tp}")
-    if kv_heads is not None and kv_heads % tp:
-        raise TensorParallelError(f"{where}: {kv_heads} key/value heads are not divisible by tp={tp}")
-
-
+__all__ = ["TensorParallel", "TensorParallelError", "apply_edits", "check_degree"]

@@ -1,0 +1,140 @@
+"""Build one stage's modules from its lowered program, holding only this rank's weights.
+
+A :class:`~mist_compiler.ir.stage.StageGraph` names, for every unit, the model tensors its
+attributes stand for and how each is split over the tensor-parallel ranks. A
+:class:`TensorSource` gives full tensors by name: the user's own module (``ModuleTensors``) or a
+model built on the meta device and initialised tensor by tensor (``InitTensors``, in
+:mod:`.initialize`), so a rank never holds a weight it does not own for longer than it takes to
+slice it. Parameters are created in fp32 (the runtime keeps the fp32 master copy and casts its
+compute buffers to the plan's dtype); a tensor two units share (a tied embedding and head) is
+one ``nn.Parameter``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..ir.model_graph import BUFFER, CONSTANT, PARAMETER, ModelGraph, ShardSpec
+from ..ir.stage import StageGraph, StageInterface, UnitOffload
+from ..ops.tensor_parallel import TensorParallelOps
+
+
+class TensorSource(Protocol):
+    def full(self, kind: str, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` (a parameter or buffer of the real model)."""
+
+
+class ModuleTensors:
+    """Tensors of a live module, by name (tied names resolve to the same tensor)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.params = dict(module.named_parameters(remove_duplicate=False))
+        self.buffers = dict(module.named_buffers(remove_duplicate=False))
+
+    def full(self, kind: str, name: str) -> torch.Tensor:
+        table = self.params if kind == PARAMETER else self.buffers
+        if name not in table:
+            raise KeyError(f"the model has no {kind} {name!r}; was the plan captured from another model?")
+        return table[name].detach()
+
+
+def shard(tensor: torch.Tensor, spec: ShardSpec | None, rank: int, world: int) -> torch.Tensor:
+    """This rank's part of ``tensor`` under ``spec`` (the whole tensor when not split)."""
+    if spec is None or world == 1:
+        return tensor
+    parts = [tensor.narrow(spec.dim, s.start, s.stop - s.start) for s in spec.rank_slices(tensor.shape[spec.dim], rank, world)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
+
+
+@dataclass
+class StageProgram:
+    """One rank's runnable stage: the module, its interface and its units in execution order."""
+
+    module: fx.GraphModule
+    interface: StageInterface
+    units: list[tuple[str, nn.Module]]
+    offload: dict[str, UnitOffload]
+    checkpointed: set[str]
+    fqn: dict[str, str] = field(default_factory=dict)  # runtime parameter name -> name in the model
+    shards: dict[str, ShardSpec] = field(default_factory=dict)  # runtime parameter name -> its TP split
+
+
+def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, device: torch.device,
+                group: Any = None) -> StageProgram:
+    """Instantiate ``stage``'s modules on ``device`` with this rank's slices of ``source``'s tensors."""
+    rank, world = stage.tp
+    made: dict[tuple[str, str], torch.Tensor] = {}
+
+    def tensor(kind: str, name: str, spec: ShardSpec | None) -> torch.Tensor:
+        key = (kind, name)
+        if key not in made:
+            if kind == CONSTANT:
+                made[key] = getattr(model.graph, name).to(device)
+            else:
+                value = shard(source.full(kind, name), spec, rank, world)
+                value = value.to(device=device, dtype=torch.float32 if value.is_floating_point() else value.dtype,
+                                 copy=True).contiguous()
+                made[key] = nn.Parameter(value, requires_grad=True) if kind == PARAMETER else value
+        return made[key]
+
+    ops = TensorParallelOps(group) if world > 1 else None
+    root: dict[str, Any] = {}
+    units, fqn, shards = [], {}, {}
+    for unit in stage.units:
+        parts: dict[str, Any] = {attr: tensor(kind, name, unit.shards.get(attr)) for attr, (kind, name) in unit.tensors.items()}
+        if unit.needs_tp:
+            parts.update({f"tp.{child}": getattr(ops, child) for child in ("copy", "reduce", "embedding", "cross_entropy")})
+        module = fx.GraphModule(parts, unit.graph, class_name=f"Unit_{unit.kind}")
+        root[unit.name] = module
+        units.append((unit.name, module))
+        for attr, (kind, name) in unit.tensors.items():
+            if kind == PARAMETER:
+                fqn[f"{unit.name}.{attr}"] = name
+                if attr in unit.shards:
+                    shards[f"{unit.name}.{attr}"] = unit.shards[attr]
+    for attr, (kind, name) in stage.tensors.items():
+        root[attr] = tensor(kind, name, None)
+    module = fx.GraphModule(root, stage.graph, class_name=f"Stage{stage.stage}")
+    offload = {unit.name: unit.offload for unit in stage.units}
+    checkpointed = {unit.name for unit in stage.units if unit.checkpointed}
+    return StageProgram(module, stage.interface, units, offload, checkpointed, fqn, shards)
+
+
+class InitTensors:
+    """Tensors of a named model, initialised as :func:`mist_compiler.models.build_model` does, without
+    building it: the model is made on the meta device and each tensor is materialised when asked
+    for (:class:`~mist_compiler.models.initialize.MetaInit`). Models without a per-module rule, and
+    tensors no rule covers, come from a whole build instead (made once, only if needed)."""
+
+    def __init__(self, spec: str, seq_len: int | None, seed: int = 0) -> None:
+        from ..models import resolve_model
+        from ..models.initialize import MetaInit, has_init_rule
+
+        self.spec, self.seq_len, self.seed = spec, seq_len, seed
+        with torch.device("meta"):
+            meta = resolve_model(spec, seq_len).build()
+        self.meta = MetaInit(meta, seed) if has_init_rule(meta) else None
+        self._whole: ModuleTensors | None = None
+        self.whole_builds = 0
+
+    def whole(self) -> ModuleTensors:
+        if self._whole is None:
+            from ..models import build_model
+
+            self._whole = ModuleTensors(build_model(self.spec, seq_len=self.seq_len, seed=self.seed))
+            self.whole_builds += 1
+        return self._whole
+
+    def full(self, kind: str, name: str) -> torch.Tensor:
+        from ..models.initialize import UninitializedError
+
+        if self.meta is not None:
+            try:
+                return self.meta.full(kind, name)
+            except UninitializedError:
+                pass
+        return self.whole().full(kind, name)

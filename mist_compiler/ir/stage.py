@@ -1,0 +1,123 @@
+"""The lowered program of one pipeline stage, as the lowering passes build and annotate it.
+
+``partition`` produces a :class:`StageGraph` from the captured :class:`~.model_graph.ModelGraph`
+and a plan: a top-level fx graph that recomputes the values every stage can compute from the
+batch alone (positions, masks, rotary tables) and calls one *unit* per parameter-holding piece
+(the ``pre`` part, each layer, the ``post`` part) in execution order. A unit is described, not
+built: its fx graph (shared by every layer of one class), the model tensors its attributes
+stand for, how each is split over tensor-parallel ranks, whether it is checkpointed, how much
+of it is offloaded. The later passes (``tp_sharding``, ``checkpoint``, ``offload_insertion``)
+fill those fields; the runtime then builds the modules, with only this rank's weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from .model_graph import ShardSpec
+
+FREE = -1  # stage of a value computed from the batch alone (every stage recomputes it)
+
+
+@dataclass(frozen=True)
+class BoundaryValue:
+    """One value crossing a pipeline cut: its per-sample shape and whether dim 0 is the batch."""
+
+    name: str
+    sample_shape: tuple[int, ...]  # shape without the batch dimension (full shape if not batched)
+    dtype: torch.dtype
+    batched: bool
+
+    @property
+    def needs_grad(self) -> bool:
+        return self.batched and self.dtype.is_floating_point
+
+    def shape(self, batch: int) -> tuple[int, ...]:
+        return (batch, *self.sample_shape) if self.batched else self.sample_shape
+
+
+@dataclass
+class StageInterface:
+    """What a stage program receives and returns."""
+
+    stage: int
+    num_stages: int
+    inputs: list[BoundaryValue]  # received from the previous stage, in this order
+    batch_inputs: list[str]  # fed from the batch (input_ids, labels)
+    outputs: list[BoundaryValue]  # sent to the next stage, in this order (empty on the last)
+    block_targets: list[str] = field(default_factory=list)  # layer units, in order
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def split_boundary(numel: int, host_fraction: float) -> int:
+    """Number of leading elements of a flat buffer kept on the device when ``host_fraction`` of
+    it is offloaded (the rounding rule the runtime and the cost model share)."""
+    if not 0.0 <= host_fraction <= 1.0:
+        raise ValueError(f"offload fraction must be in [0, 1], got {host_fraction}")
+    return numel - int(round(host_fraction * numel))
+
+
+@dataclass(frozen=True)
+class UnitOffload:
+    """Fractions of one unit's weights / grads / optimizer state / activations kept on the host."""
+
+    weights: float = 0.0
+    grads: float = 0.0
+    opt: float = 0.0
+    acts: float = 0.0
+
+    def __post_init__(self) -> None:
+        for kind in ("weights", "grads", "opt", "acts"):
+            value = getattr(self, kind)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"UnitOffload.{kind} must be in [0, 1], got {value}")
+
+
+@dataclass
+class Unit:
+    """One parameter-holding piece of a stage: the ``pre`` part, a layer or the ``post`` part."""
+
+    name: str  # call target in the stage graph; layers use their module path ("model.layers.3")
+    kind: str  # "pre" | "layer" | "post"
+    graph: torch.fx.Graph  # the unit's program; attributes read by get_attr are its tensors
+    tensors: dict[str, tuple[str, str]]  # attribute -> (PARAMETER | BUFFER | CONSTANT, name in the model
+    # (CONSTANT: the attribute of the captured graph module holding it))
+    region: str  # "pre" | "post" | "layer:<traced>": which region of the captured graph it runs
+    layer: int | None = None
+    shards: dict[str, ShardSpec] = field(default_factory=dict)  # attribute -> tensor-parallel split
+    checkpointed: bool = False
+    offload: UnitOffload = field(default_factory=UnitOffload)
+    needs_tp: bool = False  # its graph calls the tensor-parallel collectives (module ``tp``)
+
+
+@dataclass
+class StageGraph:
+    """One stage's lowered program (see the module docstring)."""
+
+    stage: int
+    num_stages: int
+    graph: torch.fx.Graph  # top level: placeholders, free values, call_module per unit, output
+    interface: StageInterface
+    units: list[Unit]  # in execution order
+    tensors: dict[str, tuple[str, str]] = field(default_factory=dict)  # top-level attribute -> (BUFFER | CONSTANT, name)
+    tp: tuple[int, int] = (0, 1)  # (tp rank, tp degree) the units are sharded for
+    plan_dtype: str = "float32"
+
+    def unit(self, name: str) -> Unit:
+        for unit in self.units:
+            if unit.name == name:
+                return unit
+        raise KeyError(f"stage {self.stage} has no unit {name!r}; units: {[u.name for u in self.units]}")
+
+    @property
+    def layer_units(self) -> list[Unit]:
+        return [u for u in self.units if u.kind == "layer"]

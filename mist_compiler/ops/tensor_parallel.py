@@ -1,0 +1,173 @@
+"""Tensor-parallel collectives as modules a lowered graph calls (Megatron's f and g, vocab ops).
+
+The ``tp_sharding`` lowering pass rewrites a unit's graph to call ``tp.copy`` (Megatron's *f*:
+identity forward, all-reduce of the gradient backward), ``tp.reduce`` (*g*: all-reduce forward,
+identity backward), ``tp.embedding`` (a vocabulary slice of an embedding: ids outside it give
+zeros, then *g*) and ``tp.cross_entropy`` (cross-entropy over logits split along the vocabulary:
+the max, the sum of exponentials and the target logit are all-reduced). The pass only names
+them; the runtime attaches a :class:`TensorParallelOps` holding the real group, and the
+lowering-time proof (``passes/tp_check.py``) one holding a :class:`ThreadGroup`, which runs the
+ranks as threads of one process. The autograd functions are written here, not taken from
+DTensor, because the lowered graph is sharded by rewriting it (head counts, fused projections),
+not by module-level placement.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Group(Protocol):
+    """What the collectives need: this rank, the degree, an in-place all-reduce."""
+
+    rank: int
+    world: int
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None: ...
+
+
+class ProcessGroup:
+    """A ``torch.distributed`` group (``None``: the whole world)."""
+
+    def __init__(self, group, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        if self.world > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+
+
+class ThreadGroup:
+    """``world`` threads of one process acting as ranks (for checking a sharding without a group)."""
+
+    class Shared:
+        def __init__(self, world: int) -> None:
+            self.world = world
+            self.barrier = threading.Barrier(world, timeout=120)
+            self.slots: list[torch.Tensor | None] = [None] * world
+
+    def __init__(self, shared: "ThreadGroup.Shared", rank: int) -> None:
+        self.shared, self.rank, self.world = shared, rank, shared.world
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        shared = self.shared
+        shared.slots[self.rank] = tensor.detach().clone()
+        shared.barrier.wait()
+        total = shared.slots[0].clone()
+        for other in shared.slots[1:]:
+            total = torch.maximum(total, other) if op == "max" else total + other
+        shared.barrier.wait()  # everyone has read the slots before any is reused
+        tensor.copy_(total)
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        ctx.group.all_reduce(grad)
+        return grad, None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        out = x.contiguous().clone()
+        group.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Group, ignore_index: int,
+                reduction: str) -> torch.Tensor:
+        logits = logits.float()
+        vocab_local = logits.shape[-1]
+        start = group.rank * vocab_local
+        local_max = logits.max(dim=-1).values
+        group.all_reduce(local_max, "max")
+        shifted = logits - local_max.unsqueeze(-1)
+        ignored = target == ignore_index
+        local_target = target - start
+        outside = (local_target < 0) | (local_target >= vocab_local) | ignored
+        index = local_target.masked_fill(outside, 0).unsqueeze(-1)
+        target_logit = shifted.gather(-1, index).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        stacked = torch.stack([target_logit, exp.sum(dim=-1)])
+        group.all_reduce(stacked)
+        target_logit, sum_exp = stacked[0], stacked[1]
+        losses = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        count = (~ignored).sum().clamp(min=1) if reduction == "mean" else torch.ones((), dtype=torch.long)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, index, outside, ignored, count)
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, index, outside, ignored, count = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        grad_logits.scatter_add_(-1, index, -(~outside).to(grad_logits.dtype).unsqueeze(-1))
+        grad_logits.masked_fill_(ignored.unsqueeze(-1), 0.0)
+        grad_logits.mul_(grad / count)
+        return grad_logits, None, None, None, None
+
+
+class _GroupModule(nn.Module):
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
+
+
+class CopyToTP(_GroupModule):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Copy.apply(x, self.group)
+
+
+class ReduceFromTP(_GroupModule):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Reduce.apply(x, self.group)
+
+
+class VocabEmbedding(_GroupModule):
+    """``F.embedding`` with this rank's rows ``[rank * V_local, (rank + 1) * V_local)`` of the table."""
+
+    def forward(self, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None = None, *rest) -> torch.Tensor:
+        start = self.group.rank * weight.shape[0]
+        outside = (ids < start) | (ids >= start + weight.shape[0])
+        local = (ids - start).masked_fill(outside, 0)
+        pad = None
+        if padding_idx is not None and start <= padding_idx < start + weight.shape[0]:
+            pad = padding_idx - start
+        out = torch.nn.functional.embedding(local, weight, pad).masked_fill(outside.unsqueeze(-1), 0.0)
+        return _Reduce.apply(out, self.group)
+
+
+class VocabCrossEntropy(_GroupModule):
+    """Mean (or sum) cross-entropy of ``[N, V/t]`` vocabulary-split logits against ``[N]`` class ids."""
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                reduction: str = "mean") -> torch.Tensor:
+        return _VocabCrossEntropy.apply(logits, target, self.group, ignore_index, reduction)
+
+
+class TensorParallelOps(nn.Module):
+    """The ``tp`` child of a sharded unit: its collectives, bound to one group."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.copy = CopyToTP(group)
+        self.reduce = ReduceFromTP(group)
+        self.embedding = VocabEmbedding(group)
+        self.cross_entropy = VocabCrossEntropy(group)
