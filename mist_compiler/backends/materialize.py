@@ -11,6 +11,7 @@ one ``nn.Parameter``.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -120,8 +121,13 @@ class InitTensors:
         self.meta = MetaInit(meta, seed) if has_init_rule(meta) else None
         self._whole: ModuleTensors | None = None
         self.whole_builds = 0
+        self._lock = threading.Lock()
 
     def whole(self) -> ModuleTensors:
+        with self._lock:
+            return self._whole_locked()
+
+    def _whole_locked(self) -> ModuleTensors:
         if self._whole is None:
             from ..models import build_model
 

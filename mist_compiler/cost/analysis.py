@@ -81,12 +81,17 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
     except ValueError as error:
         raise StageModelError(str(error)) from None
     forward, backward, params, symbols = graphs.forward, graphs.backward, graphs.params, graphs.symbols
-    costs = annotate_graphs(forward, backward, params, symbols)
+    costs = annotate_graphs(forward, backward, params, symbols, sharding=graphs.sharding)
     blocks = {kind: graphs.blocks[block_class.class_id] for kind, block_class in classes.items()}
     memory = analyse_memory(forward, backward, costs, params, blocks, symbols)
     result = {}
+    plan = program.model_graph.tp if program.model_graph is not None else None
     for kind, names in blocks.items():
         per_device, total = _param_elements(forward, names, params, costs.param_states)
-        granularity = _tp_granularity(forward, names, costs.param_states)
-        result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total, granularity)
+        if kind == "layer" and plan is not None and plan.supported:
+            granularity = plan.granularity  # what the lowering checks: heads, kv heads, split features
+        else:
+            granularity = _tp_granularity(forward, names, costs.param_states)
+        result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total, granularity,
+                                     tp_optional=kind != "layer")
     return result, sum(1 for block in program.blocks if block.kind == "layer")

@@ -80,6 +80,7 @@ class BlockAnalysis:
     params_per_device: sympy.Expr  # parameter elements on one device under tensor parallelism
     params: int  # parameter elements, unsharded
     tp_granularity: int = 1  # tp must divide this (gcd of attention heads and sharded weight dims); 0: no sharding
+    tp_optional: bool = False  # a degree that does not divide tp_granularity leaves the block whole (vocabulary)
 
     @property
     def tp_supported(self) -> bool:
@@ -110,6 +111,7 @@ class _BlockFunctions:
     tp_supported: bool
     op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
     tp_granularity: int
+    tp_optional: bool = False
 
 
 # The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
@@ -146,6 +148,7 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         tp_supported=block.tp_supported,
         op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
         tp_granularity=block.tp_granularity,
+        tp_optional=block.tp_optional,
     )
 
 
@@ -238,12 +241,14 @@ class StageCostModel:
     @property
     def tp_granularity(self) -> int:
         """Tensor-parallel degrees must divide this (attention heads, sharded weight dimensions)."""
-        return math.gcd(*(block.tp_granularity for block in self.blocks.values()))
+        return math.gcd(*(block.tp_granularity for block in self.blocks.values() if not block.tp_optional))
 
     # ---- per distinct (b, t, nodes, gpus) quantities -------------------------------------------
 
     def _block_terms(self, kind: str, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, np.ndarray]:
         functions = self._functions[kind]
+        if functions.tp_optional and functions.tp_granularity:  # the lowering keeps it whole then
+            t = np.where(functions.tp_granularity % t == 0, t, 1.0)
         s = np.full(b.shape, float(self.seq_len))
         terms: dict[str, np.ndarray] = {}
         for phase in ("forward", "backward"):
@@ -296,7 +301,7 @@ class StageCostModel:
         for kind, functions in self._functions.items():
             if not functions.tp_supported:
                 infeasible |= present[kind] & (tp > 1)
-            elif functions.tp_granularity:
+            elif functions.tp_granularity and not functions.tp_optional:
                 infeasible |= present[kind] & (functions.tp_granularity % tp != 0)
         return infeasible
 

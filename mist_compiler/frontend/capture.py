@@ -322,7 +322,8 @@ def find_model_graph(state: CaptureState) -> CaptureState:
     if state.layer_list is None or not state.joint.boundaries:
         return state  # no layer list: analysable, but only as a whole (no pipeline)
     graph = find_regions(state.joint.torch_graph, state.joint.boundaries, state.layer_list, state.layer_groups)
-    return replace(state, model_graph=with_real_names(graph, state.layer_groups))
+    graph = replace(with_real_names(graph, state.layer_groups), primals=dict(state.joint.primal_sources))
+    return replace(state, model_graph=graph)
 
 
 def recognise_tensor_parallel(state: CaptureState) -> CaptureState:

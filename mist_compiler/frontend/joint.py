@@ -42,6 +42,7 @@ class JointCapture:
     primal_params: dict[str, str] = field(default_factory=dict)  # joint placeholder -> parameter path
     primal_inputs: dict[str, str] = field(default_factory=dict)  # joint placeholder -> input name
     boundaries: Boundaries = field(default_factory=Boundaries)  # layer entry/exit values of torch_graph
+    primal_sources: dict[str, str] = field(default_factory=dict)  # joint placeholder -> torch_graph placeholder
 
 
 def _is_parameter(node: torch.fx.Node, example) -> bool:
@@ -85,14 +86,15 @@ def joint_backend(on_capture: Callable[[JointCapture], None]):
             forward_outputs = list(forward.graph.find_nodes(op="output"))[0].args[0]
             saved = [n.name for n in forward_outputs[num_fwd_outputs:] if isinstance(n, torch.fx.Node)]
             primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
-            params, inputs = {}, {}
+            params, inputs, sources = {}, {}, {}
             for primal, node, example in zip(primals, placeholders, example_inputs):
+                sources[primal.name] = node.name
                 if _is_parameter(node, example):
                     params[primal.name] = _parameter_path(node)
                 else:
                     inputs[primal.name] = node.name
             on_capture(JointCapture(gm, joint, forward, backward, num_fwd_outputs, saved,
-                                    batch_seq_symbols(gm), params, inputs, boundaries))
+                                    batch_seq_symbols(gm), params, inputs, boundaries, sources))
             return forward, backward
 
         def boxed(graph: torch.fx.GraphModule, _inputs):

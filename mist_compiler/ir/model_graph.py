@@ -109,6 +109,14 @@ class ModelGraph:
     batch_inputs: dict[str, str]  # placeholder -> "input_ids" | "labels"
     sizes: dict[str, tuple[str, int]]  # SymInt placeholder -> (batch input, dimension)
     tp: TensorParallelPlan | None = None  # set by the tensor-parallel recognition pass
+    primals: dict[str, str] = field(default_factory=dict)  # ATen joint placeholder -> this graph's placeholder
+
+    def sharded_primals(self) -> set[str]:
+        """The joint graph's placeholders of the parameters the tensor-parallel plan splits."""
+        if self.tp is None or not self.tp.supported:
+            return set()
+        split = self.tp.sharded_placeholders()
+        return {primal for primal, source in self.primals.items() if source in split}
 
     def region_of_layer(self, layer: int) -> LayerRegion:
         for region in self.regions:

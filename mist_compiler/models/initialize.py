@@ -18,6 +18,7 @@ such a whole build too.
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Callable
 
 import torch
@@ -84,8 +85,13 @@ class MetaInit:
             for tensor in _owned(module):
                 self.owners.setdefault(id(tensor), []).append(name)
         self._last: tuple[str, torch.Tensor] | None = None
+        self._lock = threading.Lock()  # materialising swaps modules' tensor tables for a moment
 
     def full(self, kind: str, name: str) -> torch.Tensor:
+        with self._lock:
+            return self._full(kind, name)
+
+    def _full(self, kind: str, name: str) -> torch.Tensor:
         module_name, _, attr = name.rpartition(".")
         module = self.modules.get(module_name)
         meta = None if module is None else (module._parameters.get(attr) if attr in module._parameters

@@ -12,30 +12,17 @@ For every node of a block's captured forward and backward ATen graphs this pass 
 - ``tp``: the node's tensor-parallel state, ``R`` replicated, ``S`` sharded by ``t``, ``P``
   partial sum (needs an all-reduce before any consumer but an add).
 
-Tensor-parallel sharding is recognised by data flow (Megatron-style rules):
-1. a *weight matmul* is an ``mm``/``addmm`` one of whose operands is (a view of) a parameter;
-2. the weight matmuls whose outputs reach the attention op's q, k, v through transparent ops
-   (views, pointwise ops such as rotary embedding, casts, cat) are **column-parallel**;
-3. a weight matmul whose input traces back through transparent ops *only* to the attention
-   output or to other weight matmuls is **row-parallel**, and those weight matmuls are
-   column-parallel (o-projection after attention; ``down`` after ``gelu(up)`` or
-   ``silu(gate) * up``). Anything else (a norm, a reduction, the block input) on the way
-   disqualifies it;
-4. in the post block the weight matmul whose output reaches a log-softmax is the
-   **vocab-parallel head** (column-parallel + parallel cross-entropy); in the pre block the
-   embedding indexed by a graph input (token ids) is **vocab-parallel**; other embeddings
-   (learned positions) stay replicated.
-Sharded weights are seeded ``S`` and the state propagates: ``mm(S, S) -> P`` (the contraction
-runs over the sharded dim: row-parallel forward, column-parallel input gradient),
-``mm(S, R) -> S``, views and pointwise ops keep ``S``, ``add(P, P) -> P``, and a ``P`` value
-consumed by anything else gets an **all-reduce** (an IR collective with its byte count). That
-yields the forward all-reduce after each row-parallel linear, the backward all-reduce of the
-column-parallel input gradients (q+k+v summed first, then one all-reduce), the vocab-parallel
-embedding's all-reduce and the small all-reduces of the parallel cross-entropy (max, sum of
-exponentials, target logit: a log-softmax over a sharded vocabulary, an NLL over sharded
-log-probabilities). A block whose structure is not recognised (a weight matmul left unpaired
-in a block with attention, a sharded block output, ...) is marked ``tp_supported=False`` with a
-message; the cost model then only accepts ``t == 1`` for it.
+Tensor parallelism is *priced* here, not decided: ``tp_recognition`` (one recogniser, on the
+torch-level graph that runs) says which parameters are split, and those are seeded ``S`` here.
+The state then propagates over the ATen graphs: ``mm(S, S) -> P`` (the contraction runs over
+the split dim: row-parallel forward, column-parallel input gradient), ``mm(S, R) -> S``, views
+and pointwise ops keep ``S``, ``add(P, P) -> P``, and a ``P`` value consumed by anything else
+gets an **all-reduce** (an IR collective with its byte count). That yields the forward
+all-reduce after each row-parallel linear, the backward all-reduce of the column-parallel input
+gradients (q+k+v summed first, then one all-reduce), the vocab-parallel embedding's all-reduce
+and the small all-reduces of the parallel cross-entropy (max, sum of exponentials, target
+logit). A split value reaching an op that needs all features means pricing and the plan
+disagree: tensor parallelism is then marked unsupported with a message, never priced wrong.
 """
 from __future__ import annotations
 
@@ -68,8 +55,6 @@ SOFTMAX_LOSS = {"_log_softmax", "_log_softmax_backward_data", "_softmax", "_soft
 EMBEDDINGS = {"embedding", "embedding_dense_backward"}
 # ops that move no data (views, aliases, tuple access)
 VIEW_NAMES = {"_unsafe_view", "detach", "alias", "lift_fresh"}
-# ops that are transparent for the sharding pattern besides views and pointwise ops
-TRANSPARENT_NAMES = {"_to_copy", "clone", "cat", "repeat_interleave", "contiguous", "expand", "_unsafe_view"}
 # reductions of a vocabulary-sharded tensor that Megatron's parallel cross-entropy all-reduces
 VOCAB_REDUCTIONS = {"_log_softmax": 2, "logsumexp": 2, "nll_loss_forward": 1}
 KEEPS_PARTIAL = {"add"}
@@ -202,156 +187,14 @@ def node_bytes(node: fx.Node, symbols: dict[str, sympy.Symbol] | None = None) ->
     return total
 
 
-# ---------------------------------------------------------------------------------------------
-# tensor-parallel pattern recognition
-
-
-def _view_base(node: fx.Node) -> fx.Node:
-    while is_view(node) and node.all_input_nodes:
-        node = node.all_input_nodes[0]
-    return node
-
-
-def _is_transparent(node: fx.Node) -> bool:
-    return node.op == "call_function" and (is_view(node) or is_pointwise(node) or op_name(node) in TRANSPARENT_NAMES)
-
-
-def _depends_on_input(node: fx.Node, memo: dict[fx.Node, bool], params: set[str]) -> bool:
-    """Whether a node depends on an activation input (else it is a constant such as rotary tables)."""
-    if node in memo:
-        return memo[node]
-    if node.op == "placeholder":  # activations have symbolic sizes; parameters and buffers do not
-        value = node.meta.get("val")
-        memo[node] = (isinstance(value, torch.Tensor) and node.name not in params
-                      and any(isinstance(size, torch.SymInt) for size in value.shape))
-        return memo[node]
-    memo[node] = False
-    result = any(_depends_on_input(arg, memo, params) for arg in node.all_input_nodes)
-    memo[node] = result
-    return result
-
-
-def _sources(node: fx.Node, memo: dict[fx.Node, bool], params: set[str]) -> set[fx.Node]:
-    """Non-transparent nodes a value is computed from, ignoring constants."""
-    found: set[fx.Node] = set()
-    stack, seen = [node], set()
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if not _depends_on_input(current, memo, params):
-            continue
-        if _is_transparent(current):
-            stack.extend(current.all_input_nodes)
-        else:
-            found.add(current)
-    return found
-
-
-def _reaches(node: fx.Node, names: set[str]) -> bool:
-    """Whether a value flows (through transparent ops) into an op named in ``names``."""
-    stack, seen = list(node.users), set()
-    while stack:
-        current = stack.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if op_name(current) in names:
-            return True
-        if _is_transparent(current):
-            stack.extend(current.users)
-    return False
-
-
 @dataclass
 class Sharding:
-    """Which parameters of a block are sharded and how; the outcome of pattern recognition."""
+    """The tensor-parallel split being priced: decided by ``tp_recognition`` (the one recogniser),
+    given here as the joint graph's parameter placeholders it splits."""
 
-    column: list[str] = field(default_factory=list)  # weight-matmul node names
-    row: list[str] = field(default_factory=list)
-    vocab_head: list[str] = field(default_factory=list)
-    vocab_embedding: list[str] = field(default_factory=list)
     sharded_params: set[str] = field(default_factory=set)  # placeholder names seeded S
     supported: bool = True
     message: str = ""
-
-
-def _weight_param(node: fx.Node, params: set[str]) -> fx.Node | None:
-    for arg in node.all_input_nodes:
-        base = _view_base(arg)
-        if base.op == "placeholder" and base.name in params:
-            return base
-    return None
-
-
-def _activation_input(node: fx.Node, params: set[str]) -> fx.Node | None:
-    weight = _weight_param(node, params)
-    for arg in node.args[-2:]:
-        if isinstance(arg, fx.Node) and _view_base(arg) is not weight:
-            return arg
-    return None
-
-
-def recognise_sharding(graph: fx.Graph, params: set[str]) -> Sharding:
-    """Find column/row-parallel linears, vocab-parallel head and embedding in a forward graph."""
-    nodes = list(graph.nodes)
-    memo: dict[fx.Node, bool] = {}
-    weight_mms = [n for n in nodes if op_name(n) in ("mm", "addmm") and _weight_param(n, params) is not None]
-    attentions = [n for n in nodes if op_name(n) in ATTENTION_FORWARD]
-    sharding = Sharding()
-    column: set[fx.Node] = set()
-    row: set[fx.Node] = set()
-    for attention in attentions:
-        for arg in attention.args[:3]:
-            sources = _sources(arg, memo, params)
-            if not sources or not all(src in weight_mms for src in sources):
-                sharding.supported = False
-                sharding.message = (f"attention {attention.name}: q/k/v do not come from linear layers "
-                                    f"(sources: {sorted(s.name for s in sources)})")
-                return sharding
-            column |= sources
-    pair_sources = set(weight_mms) | set(attentions)
-    for mm in weight_mms:
-        activation = _activation_input(mm, params)
-        if activation is None:
-            continue
-        sources = _sources(activation, memo, params)
-        if sources and all(src in pair_sources and src is not mm and src not in row for src in sources):
-            row.add(mm)
-            column |= {src for src in sources if src in weight_mms}
-    for mm in weight_mms:
-        if mm not in column and mm not in row and _reaches(mm, {"_log_softmax", "logsumexp"}):
-            sharding.vocab_head.append(mm.name)
-    placeholders = {n for n in nodes if n.op == "placeholder"}
-    for node in nodes:
-        if op_name(node) == "embedding" and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
-            if _view_base(node.args[1]) in placeholders and _weight_param(node, params) is not None:
-                sharding.vocab_embedding.append(node.name)
-    if column and not row:
-        sharding.supported = False
-        sharding.message = "column-parallel linears found but no row-parallel linear closes them"
-        return sharding
-    leftovers = [mm.name for mm in weight_mms if mm not in column and mm not in row and mm.name not in sharding.vocab_head]
-    if leftovers:
-        sharding.supported = False
-        sharding.message = f"linear layers {leftovers} fit no column/row-parallel pair"
-        return sharding
-    by_name = {n.name: n for n in nodes}
-    sharding.column = [n.name for n in nodes if n in column]
-    sharding.row = [n.name for n in nodes if n in row]
-    for name in sharding.column + sharding.vocab_head:
-        node = by_name[name]
-        sharding.sharded_params.add(_weight_param(node, params).name)
-        if op_name(node) == "addmm":  # column-parallel bias is sharded along with the output
-            bias = _view_base(node.args[0])
-            if bias.op == "placeholder":
-                sharding.sharded_params.add(bias.name)
-    for name in sharding.row:
-        sharding.sharded_params.add(_weight_param(by_name[name], params).name)
-    for name in sharding.vocab_embedding:
-        sharding.sharded_params.add(_weight_param(by_name[name], params).name)
-    return sharding
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,21 +354,24 @@ def _check_sharded_consumers(graph: fx.Graph, states: dict[str, str]) -> str:
 
 def annotate_graphs(forward: fx.GraphModule, backward: fx.GraphModule, params: set[str],
                     symbols: dict[str, sympy.Symbol] | None = None,
-                    backward_inputs: dict[str, str] | None = None) -> ProgramCosts:
+                    backward_inputs: dict[str, str] | None = None, sharding: Sharding | None = None) -> ProgramCosts:
     """Annotate a captured forward/backward graph pair (a whole model or one block).
 
-    ``params``: names of the forward graph's parameter placeholders. ``backward_inputs`` maps
-    backward placeholder names to the forward node they receive (default: same name, which is
-    what AOTAutograd's partitioners produce); tangents are replicated.
+    ``params``: names of the forward graph's parameter placeholders. ``sharding``: which of them
+    the tensor-parallel plan splits (default: none, tensor parallelism unsupported).
+    ``backward_inputs`` maps backward placeholder names to the forward node they receive (default:
+    same name, which is what AOTAutograd's partitioners produce); tangents are replicated.
     """
-    sharding = recognise_sharding(forward.graph, params)
+    if sharding is None:
+        sharding = Sharding(set(), False, "no tensor-parallel plan was given")
+    sharding = Sharding(set(sharding.sharded_params), sharding.supported, sharding.message)
     seeds = {name: "S" for name in sharding.sharded_params} if sharding.supported else {}
     forward_costs = propagate_costs(forward.graph, seeds, symbols, "forward")
     if sharding.supported:
         problem = _check_sharded_consumers(forward.graph, forward_costs.states)
         if problem:
             sharding.supported = False
-            sharding.message = f"unrecognised tensor-parallel structure: {problem}"
+            sharding.message = f"the priced program disagrees with the tensor-parallel plan: {problem}"
     if not sharding.supported:
         forward_costs = propagate_costs(forward.graph, {}, symbols, "forward")
     mapping = backward_inputs or {}
@@ -553,6 +399,7 @@ class ProgramGraphs:
     params: set[str]  # forward placeholders that are trainable parameters
     symbols: dict[str, sympy.Symbol]  # graph size symbols (s72 ...) -> canonical b, s
     blocks: dict[int, set[str]]  # block class id -> names of its graph nodes
+    sharding: Sharding = field(default_factory=Sharding)  # the tensor-parallel plan, on these graphs
 
 
 def parameter_placeholders(forward: fx.GraphModule, backward: fx.GraphModule) -> set[str]:
@@ -611,7 +458,15 @@ def program_graphs(program) -> ProgramGraphs:
         raise ValueError("the program carries no live forward/backward graphs; analyse a freshly captured "
                          "program, not one loaded from JSON")
     return ProgramGraphs(forward, backward, parameter_placeholders(forward, backward), _symbol_names(program, forward),
-                         _block_node_sets(program, backward))
+                         _block_node_sets(program, backward), program_sharding(program))
+
+
+def program_sharding(program) -> Sharding:
+    """The captured program's tensor-parallel plan as seeds for pricing (what the lowering applies)."""
+    graph = getattr(program, "model_graph", None)
+    if graph is None or graph.tp is None:
+        return Sharding(set(), False, "the model has no list of layers to split")
+    return Sharding(graph.sharded_primals(), graph.tp.supported, graph.tp.reason)
 
 
 def _annotated_nodes(ir_nodes, costs: dict[str, NodeCost], collectives: dict[str, list[Collective]], ir_node_type,
@@ -641,7 +496,7 @@ def cost_annotation(program):
     from .manager import PassResult
 
     graphs = program_graphs(program)
-    costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols)
+    costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols, sharding=graphs.sharding)
     annotated = copy.copy(program)
     annotated.block_classes = {}
     from ..ir.program import IRNode
@@ -660,6 +515,5 @@ def cost_annotation(program):
                                                     by_after["backward"], IRNode, "backward")
         annotated.block_classes[class_id] = new_class
     annotated.tensor_parallel = {"supported": costs.sharding.supported, "message": costs.sharding.message,
-                                 "column": costs.sharding.column, "row": costs.sharding.row,
-                                 "vocab_head": costs.sharding.vocab_head, "vocab_embedding": costs.sharding.vocab_embedding}
+                                 "sharded": sorted(costs.sharding.sharded_params)}
     return PassResult(annotated, True)

@@ -368,7 +368,7 @@ def memory_analysis(program):
     from .manager import PassResult
 
     graphs = program_graphs(program)
-    costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols)
+    costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols, sharding=graphs.sharding)
     blocks = {str(class_id): names for class_id, names in graphs.blocks.items()}
     results = analyse_memory(graphs.forward, graphs.backward, costs, graphs.params, blocks, graphs.symbols)
     analysed = copy.copy(program)
