@@ -11,7 +11,7 @@ Configurations are dataclasses with a ``kind``; ``RUNNERS[kind]`` measures one a
 sequence, checkpointing and attention kernel varied. Two and four ranks: data parallelism at every
 ZeRO level, checkpointing, each offload kind, 1F1B pipelines.
 
-- Peak memory: ``cost.live_memory.DevicePeakMemory`` (every storage an op creates or touches,
+- Peak memory: ``backends.live_memory.DevicePeakMemory`` (every storage an op creates or touches,
   resized flat buffers re-read, the runtime's host buffers left out; CUDA memory statistics on a
   GPU) over one whole training step after a warm-up step, per rank; the model is built on the host
   and dropped after ``compile``, as a GPU run would. Reported per pipeline stage, the largest over
@@ -130,7 +130,7 @@ def calibrated_profile(name: str) -> HardwareProfile:
     time so that other work on the shared machine does not distort them; links and copies stay
     as shipped.
     """
-    from mist_compiler.cost.profiler import ComputeMeasurements, _efficiencies, adamw_params_per_s
+    from mist_compiler.backends.profiler import ComputeMeasurements, _efficiencies, adamw_params_per_s
 
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -224,7 +224,7 @@ class LinkCalibration:
 def measure_links(worlds: list[int], log: Callable[[str], None] = print) -> LinkCalibration:
     """``mistc profile``'s full (not --quick: quick gloo fits on this shared machine swing 10x)
     collective and slowdown measurements, the slowdowns with as many ranks as a plan has."""
-    from mist_compiler.cost.profiler import ProfilerOptions, fit_collectives, run_collective_group
+    from mist_compiler.backends.profiler import ProfilerOptions, fit_collectives, run_collective_group
 
     options = ProfilerOptions(quick=False, device="cpu", log=lambda message: None)
     results = {world: run_collective_group(world, "cpu", options, measure_concurrency=world in worlds, timeout_s=300.0)
@@ -374,7 +374,7 @@ def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, meas
 
     from mist_compiler.backends.engine import compile as compile_plan
     from mist_compiler.backends.worker import model_vocab, synthetic_batch
-    from mist_compiler.cost.live_memory import DevicePeakMemory
+    from mist_compiler.backends.live_memory import DevicePeakMemory
     from mist_compiler.models import build_model
 
     plan = config.plan()

@@ -12,7 +12,7 @@ import torch
 
 from dist_utils import run_ranks
 from mist_compiler.backends.streams import host_empty
-from mist_compiler.cost.live_memory import DevicePeakMemory
+from mist_compiler.backends.live_memory import DevicePeakMemory
 from mist_compiler.ir.plan import Offload, Plan, StagePlan
 
 

@@ -36,8 +36,7 @@ def check_plan_against_program(plan: Plan, program: MistProgram) -> None:
         raise PartitionError(f"{program.model_name}: no list of layers was found in the model, so it cannot be "
                              "cut into pipeline stages or data-parallel units; a model needs its layers in one "
                              "nn.ModuleList")
-    max_seq = program.config.get("max_positions") if isinstance(program.config.get("max_positions"), int) else None
-    plan.check_against_model(graph.num_layers, max_seq)
+    plan.check_against_model(graph.num_layers, program.max_positions)
     for index, stage in enumerate(plan.stages):
         check_degree(graph.tp, stage.tp, where=f"plan field stages[{index}].tp")
 

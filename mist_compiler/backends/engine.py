@@ -34,6 +34,7 @@ from torch import nn
 from mist_compiler.ir.model_graph import PARAMETER, ModelGraph, ShardSpec
 from mist_compiler.ir.plan import Plan, PlanError, load_plan
 from mist_compiler.ir.program import MistProgram
+from mist_compiler.ir.vocabulary import TORCH_DTYPES
 
 from ..ops.tensor_parallel import ProcessGroup
 from .codegen import check_plan_against_program, lower
@@ -42,7 +43,7 @@ from .materialize import InitTensors, ModuleTensors, StageProgram, TensorSource
 from .pipeline import BACKWARD, FORWARD, P2P, build_links, one_f_one_b
 from .topology import ProcessGroups, Topology, build_groups
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = TORCH_DTYPES
 DEFAULT_TIMEOUT_S = 300.0
 HEARTBEAT_S = 1.0
 
@@ -150,7 +151,7 @@ class FailureMonitor:
 
 
 def _exit_on_peer_failure(message: str, rank: int) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print(message, flush=True)  # stdout: what the launcher shows the user
     if rank == 0:
         # rank 0 often hosts the rendezvous store: keep it up a moment for the others to read
         time.sleep(3 * HEARTBEAT_S)
@@ -398,18 +399,24 @@ class Engine:
 
     def gather_full_state(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The whole model's parameters (unsharded, fp32, CPU) on rank ``dst``, named as in the model;
-        None elsewhere.
-
-        Collective: every rank must call it. Tensor-parallel slices are put back together
-        (fused projections part by part); data-parallel replicas are taken from dp index 0.
-        """
+        None elsewhere. Collective: every rank must call it."""
         self.flush_optimizer_step()
+        return self._gather_to(self.named_full_parameters(), dst)  # a collective under ZeRO-3
+
+    def gather_full_gradients(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+        """The gradients after this step's reductions, before the optimizer (call between
+        ``forward_backward`` and ``optimizer_step``), whole and named as in the model, on rank
+        ``dst``. A weight tied across stages is reported by the stage that updates it."""
+        return self._gather_to(self.runtime.named_full_gradients(), dst)
+
+    def _gather_to(self, local: dict[str, torch.Tensor], dst: int) -> dict[str, torch.Tensor] | None:
+        """Collect per-rank tensors on ``dst``: tensor-parallel slices put back together (fused
+        projections part by part), data-parallel replicas taken from dp index 0."""
         mine = None
-        full = self.named_full_parameters()  # a collective under ZeRO-3: every rank takes part
         if self.coord.dp_index == 0:
-            params = {self.program.fqn.get(name, name): (tensor.detach().float().cpu(), self.program.shards.get(name))
-                      for name, tensor in full.items()}
-            mine = (self.coord.tp_index, self.stage_plan.tp, params)
+            tensors = {self.program.fqn.get(name, name): (tensor.detach().float().cpu(), self.program.shards.get(name))
+                       for name, tensor in local.items()}
+            mine = (self.coord.tp_index, self.stage_plan.tp, tensors)
         gathered: list[Any] = [None] * self.world if self.rank == dst else None
         if self.world > 1:
             dist.gather_object(mine, gathered, dst=dst)
@@ -421,8 +428,8 @@ class Engine:
         for item in gathered:
             if item is None:
                 continue
-            tp_index, degree, params = item
-            for name, (tensor, spec) in params.items():
+            tp_index, degree, tensors = item
+            for name, (tensor, spec) in tensors.items():
                 pieces.setdefault(name, {})[tp_index] = (tensor, spec, degree)
         return {name: unshard(by_tp) for name, by_tp in pieces.items()}
 
@@ -584,7 +591,7 @@ def capture_for_plan(model: nn.Module | str, plan: Plan) -> MistProgram:
     """Capture ``model`` as the plan will run it (the plan's dtype: dtypes are part of the trace)."""
     from ..frontend.capture import capture
 
-    return capture(model, dtype=plan.dtype)
+    return capture(model, dtype=plan.dtype, seq_len=plan.seq_len, analyse=False)
 
 
 def _default_device() -> torch.device:

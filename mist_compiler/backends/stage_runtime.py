@@ -45,7 +45,7 @@ from torch import nn
 
 from ..ir.plan import Offload
 from ..passes.offload_insertion import unit_offload_table
-from .dist_compat import group_rank, group_size
+from .dist_compat import all_gather_flat, group_rank, group_size
 from .offload import ActivationOffloader, HostMemory
 from .optimizer import AdamWConfig, FlatAdamW
 from .streams import Streams
@@ -304,6 +304,22 @@ class StageRuntime:
         result: dict[str, torch.Tensor] = {}
         for bucket in self.buckets:
             flat = bucket.full_weights()
+            for slot in bucket.layout.slots:
+                result[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        return result
+
+    def named_full_gradients(self) -> dict[str, torch.Tensor]:
+        """The reduced fp32 gradients (after ``finish_gradients``, before ``step``) by qualified name,
+        whole over the data-parallel group (a collective when the gradients are sharded)."""
+        result: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets:
+            local = bucket.reduced_grad(0, bucket.master.numel, self.device).contiguous()
+            if self.zero >= 1 and bucket.ctx.world > 1:
+                flat = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=self.device)
+                all_gather_flat(flat, local, bucket.ctx.group, f"all_gather of unit {bucket.unit!r} gradients").wait(
+                    bucket.ctx.timeout_s)
+            else:
+                flat = local
             for slot in bucket.layout.slots:
                 result[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return result

@@ -1,129 +1,62 @@
-"""The per-rank program ``mistc run`` launches through torchrun, and its single-process reference.
+"""The per-rank program ``mistc run`` launches through torchrun.
 
-Each rank builds the model (same seed everywhere), compiles it with the plan, trains ``--steps``
-steps on synthetic batches (seeded, the same global batch on every rank) and prints the losses.
-With ``--check`` rank 0 then trains the same model in one process (``torch.optim.AdamW`` on the
-whole global batch) and compares losses and final weights, printing the largest relative
-difference; the exit code is non-zero past the tolerance.
+Each rank compiles the model with the plan through the driver (the same pipeline every entry
+point uses), trains ``--steps`` steps on synthetic batches (seeded, the same global batch on
+every rank) and rank 0 prints one line per step. With ``--check``, rank 0 then compares the run
+with one-process training (:mod:`.check`). Everything meant for the user goes to stdout, one
+line each (the launcher forwards stdout and keeps torchrun's stderr to itself).
 
-On any error the rank prints it, records it for the others (see ``engine.FailureMonitor``) and
-exits non-zero at once, so a failed rank never leaves the job hanging.
+On any error the rank prints ``mist: rank R: error: ...``, records it for the others (see
+:mod:`.engine`'s failure monitor) and exits at once, so a failed rank never leaves the job
+hanging; Ctrl-C ends a rank quietly (the launcher says it once); a rank whose launcher dies
+follows it (Linux parent-death signal, and a watchdog on the parent process as a fallback).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
-import json
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
-from typing import Any
 
 import torch
-from torch import nn
 
-from mist_compiler.ir.plan import Plan, load_plan
+from mist_compiler.ir.plan import load_plan
 
-DEFAULT_TOLERANCE = 1e-5
-
-
-def synthetic_batch(vocab: int, global_batch: int, seq_len: int, step: int, seed: int = 1234) -> dict[str, torch.Tensor]:
-    """A deterministic batch of random token ids (labels are a fresh random draw)."""
-    generator = torch.Generator().manual_seed(seed + step)
-    input_ids = torch.randint(0, vocab, (global_batch, seq_len), generator=generator)
-    labels = torch.randint(0, vocab, (global_batch, seq_len), generator=generator)
-    return {"input_ids": input_ids, "labels": labels}
+PREFIX = "mist:"
 
 
-def model_vocab(model: nn.Module) -> int:
-    config = getattr(model, "config", None)
-    for attr in ("vocab", "vocab_size"):
-        if config is not None and isinstance(getattr(config, attr, None), int):
-            return getattr(config, attr)
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    if not embeddings:
-        raise ValueError(f"cannot find the vocabulary size of {type(model).__name__}")
-    return max(e.num_embeddings for e in embeddings)
+def follow_parent() -> None:
+    """Exit when the launching process dies (it cannot clean up after a SIGKILL)."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(143)
+
+    threading.Thread(target=watch, name="mist-parent-watch", daemon=True).start()
 
 
-def adamw_kwargs(optimizer: Any) -> dict[str, Any]:
-    """torch.optim.AdamW arguments matching the engine's optimizer config."""
-    if optimizer is None:
-        from .stage_runtime import AdamWConfig
-
-        optimizer = AdamWConfig()
-    if isinstance(optimizer, dict):
-        return dict(optimizer)
-    kwargs = {}
-    for name in ("lr", "betas", "eps", "weight_decay"):
-        if hasattr(optimizer, name):
-            value = getattr(optimizer, name)
-            kwargs[name] = tuple(value) if name == "betas" else value
-    return kwargs
+def say(message: str) -> None:
+    print(f"{PREFIX} {message}", flush=True)
 
 
-def _loss_of(output: Any) -> torch.Tensor:
-    return output.loss if hasattr(output, "loss") else output
+def model_vocab(program) -> int:
+    """The vocabulary the captured model's embedding is indexed with."""
+    from .tp_check import _vocabulary
 
-
-def reference_training(model: nn.Module, plan: Plan, steps: int, optimizer: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process training on the whole global batch: the ground truth for a plan."""
-    vocab = model_vocab(model)
-    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(optimizer))
-    losses = []
-    for step in range(steps):
-        batch = synthetic_batch(vocab, plan.global_batch, plan.seq_len, step)
-        loss = _loss_of(model(**batch))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    state = {name: p.detach().float().cpu() for name, p in model.named_parameters(remove_duplicate=False)}
-    return losses, state
-
-
-def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` (Frobenius norms, float64): the relative error of a whole tensor.
-
-    Element-wise ratios are meaningless under Adam: an entry whose gradient is a cancellation
-    near zero has its update direction set by rounding, in any two summation orders.
-    """
-    a64, b64 = a.detach().double(), b.detach().double()
-    return float((a64 - b64).norm()) / max(float(b64.norm()), 1e-30)
-
-
-def compare(losses: list[float], state: dict[str, torch.Tensor], ref_losses: list[float],
-            ref_state: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """Largest relative difference over losses and weights, and where it is."""
-    worst, where = 0.0, "-"
-    for step, (got, want) in enumerate(zip(losses, ref_losses)):
-        diff = abs(got - want) / max(abs(want), 1e-12)
-        if diff > worst:
-            worst, where = diff, f"loss of step {step}"
-    missing = sorted(set(ref_state) - set(state))
-    if missing:
-        return float("inf"), f"parameters missing from the run: {missing[:5]}"
-    for name, want in ref_state.items():
-        got = state[name]
-        if got.shape != want.shape:
-            return float("inf"), f"{name}: shape {tuple(got.shape)} != reference {tuple(want.shape)}"
-        diff = relative_difference(got, want)
-        if diff > worst:
-            worst, where = diff, name
-    return worst, where
-
-
-def train(model_name: str, plan: Plan, steps: int, timeout_s: float, optimizer: Any = None) -> tuple[Any, list[float]]:
-    """Build, compile and train on this rank; returns the engine and the losses."""
-    from mist_compiler.models import build_model
-
-    from .engine import compile as compile_plan
-
-    model = build_model(model_name, seq_len=plan.seq_len)
-    engine = compile_plan(model, plan, optimizer=optimizer, timeout_s=timeout_s)
-    vocab = model_vocab(model)
-    losses = [engine.step(synthetic_batch(vocab, plan.global_batch, plan.seq_len, step)) for step in range(steps)]
-    return engine, losses
+    return _vocabulary(program.model_graph)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -133,43 +66,85 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
+    parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--lr", type=float, default=None)
     return parser.parse_args(argv)
+
+
+def train(args: argparse.Namespace, rank: int) -> int:
+    from mist_compiler import driver
+
+    from .check import synthetic_batch
+    from .optimizer import AdamWConfig
+
+    plan = load_plan(args.plan)
+    optimizer = AdamWConfig() if args.lr is None else AdamWConfig(lr=args.lr)
+    started = time.perf_counter()
+    compiled = driver.compile_model(args.model, plan=plan, model_name=args.model, prove=False, optimizer=optimizer,
+                                    timeout_s=args.timeout)
+    engine, vocab = compiled.engine, model_vocab(compiled.program)
+    if rank == 0:
+        say(f"compiled {args.model} for {plan.world_size} rank(s) in {time.perf_counter() - started:.1f} s")
+    batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, step) for step in range(args.steps)]
+    losses, gradients = [], None
+    for step, batch in enumerate(batches):
+        clock = time.perf_counter()
+        losses.append(engine.forward_backward(batch))
+        if step == 0 and args.check:
+            gradients = engine.gather_full_gradients(dst=0)
+        engine.optimizer_step()
+        if rank == 0:
+            tokens = plan.global_batch * plan.seq_len
+            elapsed = time.perf_counter() - clock
+            say(f"step {step + 1}/{args.steps}: loss {losses[-1]:.6f}, {elapsed:.3f} s, {tokens / elapsed:,.0f} tokens/s")
+    weights = engine.gather_full_state(dst=0)
+    status = 0
+    if args.check and rank == 0:
+        status = check(args, plan, batches, losses, gradients, weights, optimizer)
+    engine.close()
+    return status
+
+
+def check(args, plan, batches, losses, gradients, weights, optimizer) -> int:
+    from mist_compiler.frontend.joint import model_call_kwargs
+    from mist_compiler.models import build_model
+
+    from .check import Run, canonical_names, compare, noise_run, reference_run
+
+    build = lambda: build_model(args.model, seq_len=plan.seq_len)  # noqa: E731
+    probe = build()
+    kwargs = model_call_kwargs(probe)
+    settings = {"lr": optimizer.lr, "betas": tuple(optimizer.betas), "eps": optimizer.eps,
+                "weight_decay": optimizer.weight_decay}
+    reference = reference_run(build, batches, settings, kwargs)
+    noise = noise_run(build, batches, settings, plan.dtype, plan.grad_accum, kwargs)
+    verdict = compare(Run(losses, gradients, weights), reference, noise, canonical_names(probe), plan.dtype)
+    say(verdict.line())
+    return 0 if verdict.ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rank = int(os.environ.get("RANK", 0))
+    follow_parent()
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # the launcher reports an interrupt once
     try:
         import torch.distributed as dist
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-        plan = load_plan(args.plan)
         if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
-        engine, losses = train(args.model, plan, args.steps, args.timeout)
-        if rank == 0:
-            print(json.dumps({"losses": losses}), flush=True)
-        state = engine.gather_full_state(dst=0)
-        status = 0
-        if args.check and rank == 0:
-            from mist_compiler.models import build_model
-
-            ref_losses, ref_state = reference_training(build_model(args.model, seq_len=plan.seq_len), plan, args.steps)
-            worst, where = compare(losses, state, ref_losses, ref_state)
-            verdict = "OK" if worst <= args.tolerance else "FAIL"
-            print(f"check: largest relative difference {worst:.3e} ({where}); tolerance {args.tolerance:.0e}: {verdict}", flush=True)
-            status = 0 if verdict == "OK" else 1
-        engine.close()
+        status = train(args, rank)
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
         return status
     except Exception as error:  # report, then leave at once: never hang the others
-        print(f"mist worker rank {rank}: error: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-        if os.environ.get("MIST_DEBUG"):
+        say(f"rank {rank}: error: {type(error).__name__}: {error}")
+        if args.debug:
             traceback.print_exc()
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
 

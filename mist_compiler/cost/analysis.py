@@ -1,6 +1,6 @@
 """Glue between the captured program and the stage cost model: run the analysis passes per class.
 
-``capture_program`` turns a model name into a ``MistProgram`` (through ``mist_compiler.capture``)
+``capture_program`` turns a model name into a ``MistProgram`` (through the frontend's capture)
 or passes a captured one through. ``analyse_program`` runs the cost-annotation and
 memory-analysis passes over the program's captured forward/backward graphs once (the capture
 traces one layer per layer class between the pre and post blocks) and returns, per block kind
@@ -8,7 +8,6 @@ traces one layer per layer class between the pre and post blocks) and returns, p
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import sympy
@@ -16,30 +15,17 @@ import torch.fx as fx
 
 from ..passes.cost_annotation import ATTENTION_FORWARD, T, annotate_graphs, op_name, program_graphs, tensor_shape
 from ..passes.memory_analysis import analyse_memory
-from .stage_model import BLOCK_KINDS, BlockAnalysis, StageModelError
+from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 
 
 def capture_program(model, *, seq_len: int, dtype: str):
-    """A ``MistProgram`` for ``model`` (a name is captured; a program is returned as is)."""
+    """A ``MistProgram`` for ``model`` (a name is captured, every time: callers that price one
+    model repeatedly capture it once and pass the program); a program is returned as is."""
     if not isinstance(model, str):
         return model
-    from mist_compiler import capture
+    from ..frontend.capture import capture
 
     return capture(model, seq_len=seq_len, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=16)
-def captured_named_model(name: str, seq_len: int, dtype: str):
-    """``capture`` of a model name, once per process (treat the program as read-only)."""
-    return capture_program(name, seq_len=seq_len, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=16)
-def analyse_named_model(name: str, seq_len: int, dtype: str) -> tuple[dict[str, BlockAnalysis], int, str]:
-    """Capture and analyse a model by name once per process (the tuner and analyze reuse it)."""
-    program = captured_named_model(name, seq_len, dtype)
-    blocks, num_layers = analyse_program(program)
-    return blocks, num_layers, program.model_name
 
 
 def _param_elements(forward: fx.GraphModule, names: set[str], params: set[str], states: dict[str, str]) -> tuple[sympy.Expr, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..ir.vocabulary import ATTENTION_KERNELS
 from .analyze import PlanEstimate, analyze
 
 
@@ -16,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="zoo name, hf:path/config.json or package.module:function")
     parser.add_argument("--plan", required=True, help="plan file (JSON or YAML)")
     parser.add_argument("--hardware", required=True, help="hardware profile name (l4, a100-40gb, ...) or YAML path")
-    parser.add_argument("--attention", choices=("flash", "math"), default="flash", help="target attention kernel")
+    parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash", help="target attention kernel")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 

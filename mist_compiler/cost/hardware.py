@@ -37,10 +37,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..ir.vocabulary import TRAINING_DTYPES
+
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 CHANNELS = ("compute", "collective", "h2d", "d2h")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "broadcast", "all_to_all")
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = TRAINING_DTYPES
 # A fused AdamW step (the backend's flat-shard kernel) reads master weight, gradient and both moments
 # and writes weight and moments back with the low-precision copy: 28 bytes per fp32 parameter.
 FUSED_ADAM_BYTES_PER_PARAM = 28.0

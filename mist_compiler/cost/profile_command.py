@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mist_compiler.cost.profiler import ProfilerOptions, launched_by_torchrun, profile_cluster, profile_machine
+    from mist_compiler.backends.profiler import ProfilerOptions, launched_by_torchrun, profile_cluster, profile_machine
 
     directory = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(directory):

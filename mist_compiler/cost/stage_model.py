@@ -42,19 +42,14 @@ import sympy
 
 from ..passes.cost_annotation import B, S, T, BlockCosts
 from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
+from .analysis import analyse_program, capture_program
+from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .memory import BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory, state_bytes_per_param
 from .op_time import op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
-
-BLOCK_KINDS = ("pre", "layer", "post")
-
-
-class StageModelError(ValueError):
-    """Bad arguments to the stage cost model; the message names the field."""
-
 
 def _lambdify(expr: sympy.Expr) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     expr = sympy.sympify(expr)
@@ -68,27 +63,6 @@ def _lambdify(expr: sympy.Expr) -> Callable[[np.ndarray, np.ndarray, np.ndarray]
         return np.broadcast_to(np.asarray(function(b, s, t), dtype=float), b.shape).copy()
 
     return evaluate
-
-
-@dataclass
-class BlockAnalysis:
-    """Everything the stage model needs from one block class, symbolic in b, s, t."""
-
-    kind: str
-    costs: BlockCosts
-    memory: BlockMemory
-    params_per_device: sympy.Expr  # parameter elements on one device under tensor parallelism
-    params: int  # parameter elements, unsharded
-    tp_granularity: int = 1  # tp must divide this (gcd of attention heads and sharded weight dims); 0: no sharding
-    tp_optional: bool = False  # a degree that does not divide tp_granularity leaves the block whole (vocabulary)
-
-    @property
-    def tp_supported(self) -> bool:
-        return self.costs.sharding.supported
-
-    @property
-    def tp_message(self) -> str:
-        return self.costs.sharding.message
 
 
 @dataclass
@@ -445,7 +419,6 @@ def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float
     ``model``: a model name (zoo, ``hf:``, ``module:function``) or a captured ``MistProgram``;
     ``hardware``: a profile name/path or a :class:`HardwareProfile`.
     """
-    from .analysis import analyse_named_model, analyse_program  # noqa: circular at import time
 
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise StageModelError(f"seq_len must be a positive integer, got {seq_len!r}")
@@ -453,8 +426,7 @@ def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float
         raise StageModelError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
     state_bytes_per_param(dtype)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    if isinstance(model, str):
-        blocks, num_layers, name = analyse_named_model(model, _capture_seq_len(model, seq_len), dtype)
-    else:
-        (blocks, num_layers), name = analyse_program(model), model.model_name
+    program = capture_program(model, seq_len=_capture_seq_len(model, seq_len) if isinstance(model, str) else seq_len,
+                              dtype=dtype)
+    (blocks, num_layers), name = analyse_program(program), program.model_name
     return StageCostModel(blocks, profile, seq_len, dtype, attention, model_name=name, num_layers=num_layers)

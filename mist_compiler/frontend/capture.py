@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..ir.model_graph import ModelGraph
+from ..ir.vocabulary import TORCH_DTYPES
 from ..ir.program import ATTENTION_KERNELS, IRError, MistProgram
 from ..models import resolve_model
 from ..passes.block_discovery import BlockPartition, block_discovery, wl_hash
@@ -39,7 +40,7 @@ FAKE_TENSOR_LIMITS = (
     fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
     fake_tensor.UnsupportedOperatorException, GuardOnDataDependentSymNode,
 )
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = TORCH_DTYPES
 EXAMPLE_BATCH = 2
 
 
@@ -63,6 +64,8 @@ class CaptureState:
     partition: BlockPartition | None = None
     program: MistProgram | None = None
     model_graph: ModelGraph | None = None
+    max_positions: int | None = None
+    analyse: bool = True  # False: only the torch-level program (no joint graph, no pricing)
 
     def __str__(self) -> str:
         if self.program is not None:
@@ -87,6 +90,7 @@ def capture(
     attention: str = "flash",
     print_after: Sequence[str] = (),
     on_dump: Callable[[str, Any], None] | None = None,
+    analyse: bool = True,
 ) -> MistProgram:
     """Capture ``model`` (an nn.Module, a zoo name, ``hf:config.json`` or ``module:function``).
 
@@ -95,12 +99,13 @@ def capture(
     and ``s``. ``seq_len`` is the default value of ``s`` (the model's maximum sequence length
     when omitted); ``dtype`` casts the floating-point weights (default: as built);
     ``attention`` is the target kernel (``flash`` or ``math``). ``print_after`` / ``on_dump``
-    show the state after the named passes (``mistc ir --after``).
+    show the state after the named passes (``mistc ir --after``). ``analyse=False`` stops at the
+    torch-level program (what a rank runs; nothing is priced), skipping the joint graph.
     """
     if attention not in ATTENTION_KERNELS:
         raise IRError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
     state = CaptureState(model, model if isinstance(model, str) else type(model).__name__, attention,
-                         _dtype_name(dtype), seq_len, token_dtypes=_token_dtypes(example_inputs))
+                         _dtype_name(dtype), seq_len, token_dtypes=_token_dtypes(example_inputs), analyse=analyse)
     passes = [
         build_fake_model,  # weights become FakeTensors (no memory), cast to dtype
         group_layers,  # layers with the same module structure form a group
@@ -113,8 +118,13 @@ def capture(
         block_discovery,  # pre / layers / post, Weisfeiler-Lehman class hash per layer
         lower_to_ir,  # IR nodes, attention op, saved tensors per block class
     ]
+    if not analyse:
+        passes = passes[:passes.index(shape_prop)]
     manager = PassManager(passes, print_after=print_after, on_dump=on_dump)
     final = manager(state).program
+    if not analyse:
+        return MistProgram(final.model_name, [], {}, final.dtype, final.attention, final.seq_len, ("b", "s"),
+                           dict(final.config or {}), (), final.max_positions, final.model_graph)
     return replace(final.program, model_graph=final.model_graph)
 
 
@@ -191,8 +201,12 @@ def build_fake_model(state: CaptureState) -> CaptureState:
         with fake_mode:
             cast_floating(model, DTYPES[state.dtype])
     dtype = state.dtype or _param_dtype(model)
-    seq_len = state.seq_len or _max_seq(config) or 2048
-    return replace(state, model=model, fake_mode=fake_mode, config=config, dtype=dtype, seq_len=seq_len)
+    max_positions = _max_seq(config)
+    if state.seq_len is not None and max_positions is not None and state.seq_len > max_positions:
+        raise IRError(f"sequence length {state.seq_len} exceeds the {max_positions} positions {state.model_name} takes")
+    seq_len = state.seq_len or max_positions or 2048
+    return replace(state, model=model, fake_mode=fake_mode, config=config, dtype=dtype, seq_len=seq_len,
+                   max_positions=max_positions)
 
 
 def cast_floating(model: nn.Module, dtype: torch.dtype) -> None:
@@ -337,5 +351,5 @@ def trace_joint_graph(state: CaptureState) -> CaptureState:
     """Pass: joint forward+backward ATen graph of the (reduced) model, b and s symbolic."""
     input_ids, labels = _example_tokens(state)
     with state.fake_mode:
-        joint = trace_joint(state.model, input_ids, labels)
+        joint = trace_joint(state.model, input_ids, labels, analyse=state.analyse)
     return replace(state, joint=joint)

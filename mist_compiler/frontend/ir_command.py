@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+from ..ir.vocabulary import ATTENTION_KERNELS, TRAINING_DTYPES as DTYPE_CHOICES
 CAPTURE_PASSES = ("build_fake_model", "group_layers", "keep_one_layer_per_group", "check_model_output",
                   "trace_joint_graph", "find_model_graph", "recognise_tensor_parallel", "shape_prop", "block_discovery", "lower_to_ir")
 # The plan-driven lowering passes of the backend (backends/codegen.py); they need --plan.
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=None,
                         help="s at which saved bytes are evaluated (default: the model's max sequence, else 2048)")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="float16", help="weight/activation dtype (default float16)")
-    parser.add_argument("--attention", choices=("flash", "math"), default="flash",
+    parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
                         help="target attention kernel: decides what attention saves (default flash)")
     parser.add_argument("--plan", help="plan file: with --after LOWERING_PASS, dump each stage's program after that pass")
     parser.add_argument("--after", action="append", default=[], metavar="PASS", choices=CAPTURE_PASSES + LOWERING_PASSES,

@@ -161,8 +161,22 @@ def _logging_functions() -> set:
     return set(torch._dynamo.config.ignore_logging_functions) | {getattr(logging.Logger, n) for n in names}
 
 
-def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> JointCapture:
-    """Trace ``model(input_ids=, labels=) -> loss`` (FakeTensor weights) into a joint graph."""
+def graph_only_backend(on_capture: Callable[[JointCapture], None]):
+    """A dynamo backend that records only the torch-level graph (no aot_autograd): what a rank
+    needs to run a plan whose pricing was done elsewhere."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list, **_kwargs):
+        boundaries = strip_boundaries(gm)
+        on_capture(JointCapture(gm, None, None, None, 0, [], batch_seq_symbols(gm), boundaries=boundaries))
+        return gm.forward
+
+    return backend
+
+
+def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                analyse: bool = True) -> JointCapture:
+    """Trace ``model(input_ids=, labels=) -> loss`` (FakeTensor weights) into a joint graph
+    (``analyse=False``: the torch-level graph only)."""
     captured: list[JointCapture] = []
     extra = model_call_kwargs(model)
 
@@ -175,7 +189,8 @@ def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
 
     # dynamic=True: sizes become symbols, and equal example sizes share one (duck sizing), so
     # input_ids and labels agree on b and s; parameter shapes stay static.
-    compiled = torch.compile(run, backend=joint_backend(captured.append), fullgraph=True, dynamic=True)
+    backend = joint_backend(captured.append) if analyse else graph_only_backend(captured.append)
+    compiled = torch.compile(run, backend=backend, fullgraph=True, dynamic=True)
     try:
         # module float attributes (eps) stay constants: otherwise dynamo lifts them to inputs,
         # fails in aot_autograd and traces everything a second time

@@ -260,5 +260,5 @@ def lower_to_ir(state):
              [Block(count, POST, "", post_id, classes[post_id].param_count)]
     captured = sorted({a.captured_op for c in classes.values() for a in c.attention})
     program = MistProgram(state.model_name, blocks, classes, state.dtype, state.attention, state.seq_len,
-                          ("b", "s"), dict(state.config or {}), tuple(captured))
+                          ("b", "s"), dict(state.config or {}), tuple(captured), state.max_positions)
     return replace(state, program=program)

@@ -14,8 +14,9 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-DTYPES = ("float32", "float16", "bfloat16")
-OFFLOAD_KINDS = ("weights", "grads", "opt", "acts")
+from .files import write_atomic
+
+from .vocabulary import OFFLOAD_KINDS, TRAINING_DTYPES as DTYPES  # noqa: F401 (re-exported)
 
 
 class PlanError(ValueError):
@@ -226,10 +227,11 @@ def load_plan(path: str) -> Plan:
 
 
 def save_plan(plan: Plan, path: str) -> None:
-    with open(path, "w") as handle:
-        if path.endswith((".yaml", ".yml")):
-            import yaml
+    """Write the plan (YAML for ``.yaml``/``.yml``, else JSON) atomically."""
+    if path.endswith((".yaml", ".yml")):
+        import yaml
 
-            yaml.safe_dump(plan.to_dict(), handle, sort_keys=False)
-        else:
-            handle.write(plan.to_json() + "\n")
+        text = yaml.safe_dump(plan.to_dict(), sort_keys=False)
+    else:
+        text = plan.to_json() + "\n"
+    write_atomic(path, text)

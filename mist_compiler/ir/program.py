@@ -21,16 +21,8 @@ from typing import Any
 
 import sympy
 
-B = sympy.Symbol("b", positive=True, integer=True)
-S = sympy.Symbol("s", positive=True, integer=True)
-T = sympy.Symbol("t", positive=True, integer=True)
-SYMBOLS: dict[str, sympy.Symbol] = {"b": B, "s": S, "t": T}
+from .vocabulary import ATTENTION_KERNELS, B, DTYPE_BYTES, S, SYMBOLS, T  # noqa: F401 (re-exported)
 
-DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-    "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
-ATTENTION_KERNELS = ("flash", "math")
 BLOCK_KINDS = ("pre", "layer", "post")
 
 
@@ -296,6 +288,7 @@ class MistProgram:
     symbols: tuple = ("b", "s")
     config: dict = field(default_factory=dict)
     captured_attention_ops: tuple = ()
+    max_positions: int | None = None  # the longest sequence the model takes (its position table), if bounded
     # the torch-level program the lowering passes cut and the runtime executes (live, not serialised)
     model_graph: Any = field(default=None, repr=False, compare=False)
 
@@ -324,6 +317,7 @@ class MistProgram:
             "format": "mist-ir/1", "model_name": self.model_name, "dtype": self.dtype,
             "attention": self.attention, "seq_len": self.seq_len, "symbols": list(self.symbols),
             "config": _jsonable(self.config), "captured_attention_ops": list(self.captured_attention_ops),
+            "max_positions": self.max_positions,
             "blocks": [b.to_json() for b in self.blocks],
             "block_classes": [c.to_json() for c in self.block_classes.values()],
         }
@@ -347,6 +341,7 @@ class MistProgram:
                 {c.class_id: c for c in classes}, data["dtype"], data.get("attention", "flash"),
                 data.get("seq_len", 2048), tuple(data.get("symbols", ("b", "s"))),
                 dict(data.get("config", {})), tuple(data.get("captured_attention_ops", ())),
+                data.get("max_positions"),
             )
         except KeyError as error:
             raise IRError(f"Mist IR JSON: missing field {error}") from None

@@ -8,6 +8,7 @@ Three spellings (see DESIGN.md section 1):
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 from dataclasses import dataclass, replace
@@ -119,8 +120,18 @@ def _factory_builder(spec: str) -> Callable[[], nn.Module]:
     if not callable(factory):
         raise ModelSpecError(f"model factory {spec!r}: {module_name} has no callable {function_name!r}")
 
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as error:
+        raise ModelSpecError(f"model factory {spec!r} must be callable without arguments: {error}") from None
+    except ValueError:  # no signature to inspect (a builtin): try it
+        pass
+
     def build() -> nn.Module:
-        model = factory()
+        try:
+            model = factory()
+        except Exception as error:  # the user's code: report it in one line, naming the factory
+            raise ModelSpecError(f"model factory {spec!r} raised {type(error).__name__}: {error}") from None
         if not isinstance(model, nn.Module):
             raise ModelSpecError(f"model factory {spec!r} returned {type(model).__name__}, not an nn.Module")
         return model

@@ -33,10 +33,10 @@ from typing import Any, Iterable
 import sympy
 import torch
 import torch.fx as fx
+from ..ir.vocabulary import SYMBOLS, B, S, T  # noqa: F401 (B, S re-exported)
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-B, S, T = (sympy.Symbol(name, positive=True, integer=True) for name in ("b", "s", "t"))
-CANONICAL_SYMBOLS = {"b": B, "s": S, "t": T}
+CANONICAL_SYMBOLS = SYMBOLS
 
 aten = torch.ops.aten
 

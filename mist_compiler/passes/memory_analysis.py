@@ -40,9 +40,9 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..ir.vocabulary import ATTENTION_KERNELS  # noqa: F401 (re-exported)
 from .cost_annotation import ATTENTION_FORWARD, B, S, T, ProgramCosts, is_view, op_name, tensor_bytes, tensor_shape, value_bytes
 
-ATTENTION_KERNELS = ("flash", "math")
 MATMUL_BACKWARD_OPS = {"mm", "bmm", "addmm", "baddbmm"}
 
 

@@ -14,6 +14,7 @@ import os
 
 from ..cost.stage_api import pipeline_iteration_time
 from ..ir.plan import Plan, load_plan
+from ..ir.vocabulary import ATTENTION_KERNELS
 from .report import describe_stage, frontier_path
 from .timeline import iteration_time, plot_frontiers, plot_timeline, simulate, write_chrome_trace
 
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", help="plan file (JSON or YAML)")
     parser.add_argument("--model", help="model to price the plan with (default: the plan's model)")
     parser.add_argument("--hardware", help="hardware profile: price the plan with the cost model")
-    parser.add_argument("--attention", choices=("flash", "math"), default="flash", help="target attention kernel")
+    parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash", help="target attention kernel")
     parser.add_argument("-o", "--output-dir", help="write timeline.json, timeline.png and frontiers.png here")
 
 

@@ -4,18 +4,23 @@ from __future__ import annotations
 import json
 import os
 
+from ..ir.files import write_atomic
 from ..ir.plan import Plan
 from .api import TuneResult
 
 
 def model_flops_per_iteration(config, plan: Plan) -> float | None:
     """6 * N * tokens + attention (12 * layers * hidden * seq per token, forward and backward)."""
-    if config is None or not hasattr(config, "hidden"):
+    if config is None or not getattr(config, "hidden", None):
         return None
-    from ..models import parameter_count
+    if isinstance(getattr(config, "params", None), int):  # sizes read from the captured IR
+        params = config.params
+    else:
+        from ..models import parameter_count
 
+        params = parameter_count(config)
     tokens = plan.global_batch * plan.seq_len
-    return float(tokens * (6 * parameter_count(config) + 12 * config.layers * config.hidden * plan.seq_len))
+    return float(tokens * (6 * params + 12 * config.layers * config.hidden * plan.seq_len))
 
 
 def mfu(result: TuneResult, config, peak_flops_per_device: float | None) -> float | None:
@@ -100,11 +105,10 @@ def frontier_path(plan_path: str) -> str:
 
 def save_frontiers(result: TuneResult, plan_path: str) -> str:
     path = frontier_path(plan_path)
-    with open(path, "w") as handle:
-        json.dump({"predicted_time_s": result.predicted_time_s, "device_memory_bytes": result.device_memory_bytes,
-                   "grad_accum": result.plan.grad_accum,
-                   "stage_estimates": [{"stable_s": r.stable_s, "delta_s": r.delta_s,
-                                        "peak_memory_bytes": r.peak_memory_bytes, "inflight": r.inflight,
-                                        "breakdown": r.breakdown} for r in result.stages],
-                   "frontiers": result.frontiers.get("stages", [])}, handle, indent=1)
+    write_atomic(path, json.dumps({
+        "predicted_time_s": result.predicted_time_s, "device_memory_bytes": result.device_memory_bytes,
+        "grad_accum": result.plan.grad_accum,
+        "stage_estimates": [{"stable_s": r.stable_s, "delta_s": r.delta_s, "peak_memory_bytes": r.peak_memory_bytes,
+                             "inflight": r.inflight, "breakdown": r.breakdown} for r in result.stages],
+        "frontiers": result.frontiers.get("stages", [])}, indent=1))
     return path

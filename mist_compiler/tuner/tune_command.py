@@ -9,11 +9,14 @@ plan exists (the sentence names the limit and the smallest change that would fit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from ..ir.plan import save_plan
-from .api import _stderr_progress, tune
+from ..ir.vocabulary import ATTENTION_KERNELS, TRAINING_DTYPES
+from .api import _stderr_progress
+from .inter_stage import solver_name
 from .baselines import BASELINE_SPACES
 from .space import OFFLOAD_FAMILIES, SearchSpace
 
@@ -24,9 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
     parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    parser.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16")
-    parser.add_argument("--attention", choices=("flash", "math"), default="flash", help="target attention kernel")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="sequence length (default: the model's maximum positions, else 2048)")
+    parser.add_argument("--dtype", choices=TRAINING_DTYPES, default="float16")
+    parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash", help="target attention kernel")
     parser.add_argument("-o", "--output", help="write the plan here (.json or .yaml)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--space", choices=("full",) + tuple(BASELINE_SPACES), default="full",
@@ -60,19 +64,35 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .. import driver
+    from ..ir.files import check_output
     from .report import format_result, result_to_dict, save_frontiers
 
+    for name in ("nodes", "gpus_per_node", "global_batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.seq is not None and args.seq < 1:
+        raise ValueError(f"--seq must be >= 1, got {args.seq}")
+    if args.output:
+        check_output(args.output)  # before the search, not after it
     space = space_from_args(args)
+    progress = None if args.quiet else _stderr_progress
+    solver_name()  # a missing MILP solver fails now, in one line
+    program = driver.capture(args.model, dtype=args.dtype, attention=args.attention, seq_len=args.seq)
+    seq = args.seq or program.seq_len
+    cost_model = driver.analyse(program, args.hardware, seq_len=seq, attention=args.attention)
+    work = driver.workload(program, args.global_batch, seq)
     if args.space != "full":
         from .baselines import tune_baseline
 
-        result = tune_baseline(args.space, args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch,
-                               seq_len=args.seq, dtype=args.dtype, attention=args.attention,
-                               progress=None if args.quiet else _stderr_progress, space_override=space)
+        result = tune_baseline(args.space, args.model, cost_model.hardware, args.nodes, args.gpus_per_node,
+                               args.global_batch, seq_len=seq, dtype=args.dtype, attention=args.attention,
+                               cost_model=cost_model, workload=work, progress=progress, space_override=space)
+        result.model_config = driver.ir_shape(program)
     else:
-        result = tune(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch, seq_len=args.seq,
-                      space=space, dtype=args.dtype, attention=args.attention,
-                      progress=None if args.quiet else _stderr_progress)
+        result = driver.tune(program, cost_model, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                             global_batch=args.global_batch, seq_len=seq, space=space, progress=progress)
+    result.plan = dataclasses.replace(result.plan, model=args.model)
     if args.output:
         save_plan(result.plan, args.output)
         side = save_frontiers(result, args.output)

@@ -196,7 +196,7 @@ def adamw_params_per_s(device: str, numel: int, target_s: float, timer: Callable
     fused Triton kernel on a GPU, torch's update elsewhere) over ``numel`` fp32 parameters."""
     import torch
 
-    from mist_compiler.backends import kernels
+    from . import kernels
 
     param, grad = torch.randn(numel, device=device), torch.randn(numel, device=device)
     exp_avg, exp_avg_sq = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
@@ -382,7 +382,7 @@ def _collective_call(kind: str, nbytes: int, device: str, members: list[int], gr
     import torch
     import torch.distributed as dist
 
-    from ..backends.dist_compat import ALL_GATHER, REDUCE_SCATTER
+    from .dist_compat import ALL_GATHER, REDUCE_SCATTER
 
     size = len(members)
     numel = max(size, nbytes // 4 // size * size)
@@ -477,7 +477,7 @@ def reduce_scatter_input_copies(device: str, world: int, numel: int = 1 << 20) -
     beyond its input and output, in units of the input), to a quarter copy."""
     import torch
 
-    from ..backends.dist_compat import REDUCE_SCATTER
+    from .dist_compat import REDUCE_SCATTER
     from .live_memory import DevicePeakMemory
 
     numel = numel // world * world
@@ -501,7 +501,7 @@ def run_collective_group(world: int, device: str, options: ProfilerOptions, meas
                          timeout_s: float) -> dict:
     """Start ``world`` local rank processes, time all collectives; kill them all if they overrun ``timeout_s``.
 
-    Ranks are fresh interpreters (``python -m mist_compiler.cost.profiler``), so this works from any
+    Ranks are fresh interpreters (``python -m mist_compiler.backends.profiler``), so this works from any
     caller, including scripts without a ``__main__`` guard.
     """
     import json
@@ -519,7 +519,7 @@ def run_collective_group(world: int, device: str, options: ProfilerOptions, meas
             for rank in range(world):
                 config = json.dumps([rank, world, port, device, options.quick, options.bench_s,
                                      measure_concurrency, result_path])
-                ranks.append(subprocess.Popen([sys.executable, "-m", "mist_compiler.cost.profiler", "--worker", config],
+                ranks.append(subprocess.Popen([sys.executable, "-m", "mist_compiler.backends.profiler", "--worker", config],
                                               env=env, stdin=subprocess.DEVNULL))
             deadline = time.monotonic() + timeout_s
             while not os.path.exists(result_path):
@@ -671,7 +671,7 @@ def _as_one_rank(device: str):
     its ranks; GPU memory handed back after."""
     import torch
 
-    from mist_compiler.backends.host_allocator import keep_freed_host_memory
+    from .host_allocator import keep_freed_host_memory
 
     threads = torch.get_num_threads()
     if device == "cpu":

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..backends.streams import allocating_host_memory
+from .streams import allocating_host_memory
 
 
 class _StorageTracker(TorchDispatchMode):

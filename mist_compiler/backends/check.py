@@ -1,0 +1,163 @@
+"""``--check``: is a plan's training the same as one-process training, up to rounding?
+
+What is compared, against one-process training of the same model on the same batches
+(:func:`reference_run`, fp32 master weights, ``torch.optim.AdamW`` with the engine's settings):
+the first step's gradients per tensor (after the plan's reductions, before the optimizer: the
+place where a plan that sums instead of averaging, drops a micro-batch or feeds a stage the wrong
+one shows at once), the loss of every step, and the final weights per tensor.
+
+How close is close enough is *measured*, not assumed: a second one-process run differs from the
+first only in rounding (:func:`noise_run`: the batch accumulated in micro-batches in reverse
+order; for a bf16/fp16 plan, computed in that dtype), so its distance to the first is the
+rounding noise of this model, this dtype and these steps. Adam amplifies it where gradients are
+near zero (a 1e-7 change can flip the sign of a bias update, TORCH-NOTES section 9); measuring it
+on the same steps captures exactly that. A quantity passes when the plan's distance to the
+reference is within ``NOISE_FACTOR`` times the measured noise (or an absolute floor for the
+dtype, when the two references agree to the last bit). Distances are relative Frobenius norms.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..ir.vocabulary import TORCH_DTYPES
+
+NOISE_FACTOR = 20.0  # plans reorder sums more than the noise run does (TP splits the inner products)
+FLOORS = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}  # when the measured noise is zero
+DTYPES = TORCH_DTYPES
+FP16_LOSS_SCALE = 1024.0
+
+
+@dataclass
+class Run:
+    """What one training run produced: every step's loss, the first step's gradients, the final weights."""
+
+    losses: list[float]
+    gradients: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    worst_ratio: float  # largest distance / allowed distance
+    where: str
+    distance: float
+    allowed: float
+    details: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        verdict = "OK" if self.ok else "FAIL"
+        return (f"check: {verdict}: largest difference {self.distance:.2e} at {self.where}, allowed {self.allowed:.2e} "
+                f"({NOISE_FACTOR:g} x the rounding noise measured between two one-process runs)")
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float64 (a whole tensor's relative error)."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    return float((a64 - b64).norm()) / max(float(b64.norm()), 1e-30)
+
+
+def synthetic_batch(vocab: int, global_batch: int, seq_len: int, step: int, seed: int = 1234) -> dict[str, torch.Tensor]:
+    """A deterministic batch of random token ids (labels are a fresh random draw)."""
+    generator = torch.Generator().manual_seed(seed + step)
+    input_ids = torch.randint(0, vocab, (global_batch, seq_len), generator=generator)
+    labels = torch.randint(0, vocab, (global_batch, seq_len), generator=generator)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    return output.loss if hasattr(output, "loss") else output
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name of every parameter -> its first name (tied weights have several)."""
+    first: dict[int, str] = {}
+    names: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[name] = first.setdefault(id(param), name)
+    return names
+
+
+def _train(build: Callable[[], nn.Module], batches: list[dict], optimizer: dict, dtype: str, chunks: int,
+           reverse: bool, call_kwargs: dict) -> Run:
+    model = build()
+    masters = dict(model.named_parameters())
+    compute = model if dtype == "float32" else copy.deepcopy(model).to(DTYPES[dtype])
+    compute_params = dict(compute.named_parameters())
+    scale = FP16_LOSS_SCALE if dtype == "float16" else 1.0
+    opt = torch.optim.AdamW(list(masters.values()), **optimizer)
+    losses, first_gradients = [], {}
+    for step, batch in enumerate(batches):
+        if compute is not model:
+            with torch.no_grad():
+                for name, param in compute_params.items():
+                    param.copy_(masters[name])
+        pieces = [{k: v.chunk(chunks)[i] for k, v in batch.items()} for i in range(chunks)]
+        total = 0.0
+        for piece in (reversed(pieces) if reverse else pieces):
+            loss = loss_of(compute(**piece, **call_kwargs)).float() / chunks
+            (loss * scale).backward()
+            total += float(loss.detach())
+        for name, master in masters.items():
+            grad = compute_params[name].grad
+            master.grad = None if grad is None else grad.float() / scale
+        if step == 0:
+            first_gradients = {n: p.grad.detach().clone() for n, p in masters.items() if p.grad is not None}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        compute.zero_grad(set_to_none=True)
+        losses.append(total)
+    return Run(losses, first_gradients, {n: p.detach().float().clone() for n, p in masters.items()})
+
+
+def reference_run(build, batches, optimizer: dict, call_kwargs: dict | None = None) -> Run:
+    """One process, fp32, the whole global batch at once: what every plan must reproduce."""
+    return _train(build, batches, optimizer, "float32", 1, False, call_kwargs or {})
+
+
+def noise_run(build, batches, optimizer: dict, dtype: str, chunks: int, call_kwargs: dict | None = None) -> Run:
+    """One process again, differing only in rounding: micro-batches in reverse order, in ``dtype``."""
+    return _train(build, batches, optimizer, dtype, max(chunks, 2), True, call_kwargs or {})
+
+
+def compare(plan_run: Run, reference: Run, noise: Run, names: dict[str, str], dtype: str) -> Verdict:
+    """The plan's run against the reference, each quantity bounded by its measured noise."""
+    floor = FLOORS[dtype]
+    worst = Verdict(True, 0.0, "-", 0.0, floor)
+    missing = sorted(set(names.values()) - {names.get(n, n) for n in plan_run.weights})
+    if missing:
+        return Verdict(False, float("inf"), f"parameters missing from the run: {missing[:5]}", float("inf"), floor)
+    no_gradient = sorted(set(reference.gradients) - {names.get(n, n) for n in plan_run.gradients})
+    if plan_run.gradients and no_gradient:
+        return Verdict(False, float("inf"), f"parameters the plan gave no gradient: {no_gradient[:5]}",
+                       float("inf"), floor)
+
+    def consider(where: str, got, want, noisy) -> None:
+        nonlocal worst
+        if isinstance(got, float):
+            distance = abs(got - want) / max(abs(want), 1e-12)
+            noise_level = abs(noisy - want) / max(abs(want), 1e-12)
+        else:
+            if got.shape != want.shape:
+                distance, noise_level = float("inf"), 0.0
+            else:
+                distance, noise_level = relative_difference(got, want), relative_difference(noisy, want)
+        allowed = max(NOISE_FACTOR * noise_level, floor)
+        ratio = distance / allowed
+        if ratio > worst.worst_ratio:
+            worst = Verdict(ratio <= 1.0, ratio, where, distance, allowed)
+
+    for step, (got, want, noisy) in enumerate(zip(plan_run.losses, reference.losses, noise.losses)):
+        consider(f"the loss of step {step + 1}", got, want, noisy)
+    for kind, got_all, want_all, noisy_all in (("gradient", plan_run.gradients, reference.gradients, noise.gradients),
+                                                ("final weight", plan_run.weights, reference.weights, noise.weights)):
+        for name, got in got_all.items():
+            key = names.get(name, name)
+            if key in want_all:
+                consider(f"the {kind} of {key}", got, want_all[key], noisy_all[key])
+    return worst

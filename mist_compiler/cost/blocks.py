@@ -1,0 +1,40 @@
+"""What the stage cost model needs from one block class of a captured program (pre, layer, post).
+
+Produced by :mod:`.analysis` (the analysis passes over the captured graphs), consumed by
+:mod:`.stage_model` (which lambdifies and vectorises it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from ..passes.cost_annotation import BlockCosts
+from ..passes.memory_analysis import BlockMemory
+
+BLOCK_KINDS = ("pre", "layer", "post")
+
+
+class StageModelError(ValueError):
+    """Bad arguments to the stage cost model; the message names the field."""
+
+
+@dataclass
+class BlockAnalysis:
+    """Everything the stage model needs from one block class, symbolic in b, s, t."""
+
+    kind: str
+    costs: BlockCosts
+    memory: BlockMemory
+    params_per_device: sympy.Expr  # parameter elements on one device under tensor parallelism
+    params: int  # parameter elements, unsharded
+    tp_granularity: int = 1  # tp must divide this (gcd of attention heads and sharded weight dims); 0: no sharding
+    tp_optional: bool = False  # a degree that does not divide tp_granularity leaves the block whole (vocabulary)
+
+    @property
+    def tp_supported(self) -> bool:
+        return self.costs.sharding.supported
+
+    @property
+    def tp_message(self) -> str:
+        return self.costs.sharding.message

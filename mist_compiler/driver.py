@@ -1,0 +1,142 @@
+"""The compiler in one list: capture -> analysis -> tune -> lowering -> runtime.
+
+:func:`compile_model` is the whole pipeline, used alike by the command line, the Python API and
+the ``torch.compile`` backend; each step is one call into the sub-package that owns it::
+
+    program = capture(model)                  # frontend: one trace -> IR + the program that runs
+    cost_model = analyse(program, hardware)   # analysis passes -> vectorised time/memory model
+    plan = tune(cost_model, cluster)          # tuner (skipped when a plan is given)
+    check_plan(program, plan)                 # the plan fits the captured model; TP splits proven
+    engine = Engine(program, plan)            # lowering passes + runtime, this rank's part
+
+``until`` stops early (``"plan"``: nothing runs, for ``mistc tune``/``analyze`` and the parent of
+``mistc run``, which checks the plan before it starts any rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .ir.plan import Plan, PlanError, load_plan
+from .ir.program import MistProgram
+
+DEFAULT_DTYPE = "bfloat16"
+
+
+@dataclass
+class Compiled:
+    """What the pipeline produced, as far as it ran."""
+
+    program: MistProgram
+    plan: Plan
+    tuning: Any = None  # the TuneResult when the plan was tuned
+    cost_model: Any = None
+    engine: Any = None
+
+
+@dataclass(frozen=True)
+class IRShape:
+    """Sizes of a captured model, read from its IR (for MFU and the tuner's workload)."""
+
+    params: int
+    layers: int
+    hidden: int
+    heads: int
+
+
+def ir_shape(program: MistProgram) -> IRShape:
+    layer = next(program.block_class(b.class_id) for b in program.blocks if b.kind == "layer")
+    heads = int(layer.attention[0].heads) if layer.attention else 0
+    graph = program.model_graph
+    hidden = 0
+    if graph is not None:
+        value = graph.node(graph.regions[0].carried_in).meta.get("example_value")
+        hidden = int(value.shape[-1]) if value is not None else 0
+    return IRShape(program.params, len(program.layers), hidden, heads)
+
+
+def capture(model, *, dtype: str | None = DEFAULT_DTYPE, attention: str = "flash",
+            seq_len: int | None = None, analyse: bool = True) -> MistProgram:
+    """Step 1 (frontend): the model (module or name) as one captured program (``analyse=False``:
+    only the program that runs, for a rank or a check whose pricing is done elsewhere)."""
+    from .frontend.capture import capture as capture_program
+
+    return capture_program(model, dtype=dtype, attention=attention, seq_len=seq_len, analyse=analyse)
+
+
+def analyse(program: MistProgram, hardware, *, seq_len: int, attention: str = "flash"):
+    """Step 2 (analysis passes): the program's vectorised stage cost model on ``hardware``."""
+    from .cost.stage_model import build_stage_cost_model
+
+    return build_stage_cost_model(program, hardware, seq_len=seq_len, dtype=program.dtype, attention=attention)
+
+
+def workload(program: MistProgram, global_batch: int, seq_len: int):
+    """Layer count and tensor-parallel granularity read from the captured program (not from
+    config attribute names): the tuner offers only degrees the lowering can run."""
+    from .tuner.space import Workload
+
+    graph = program.model_graph
+    tp = graph.tp if graph is not None else None
+    divisor = tp.granularity if tp is not None and tp.supported else 1
+    return Workload(len(program.layers), max(divisor, 1), global_batch, seq_len, program.dtype, program.model_name)
+
+
+def tune(program: MistProgram, cost_model, *, nodes: int, gpus_per_node: int, global_batch: int, seq_len: int,
+         space=None, progress: Callable[[str], None] | None = None):
+    """Step 3 (tuner): the fastest plan the cost model predicts, and why."""
+    from .tuner.api import tune as search
+
+    result = search(program.model_name, cost_model.hardware, nodes, gpus_per_node, global_batch, seq_len=seq_len,
+                    space=space, dtype=program.dtype, attention=cost_model.attention, cost_model=cost_model,
+                    progress=progress, workload=workload(program, global_batch, seq_len))
+    result.model_config = ir_shape(program)
+    return result
+
+
+def check_plan(program: MistProgram, plan: Plan, *, model_name: str | None = None, prove: bool = True,
+               buffers=None) -> None:
+    """Step 4: refuse a plan made for another model or one the captured model cannot run."""
+    from .backends.codegen import check_plan_against_program
+    from .backends.tp_check import prove_tensor_parallel
+
+    if model_name is not None and plan.model != model_name:
+        raise PlanError(f"plan field model: the plan was made for {plan.model!r}, not for {model_name!r}")
+    check_plan_against_program(plan, program)
+    if prove:
+        for degree in sorted({stage.tp for stage in plan.stages} - {1}):
+            prove_tensor_parallel(program, degree, buffers)
+
+
+def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes: int = 1, gpus_per_node: int = 1,
+                  global_batch: int | None = None, seq_len: int | None = None, dtype: str | None = None,
+                  attention: str = "flash", space=None, until: str = "run", model_name: str | None = None,
+                  progress: Callable[[str], None] | None = None, program: MistProgram | None = None,
+                  **runtime: Any) -> Compiled:
+    """The whole pipeline (see the module docstring). ``model``: an ``nn.Module`` (trained in
+    place of its own weights) or a model name; ``plan``: run this plan instead of tuning."""
+    if isinstance(plan, str):
+        plan = load_plan(plan)
+    dtype = plan.dtype if plan is not None else (dtype or DEFAULT_DTYPE)
+    seq_len = plan.seq_len if plan is not None else seq_len
+    program = program or capture(model, dtype=dtype, attention=attention, seq_len=seq_len, analyse=plan is None)
+    tuning = cost_model = None
+    if plan is None:
+        if hardware is None or global_batch is None:
+            raise PlanError("without a plan, compiling needs the hardware and the global batch to tune one")
+        seq = seq_len or program.seq_len
+        cost_model = analyse(program, hardware, seq_len=seq, attention=attention)
+        tuning = tune(program, cost_model, nodes=nodes, gpus_per_node=gpus_per_node, global_batch=global_batch,
+                      seq_len=seq, space=space, progress=progress)
+        plan = tuning.plan
+    check_plan(program, plan, model_name=model_name, prove=runtime.pop("prove", True))
+    compiled = Compiled(program, plan, tuning, cost_model)
+    if until == "plan":
+        return compiled
+    from .backends.engine import Engine
+
+    compiled.engine = Engine(model, plan, program=program, **runtime)
+    return compiled
+
+
+__all__ = ["Compiled", "IRShape", "analyse", "capture", "check_plan", "compile_model", "ir_shape", "tune", "workload"]
