@@ -13,16 +13,13 @@ It returns the mean loss of the global batch, the same on every rank.
 
 ``forward_backward`` and ``optimizer_step`` are the two halves (the dynamo runtime uses them).
 
-Failures (:class:`FailureMonitor`): every collective and transfer has a timeout; a rank that
+Failures (:class:`.failure.FailureMonitor`): every collective and transfer has a timeout; a rank that
 fails writes the reason to the rendezvous store and every other rank stops within a heartbeat,
 naming it; a rank that dies is found by its stale heartbeat and named the same way.
 """
 from __future__ import annotations
 
 import datetime
-import os
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -34,14 +31,15 @@ from torch import nn
 from mist_compiler.ir.plan import Plan, PlanError, load_plan
 
 from .codegen import StageProgram, check_plan_against_model, lower
+from .device import DTYPES, _default_device, _ensure_process_group
+from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error
 from .host_allocator import keep_freed_host_memory
 from .tensor_parallel import shard_dims
 from .pipeline import BACKWARD, FORWARD, P2P, build_links, one_f_one_b
+from .tied_weights import TiedWeights, _tied_parameter_names
 from .topology import ProcessGroups, Topology, build_groups
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_TIMEOUT_S = 300.0
-HEARTBEAT_S = 1.0
 
 
 class RankFailure(RuntimeError):
@@ -62,113 +60,6 @@ def _default_optimizer() -> Any:
     from .stage_runtime import AdamWConfig
 
     return AdamWConfig()
-
-
-class FailureMonitor:
-    """Fail fast, and say who failed, through the rendezvous store.
-
-    Every rank writes a heartbeat each second. A rank whose step fails for a reason of its own
-    (not a broken transfer) writes ``mist/failed/<rank>``; every other rank's monitor sees that key
-    within a heartbeat, prints the reason and exits non-zero (``on_peer_failure``): nobody waits
-    for a collective that can never complete. A rank whose step fails because a peer vanished
-    (transfer error or timeout) looks for a rank whose heartbeat went stale and reports it on
-    that rank's behalf, so the survivors all name the dead rank.
-    """
-
-    def __init__(self, rank: int, world: int, timeout_s: float,
-                 on_peer_failure: Callable[[str], None] | None = None) -> None:
-        self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        self.on_peer_failure = on_peer_failure or (lambda message: _exit_on_peer_failure(message, rank))
-        self.store = _default_store()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if self.store is not None and world > 1:
-            self._beat()
-            self._thread = threading.Thread(target=self._run, name="mist-heartbeat", daemon=True)
-            self._thread.start()
-
-    def _key(self, kind: str, rank: int) -> str:
-        return f"mist/{kind}/{rank}"
-
-    def _beat(self) -> None:
-        self.store.set(self._key("heartbeat", self.rank), repr(time.time()))
-
-    def _run(self) -> None:
-        others = [r for r in range(self.world) if r != self.rank]
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self._beat()
-                for rank in others:
-                    if self.store.check([self._key("failed", rank)]):
-                        reason = self.store.get(self._key("failed", rank)).decode(errors="replace")
-                        if not self._stop.is_set():
-                            self.on_peer_failure(f"mist: rank {self.rank} stops because rank {rank} failed: {reason}")
-                        return
-            except Exception:  # the store itself is gone: the main thread's timeouts take over
-                return
-
-    def report_failure(self, message: str, rank: int | None = None) -> None:
-        if self.store is None:
-            return
-        try:
-            self.store.set(self._key("failed", self.rank if rank is None else rank), message[:2000])
-        except Exception:
-            pass
-
-    def find_failed_rank(self, patience_s: float = 6 * HEARTBEAT_S) -> tuple[int, str] | None:
-        """A rank that reported a failure or whose heartbeat went stale (waits up to ``patience_s``)."""
-        if self.store is None:
-            return None
-        deadline = time.time() + min(patience_s, self.timeout_s)
-        while True:
-            try:
-                found = self._scan()
-            except Exception:
-                return None
-            if found is not None or time.time() > deadline:
-                return found
-            time.sleep(HEARTBEAT_S / 2)
-
-    def _scan(self) -> tuple[int, str] | None:
-        now = time.time()
-        for rank in range(self.world):
-            if rank == self.rank:
-                continue
-            if self.store.check([self._key("failed", rank)]):
-                return rank, self.store.get(self._key("failed", rank)).decode(errors="replace")
-            if not self.store.check([self._key("heartbeat", rank)]):
-                return rank, "never started"
-            if now - float(self.store.get(self._key("heartbeat", rank)).decode()) > 4 * HEARTBEAT_S:
-                return rank, "stopped responding (process died or hung)"
-        return None
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def _exit_on_peer_failure(message: str, rank: int) -> None:
-    print(message, file=sys.stderr, flush=True)
-    if rank == 0:
-        # rank 0 often hosts the rendezvous store: keep it up a moment for the others to read
-        time.sleep(3 * HEARTBEAT_S)
-    os._exit(1)
-
-
-def is_transfer_error(error: BaseException) -> bool:
-    """A failure to talk to a peer (timeout, closed connection), as opposed to a failure of our own."""
-    text = f"{type(error).__name__}: {error}".lower()
-    markers = ("timed out", "timeout", "connection", "closed by peer", "collectiveerror", "pipelinetimeout",
-               "distbackenderror", "broken pipe", "gloo")
-    return any(marker in text for marker in markers)
-
-
-def _default_store() -> Any:
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:
-        return None
 
 
 @dataclass
@@ -463,123 +354,6 @@ def install_activation_offload(runtime: Any, units: list[tuple[str, nn.Module]],
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave))
     return handles
-
-
-class TiedWeights:
-    """A weight shared by the first stage (embedding) and the last (head) of a pipeline.
-
-    The first stage owns it (its runtime shards and updates it); the last stage keeps a plain
-    copy outside its runtime. Gradients: the last stage accumulates its share over the
-    micro-batches and, after its schedule, all-reduces ``sum(h_r) / dp_last`` over the tied group;
-    the first stage takes part in that all-reduce from the gradient transform of its *last*
-    micro-batch (the last stage is then done with backward, so nobody waits on anybody) and adds
-    it to its own gradient. After the step the first stage broadcasts the updated weight.
-    """
-
-    def __init__(self, engine: "Engine", names: list[str]) -> None:
-        self.engine = engine
-        self.names = names  # tied parameter names present in this stage program
-        self.is_first = engine.coord.stage == 0
-        self.group = engine.groups.tied
-        self.source = engine.topology.rank_of(0, 0, engine.coord.tp_index)
-        self.last_backward = False
-        self.excluded_units: set[str] = set()
-        self.params: dict[str, nn.Parameter] = {}
-        if not self.is_first:
-            for unit_name, module in engine.program.units:
-                owned = {f"{unit_name}.{n}" for n, _ in module.named_parameters()}
-                tied_here = owned & set(names)
-                if tied_here and tied_here != owned:
-                    raise PlanError(f"unit {unit_name} mixes tied and untied parameters; cannot pipeline it")
-                if tied_here:
-                    self.excluded_units.add(unit_name)
-                    for n, p in module.named_parameters():
-                        self.params[f"{unit_name}.{n}"] = p
-
-    @classmethod
-    def create(cls, engine: "Engine", model: nn.Module) -> "TiedWeights | None":
-        if engine.coord.stage not in (0, engine.plan.pp - 1):
-            return None
-        local = {name for name, _ in _unit_parameters(engine.program.units)}
-        names = sorted(local & engine.tied_names)
-        return cls(engine, names) if names else None
-
-    def attach(self, runtime: Any) -> None:
-        if self.is_first:
-            for name in self.names:
-                runtime.register_grad_transform(name, self._add_last_stage_share)
-        else:
-            dtype = DTYPES[self.engine.plan.dtype]
-            for param in self.params.values():
-                param.data = param.data.to(self.engine.device, dtype)
-
-    def begin_iteration(self) -> None:
-        for param in self.params.values():
-            param.grad = None
-
-    def _add_last_stage_share(self, grad: torch.Tensor) -> None:
-        if not self.last_backward:
-            return
-        share = torch.zeros_like(grad, dtype=torch.float32)
-        dist.all_reduce(share, group=self.group)
-        grad.add_(share.to(grad.dtype))
-
-    def after_backward(self) -> None:
-        if self.is_first:
-            return
-        dp = self.engine.stage_plan.dp
-        for param in self.params.values():
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            share = grad.float() / dp
-            dist.all_reduce(share, group=self.group)
-
-    def after_step(self) -> None:
-        if self.is_first:
-            full = self.engine.runtime.named_full_parameters()
-            for name in self.names:
-                weight = full[name].contiguous()
-                dist.broadcast(weight, src=self.source, group=self.group)
-        else:
-            for param in self.params.values():
-                weight = torch.empty_like(param.data)
-                dist.broadcast(weight, src=self.source, group=self.group)
-                param.data.copy_(weight)
-
-    def local_parameters(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach() for name, p in self.params.items()}
-
-
-def _unit_parameters(units: list[tuple[str, nn.Module]]):
-    for unit_name, module in units:
-        for name, param in module.named_parameters():
-            yield f"{unit_name}.{name}" if unit_name else name, param
-
-
-def _tied_parameter_names(model: nn.Module) -> set[str]:
-    """Qualified names of parameters registered under more than one name (tied weights)."""
-    names_by_id: dict[int, list[str]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
-            names_by_id.setdefault(id(param), []).append(f"{module_name}.{name}" if module_name else name)
-    return {name for names in names_by_id.values() if len(set(names)) > 1 for name in names}
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def _ensure_process_group(timeout_s: float) -> None:
-    """Use the launched process group, or start a one-rank one for single-process use."""
-    if dist.is_initialized():
-        return
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def compile(model: nn.Module, plan: Plan | str, *, optimizer: Any = None, device: torch.device | str | None = None,

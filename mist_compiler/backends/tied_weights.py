@@ -1,0 +1,117 @@
+"""Weights tied across the pipeline (embedding on the first stage, head on the last).
+
+Moved out of ``engine.py`` unchanged; see :class:`TiedWeights`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mist_compiler.ir.plan import PlanError
+
+from .device import DTYPES
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class TiedWeights:
+    """A weight shared by the first stage (embedding) and the last (head) of a pipeline.
+
+    The first stage owns it (its runtime shards and updates it); the last stage keeps a plain
+    copy outside its runtime. Gradients: the last stage accumulates its share over the
+    micro-batches and, after its schedule, all-reduces ``sum(h_r) / dp_last`` over the tied group;
+    the first stage takes part in that all-reduce from the gradient transform of its *last*
+    micro-batch (the last stage is then done with backward, so nobody waits on anybody) and adds
+    it to its own gradient. After the step the first stage broadcasts the updated weight.
+    """
+
+    def __init__(self, engine: "Engine", names: list[str]) -> None:
+        self.engine = engine
+        self.names = names  # tied parameter names present in this stage program
+        self.is_first = engine.coord.stage == 0
+        self.group = engine.groups.tied
+        self.source = engine.topology.rank_of(0, 0, engine.coord.tp_index)
+        self.last_backward = False
+        self.excluded_units: set[str] = set()
+        self.params: dict[str, nn.Parameter] = {}
+        if not self.is_first:
+            for unit_name, module in engine.program.units:
+                owned = {f"{unit_name}.{n}" for n, _ in module.named_parameters()}
+                tied_here = owned & set(names)
+                if tied_here and tied_here != owned:
+                    raise PlanError(f"unit {unit_name} mixes tied and untied parameters; cannot pipeline it")
+                if tied_here:
+                    self.excluded_units.add(unit_name)
+                    for n, p in module.named_parameters():
+                        self.params[f"{unit_name}.{n}"] = p
+
+    @classmethod
+    def create(cls, engine: "Engine", model: nn.Module) -> "TiedWeights | None":
+        if engine.coord.stage not in (0, engine.plan.pp - 1):
+            return None
+        local = {name for name, _ in _unit_parameters(engine.program.units)}
+        names = sorted(local & engine.tied_names)
+        return cls(engine, names) if names else None
+
+    def attach(self, runtime: Any) -> None:
+        if self.is_first:
+            for name in self.names:
+                runtime.register_grad_transform(name, self._add_last_stage_share)
+        else:
+            dtype = DTYPES[self.engine.plan.dtype]
+            for param in self.params.values():
+                param.data = param.data.to(self.engine.device, dtype)
+
+    def begin_iteration(self) -> None:
+        for param in self.params.values():
+            param.grad = None
+
+    def _add_last_stage_share(self, grad: torch.Tensor) -> None:
+        if not self.last_backward:
+            return
+        share = torch.zeros_like(grad, dtype=torch.float32)
+        dist.all_reduce(share, group=self.group)
+        grad.add_(share.to(grad.dtype))
+
+    def after_backward(self) -> None:
+        if self.is_first:
+            return
+        dp = self.engine.stage_plan.dp
+        for param in self.params.values():
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            share = grad.float() / dp
+            dist.all_reduce(share, group=self.group)
+
+    def after_step(self) -> None:
+        if self.is_first:
+            full = self.engine.runtime.named_full_parameters()
+            for name in self.names:
+                weight = full[name].contiguous()
+                dist.broadcast(weight, src=self.source, group=self.group)
+        else:
+            for param in self.params.values():
+                weight = torch.empty_like(param.data)
+                dist.broadcast(weight, src=self.source, group=self.group)
+                param.data.copy_(weight)
+
+    def local_parameters(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in self.params.items()}
+
+
+def _unit_parameters(units: list[tuple[str, nn.Module]]):
+    for unit_name, module in units:
+        for name, param in module.named_parameters():
+            yield f"{unit_name}.{name}" if unit_name else name, param
+
+
+def _tied_parameter_names(model: nn.Module) -> set[str]:
+    """Qualified names of parameters registered under more than one name (tied weights)."""
+    names_by_id: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            names_by_id.setdefault(id(param), []).append(f"{module_name}.{name}" if module_name else name)
+    return {name for names in names_by_id.values() if len(set(names)) > 1 for name in names}
