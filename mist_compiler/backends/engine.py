@@ -7,8 +7,9 @@ AdamW), tie embedding/head gradients across stages, link the pipeline neighbours
 device the process keeps freed host memory for reuse (:mod:`.host_allocator`).
 
 ``step(batch)`` runs one training iteration: every rank is given the same global batch and takes
-its own rows; the stage runs the 1F1B schedule over ``grad_accum`` micro-batches, each loss
-scaled by ``1/G`` (the runtime averages over data-parallel ranks), then the optimizer steps.
+its own rows; the stage runs its pipeline schedule (1F1B unless ``set_schedule`` chose another)
+over ``grad_accum`` micro-batches, each loss scaled by ``1/G`` (the runtime averages over
+data-parallel ranks), then the optimizer steps.
 It returns the mean loss of the global batch, the same on every rank.
 
 ``forward_backward`` and ``optimizer_step`` are the two halves (the dynamo runtime uses them).
@@ -35,7 +36,7 @@ from .device import DTYPES, _default_device, _ensure_process_group
 from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error
 from .host_allocator import keep_freed_host_memory
 from .tensor_parallel import shard_dims
-from .pipeline import BACKWARD, FORWARD, P2P, build_links, one_f_one_b
+from .pipeline import BACKWARD, FORWARD, P2P, SCHEDULES
 from .tied_weights import TiedWeights, _tied_parameter_names
 from .topology import ProcessGroups, Topology, build_groups
 
@@ -112,13 +113,23 @@ class Engine:
         self.interface = self.program.interface
         # activations travel in the plan's dtype (the runtime casts the weights to it)
         inputs, outputs = (_in_dtype(values, DTYPES[plan.dtype]) for values in (self.interface.inputs, self.interface.outputs))
-        self.p2p = P2P(build_links(self.topology, self.rank), inputs, outputs,
-                       self.stage_plan.micro_batch, self.device, timeout_s)
-        self.schedule = one_f_one_b(plan.pp, self.coord.stage, plan.grad_accum)
+        self._boundary = (inputs, outputs)
+        self.set_schedule("1f1b")
         # The next stage sends dp_next * dL/dx (its loss share is averaged over its own dp ranks);
         # this stage's data-parallel mean needs dp_here * dL/dx.
         is_last = self.coord.stage == plan.pp - 1
         self.grad_scale = 1.0 if is_last else self.stage_plan.dp / plan.stages[self.coord.stage + 1].dp
+
+    def set_schedule(self, name: str) -> None:
+        """Use pipeline schedule ``name`` (``pipeline.SCHEDULES``: 1f1b, the default, or gpipe) from the
+        next step on; every rank must choose the same."""
+        if name not in SCHEDULES:
+            raise PlanError(f"unknown pipeline schedule {name!r}; known: {sorted(SCHEDULES)}")
+        schedule = SCHEDULES[name](self.plan.pp, self.coord.stage, self.plan.grad_accum)
+        inputs, outputs = self._boundary
+        self.p2p = P2P(self.topology, self.rank, schedule, inputs, outputs, self.stage_plan.micro_batch,
+                       self.device, self.timeout_s)
+        self.schedule = schedule
 
     # ----------------------------------------------------------------- the step
     def step(self, batch: dict[str, torch.Tensor]) -> float:
@@ -198,7 +209,7 @@ class Engine:
             self.tied.begin_iteration()
         backward_done = 0
         for position, (kind, micro) in enumerate(self.schedule):
-            self._prefetch(position)
+            self.p2p.exchange(position)  # the previous action's sends and this one's receives, in one batch
             if kind == FORWARD:
                 self._forward(batch, micro, state)
             else:
@@ -208,6 +219,7 @@ class Engine:
                 if self.tied is not None:
                     self.tied.last_backward = last
                 self._backward(micro, state, grad_accum)
+        self.p2p.exchange(len(self.schedule))  # the last action's sends (before any collective that waits on them)
         if self.tied is not None:
             self.tied.after_backward()
         self.runtime.finish_gradients()
@@ -218,16 +230,6 @@ class Engine:
         self.runtime.step()
         if self.tied is not None:
             self.tied.after_step()
-
-    def _prefetch(self, position: int) -> None:
-        """Post the receives of the next action's inputs before running this one (overlap)."""
-        if position + 1 >= len(self.schedule):
-            return
-        kind, micro = self.schedule[position + 1]
-        if kind == FORWARD and not self.interface.is_first:
-            self.p2p.prefetch_forward(micro)
-        elif kind == BACKWARD and not self.interface.is_last:
-            self.p2p.prefetch_backward(micro)
 
     def _forward(self, batch: dict[str, torch.Tensor], micro: int, state: StepState) -> None:
         received = self.p2p.recv_forward(micro) if not self.interface.is_first else []
