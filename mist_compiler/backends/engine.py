@@ -32,7 +32,7 @@ from torch import nn
 from mist_compiler.ir.plan import Plan, PlanError, load_plan
 
 from .codegen import StageProgram, check_plan_against_model, lower
-from .device import DTYPES, _default_device, _ensure_process_group
+from .device import DTYPES, init_process_group, select_device, warm_up_world
 from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error
 from .host_allocator import keep_freed_host_memory
 from .tensor_parallel import shard_dims
@@ -82,19 +82,20 @@ class Engine:
         self.source_model: nn.Module | None = None  # set by the dynamo runtime
         self._step_pending = False
         self.topology = Topology(plan)
-        _ensure_process_group(timeout_s)
+        self.device = select_device(device)  # made current first: every kernel and collective on the rank's own GPU
+        init_process_group(timeout_s, self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.topology.check_world_size(self.world)
         check_plan_against_model(plan, model)
         self.monitor = FailureMonitor(self.rank, self.world, timeout_s)
         self.coord = self.topology.coord(self.rank)
         self.stage_plan = plan.stages[self.coord.stage]
-        self.device = torch.device(device) if device is not None else _default_device()
         if self.device.type == "cpu":
             keep_freed_host_memory()  # large per-step tensors reuse memory instead of page-faulting it in again
         timeout = datetime.timedelta(seconds=timeout_s)
         self.tied_names = _tied_parameter_names(model)
         self.groups: ProcessGroups = build_groups(self.topology, self.rank, tied=bool(self.tied_names), timeout=timeout)
+        warm_up_world(self.device)
         self.program: StageProgram = lower(model, plan, self.coord, self.groups.tp)
         self.program.module.to(self.device)
         self.tied = TiedWeights.create(self, model) if self.tied_names and plan.pp > 1 else None
@@ -188,9 +189,22 @@ class Engine:
         return RankFailure(f"rank {self.rank} (stage {self.coord.stage}) stops because rank {rank} failed: {reason} "
                            f"(here: {what})")
 
-    def _micro_inputs(self, batch: dict[str, torch.Tensor], micro: int) -> dict[str, torch.Tensor]:
-        start, end = self.topology.sample_range(self.coord.stage, self.coord.dp_index, micro)
-        return {name: batch[name][start:end].to(self.device, non_blocking=True) for name in self.interface.batch_inputs}
+    def _stage_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's rows of every micro-batch, on the device in one (pinned, asynchronous) copy per
+        input; micro-batch ``m`` is rows ``[m * mb, (m + 1) * mb)``."""
+        ranges = [self.topology.sample_range(self.coord.stage, self.coord.dp_index, m) for m in range(self.plan.grad_accum)]
+        rows = torch.cat([torch.arange(start, end) for start, end in ranges])
+        staged = {}
+        for name in self.interface.batch_inputs:
+            mine = batch[name].index_select(0, rows.to(batch[name].device))
+            if self.device.type == "cuda" and mine.device.type == "cpu":
+                mine = mine.pin_memory()
+            staged[name] = mine.to(self.device, non_blocking=True)
+        return staged
+
+    def _micro_inputs(self, staged: dict[str, torch.Tensor], micro: int) -> dict[str, torch.Tensor]:
+        mb = self.stage_plan.micro_batch
+        return {name: rows[micro * mb:(micro + 1) * mb] for name, rows in staged.items()}
 
     def _check_batch(self, batch: dict[str, torch.Tensor]) -> None:
         for name in self.interface.batch_inputs:
@@ -203,7 +217,8 @@ class Engine:
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
         self._check_batch(batch)
         grad_accum = self.plan.grad_accum
-        state = StepState({}, {}, torch.zeros((), dtype=torch.float64))
+        state = StepState({}, {}, torch.zeros((), dtype=torch.float64, device=self.device))
+        batch = self._stage_batch(batch)
         self.runtime.begin_iteration()
         if self.tied is not None:
             self.tied.begin_iteration()
@@ -236,7 +251,7 @@ class Engine:
         out = self.program.module(*received, **self._micro_inputs(batch, micro))
         state.inputs[micro] = received
         if self.interface.is_last:
-            state.loss_sum += out.detach().double().cpu()
+            state.loss_sum += out.detach()  # stays on the device: one host sync per step, in _mean_loss
             state.outputs[micro] = out
         else:
             outputs = list(out)
@@ -262,7 +277,8 @@ class Engine:
             self.p2p.send_backward(grads, micro)
 
     def _mean_loss(self, loss_sum: torch.Tensor) -> float:
-        total = loss_sum.clone().to(self.device if self.device.type == "cuda" else "cpu")
+        """The global batch's mean loss on every rank: one all-reduce and the step's only host sync."""
+        total = loss_sum.clone()
         if not self.interface.is_last:
             total.zero_()
         if self.world > 1:
