@@ -35,6 +35,7 @@ from .codegen import StageProgram, check_plan_against_model, lower
 from .device import DTYPES, init_process_group, select_device, warm_up_world
 from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error
 from .host_allocator import keep_freed_host_memory
+from .loss_scaling import loss_scaler_for
 from .tensor_parallel import shard_dims
 from .pipeline import BACKWARD, FORWARD, P2P, SCHEDULES
 from .tied_weights import TiedWeights, _tied_parameter_names
@@ -81,6 +82,8 @@ class Engine:
         self.timeout_s = timeout_s
         self.source_model: nn.Module | None = None  # set by the dynamo runtime
         self._step_pending = False
+        self.loss_scaler = loss_scaler_for(plan.dtype)  # fp16 only: dynamic loss scaling, overflowing steps skipped
+        self._skip_next_step = False
         self.topology = Topology(plan)
         self.device = select_device(device)  # made current first: every kernel and collective on the rank's own GPU
         init_process_group(timeout_s, self.device)
@@ -220,6 +223,8 @@ class Engine:
         state = StepState({}, {}, torch.zeros((), dtype=torch.float64, device=self.device))
         batch = self._stage_batch(batch)
         self.runtime.begin_iteration()
+        if self.loss_scaler is not None:
+            self.runtime.set_loss_scale(self.loss_scaler.scale)
         if self.tied is not None:
             self.tied.begin_iteration()
         backward_done = 0
@@ -239,9 +244,13 @@ class Engine:
             self.tied.after_backward()
         self.runtime.finish_gradients()
         self.p2p.wait_sends()
-        return self._mean_loss(state.loss_sum)
+        return self._step_outcome(state.loss_sum)
 
     def _optimizer_step(self) -> None:
+        if self._skip_next_step:  # fp16 gradients overflowed somewhere: every rank skips (the scale backed off)
+            self._skip_next_step = False
+            self.runtime.skip_step()
+            return
         self.runtime.step()
         if self.tied is not None:
             self.tied.after_step()
@@ -261,7 +270,8 @@ class Engine:
     def _backward(self, micro: int, state: StepState, grad_accum: int) -> None:
         outputs = state.outputs.pop(micro)
         if self.interface.is_last:
-            (outputs / grad_accum).backward()
+            loss = outputs / grad_accum
+            (loss * self.loss_scaler.scale if self.loss_scaler is not None else loss).backward()
         else:
             grads = self.p2p.recv_backward(micro)
             if self.grad_scale != 1.0:
@@ -276,15 +286,19 @@ class Engine:
                      for t, v in zip(inputs, self.interface.inputs)]
             self.p2p.send_backward(grads, micro)
 
-    def _mean_loss(self, loss_sum: torch.Tensor) -> float:
-        """The global batch's mean loss on every rank: one all-reduce and the step's only host sync."""
-        total = loss_sum.clone()
-        if not self.interface.is_last:
-            total.zero_()
+    def _step_outcome(self, loss_sum: torch.Tensor) -> float:
+        """The global batch's mean loss on every rank, and (fp16) whether any rank's gradients overflowed:
+        one all-reduce of both and the step's only host sync."""
+        found = (self.loss_scaler.found_nonfinite(self.runtime.reduced_gradients(), self.device)
+                 if self.loss_scaler is not None else torch.zeros((), device=self.device))
+        total = torch.stack([loss_sum.double() if self.interface.is_last else torch.zeros_like(loss_sum, dtype=torch.float64),
+                             found.double()])
         if self.world > 1:
             dist.all_reduce(total)
+        loss, overflow = total.tolist()
+        self._skip_next_step = self.loss_scaler.update(overflow > 0) if self.loss_scaler is not None else False
         last = self.plan.stages[-1]
-        return float(total.item() / (self.plan.grad_accum * last.dp * last.tp))
+        return loss / (self.plan.grad_accum * last.dp * last.tp)
 
     # ----------------------------------------------------------------- checks
     def named_full_parameters(self) -> dict[str, torch.Tensor]:

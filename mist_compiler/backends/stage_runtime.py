@@ -281,6 +281,22 @@ class StageRuntime:
         for bucket in self.buckets:  # no forward/backward is in flight: drop every transient weight copy
             bucket.reset_holds()
 
+    def set_loss_scale(self, scale: float) -> None:
+        """The loss the backward starts from is multiplied by ``scale`` (fp16 loss scaling): divide the
+        gradients by it while casting them for the reduction."""
+        self.ctx.grad_unscale = 1.0 / scale
+
+    def reduced_gradients(self) -> list[torch.Tensor]:
+        """This rank's reduced fp32 gradient shards (after ``finish_gradients``), device and host parts."""
+        return [part for bucket in self.buckets for part in bucket.reduced_parts()]
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients without updating anything (a skipped fp16 step)."""
+        self.finish_gradients()
+        for bucket in self.buckets:
+            bucket.drop_gradients()
+            bucket.reset_holds()
+
     def register_grad_transform(self, param_name: str, fn: Callable[[torch.Tensor], None]) -> None:
         """Apply ``fn`` in place to ``param_name``'s local gradient of every micro-batch, before reduction."""
         if param_name not in self._param_index:

@@ -70,6 +70,7 @@ class BucketContext:
     host_memory: HostMemory
     timeout_s: float
     trace: list | None = None  # when a list: ("fetch" | "free" | "reduce", unit) events, for tests and debugging
+    grad_unscale: float = 1.0  # 1 / the loss scale (fp16): folded into the cast to the fp32 reduction buffer
 
     def record(self, event: str, unit: str) -> None:
         if self.trace is not None:
@@ -235,7 +236,7 @@ class UnitBucket:
             view = self.params[index].grad
             for fn in functions:
                 fn(view)
-        scale = 1.0 / ctx.world
+        scale = ctx.grad_unscale / ctx.world
         reuse = grads.dtype == torch.float32
         comm = grads if reuse else torch.empty_like(grads, dtype=torch.float32)
         kernels.scale_accumulate(comm, grads, scale, accumulate=False)
@@ -305,14 +306,24 @@ class UnitBucket:
             return torch.zeros(end - start, dtype=torch.float32, device=device)
         return self.grad_acc.read(start, end, device, self.ctx.streams)
 
-    # ---- after the optimizer ---------------------------------------------------------------
-    def write_back(self) -> Pending | None:
-        """Copy the updated fp32 master into the param-dtype weights; returns an all-gather to wait on."""
-        ctx = self.ctx
+    def reduced_parts(self) -> list[torch.Tensor]:
+        """This rank's reduced fp32 gradients as stored (device and host parts), for inspection."""
+        if self.ctx.zero <= 1:
+            return [self.reduced] if self.reduced is not None else []
+        return [part for _, part in self.grad_acc.parts()] if self.acc_has_data else []
+
+    def drop_gradients(self) -> None:
+        """Forget this step's reduced gradients (after the update, or instead of it: a skipped step)."""
         self.reduced = None
         self._release_acc_device()
         if self.grads.tensor.dtype == torch.float32:
             self.grads.free()
+
+    # ---- after the optimizer ---------------------------------------------------------------
+    def write_back(self) -> Pending | None:
+        """Copy the updated fp32 master into the param-dtype weights; returns an all-gather to wait on."""
+        ctx = self.ctx
+        self.drop_gradients()
         if (self.master_aliases_weights and ctx.zero in (0, 3)) or self.master.numel == 0:
             return None
         new = torch.empty(self.master.numel, dtype=ctx.param_dtype, device=ctx.device)

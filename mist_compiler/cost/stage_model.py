@@ -25,7 +25,7 @@ Per candidate (one pipeline stage, one device's view):
 - ``stable_s`` = forward + backward phases of one micro-batch; ``delta_s`` = gradient
   synchronisation + optimizer step (device and host parts at the profile's AdamW rates) + adding
   the other micro-batches' gradients into the accumulator + offload traffic of the step + the
-  first ZeRO-3 gather that nothing hides;
+  first ZeRO-3 gather that nothing hides + (fp16) the loss scaler's inf/NaN pass over the reduced gradients;
 - the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``MATH_ATTENTION_PASSES``);
 - memory: ``cost.memory`` closed forms over the per-block liveness results.
 Evaluation groups candidates by their distinct ``(micro_batch, tp, nodes, gpus_per_node)`` so
@@ -240,6 +240,14 @@ class StageCostModel:
         """Tensor-parallel degrees must divide this (attention heads, sharded weight dimensions)."""
         return math.gcd(*(block.tp_granularity for block in self.blocks.values()))
 
+    def _overflow_check_s(self, shard_params: np.ndarray) -> np.ndarray:
+        """fp16 dynamic loss scaling (``backends.loss_scaling``): one read pass over this rank's reduced
+        fp32 gradients per step to find inf/NaN (the unscaling rides on the reduction cast, the flag on
+        the loss's all-reduce); other dtypes: nothing."""
+        if self.dtype != "float16":
+            return np.zeros(np.shape(shard_params))
+        return op_class_time(self.hardware, self.dtype, "reduction", 0.0, 4.0 * np.asarray(shard_params, dtype=float))
+
     # ---- per distinct (b, t, nodes, gpus) quantities -------------------------------------------
 
     def _block_terms(self, kind: str, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, np.ndarray]:
@@ -376,7 +384,7 @@ class StageCostModel:
         step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step + accumulate
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
                                                            dp_nodes, dp_gpus), 0.0)
-        delta = sync + step + after_step_gather + first_gather
+        delta = sync + step + after_step_gather + first_gather + self._overflow_check_s(shard_params)
 
         present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}
         unsupported = self._infeasible(np.asarray(c.tp, dtype=np.int64), present)

@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                        help="compute dtype (default bfloat16; float16 trains with dynamic loss scaling)")
     parser.add_argument("--attention", choices=("flash", "math"), default="flash", help="target attention kernel")
     parser.add_argument("-o", "--output", help="write the plan here (.json or .yaml)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
