@@ -48,7 +48,7 @@ from ..passes.offload_insertion import unit_offload_table
 from .dist_compat import group_rank, group_size
 from .offload import ActivationOffloader, HostMemory
 from .optimizer import AdamWConfig, FlatAdamW
-from .streams import Streams
+from .streams import HostWorkers, Streams
 from .zero import BucketContext, UnitBucket, UnitOffload
 
 __all__ = ["AdamWConfig", "StageRuntime", "StageRuntimeError", "UnitOffload"]
@@ -76,7 +76,8 @@ class StageRuntime:
         self.device = torch.device(device)
         self.zero = zero
         self.streams = Streams(self.device)
-        self.host_memory = HostMemory()
+        self.host_workers = HostWorkers()
+        self.host_memory = HostMemory(self.streams, self.host_workers, timeout_s)
         self.ctx = BucketContext(zero, dp_group, group_rank(dp_group), group_size(dp_group), self.device,
                                  param_dtype, self.streams, self.host_memory, timeout_s)
         owned, self._needs = self._assign_parameters(units)
@@ -84,7 +85,7 @@ class StageRuntime:
         self.unit_offload = table
         self.buckets = [UnitBucket(name, owned[name], table[name], self.ctx) for name in self.unit_names]
         self._param_index = {name: (bucket, i) for bucket in self.buckets for i, name in enumerate(bucket.names)}
-        self.optimizer = FlatAdamW(optimizer)
+        self.optimizer = FlatAdamW(optimizer, self.streams, self.host_workers, timeout_s)
         acts = {name: table[name].acts for name in self.unit_names}
         self.activations = {
             name: ActivationOffloader(fraction, self.streams, self.host_memory, self._weight_storage_ptrs)
@@ -162,6 +163,7 @@ class StageRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.host_workers.shutdown()
 
     def _weight_storage_ptrs(self) -> set[int]:
         return {b.full.tensor.untyped_storage().data_ptr() for b in self.buckets if b.full.allocated}
@@ -272,9 +274,9 @@ class StageRuntime:
         """AdamW on the local fp32 master shards, then write the param-dtype weights back."""
         self.finish_gradients()
         states = [bucket.opt_state for bucket in self.buckets]
-        readers = [bucket.reduced_grad for bucket in self.buckets]
-        self.optimizer.step(states, readers)
-        pendings = [bucket.write_back() for bucket in self.buckets]
+        pendings = []
+        # each unit is written back as soon as its update is complete, in unit order on every rank
+        self.optimizer.step(states, self.buckets, on_unit_done=lambda i: pendings.append(self.buckets[i].write_back()))
         for pending in pendings:
             if pending is not None:
                 pending.wait(self.ctx.timeout_s)
