@@ -93,5 +93,7 @@ def test_four_stages_and_mixed_dp_tp_stages_with_equal_tags():
         # stages differ in dp, tp and micro-batch
         (pipeline("llama-tiny", 2, stage((0, 2), dp=2), stage((2, 4), tp=2)), "1f1b"),
         (pipeline("llama-tiny", 2, stage((0, 1), tp=2), stage((1, 3), dp=1), stage((3, 4), dp=1)), "gpipe"),
+        # tied embedding/head across stages, the first stage's weights sharded (ZeRO-3)
+        (pipeline("tests.test_backend_engine:tied_gpt", 2, stage((0, 2), dp=2, zero=3), stage((2, 4), dp=2)), "1f1b"),
     ]
     run_cases(4, cases)

@@ -1,6 +1,20 @@
 """Failure detection through the rendezvous store: who failed, and stopping everyone in time.
 
-Moved out of ``engine.py`` unchanged; see :class:`FailureMonitor`.
+:class:`FailureMonitor` costs each rank two store requests per heartbeat, whatever the world size
+(the store sees ``2 * world`` requests per second, not ``world ** 2``):
+
+- one shared key, ``mist/failed``, holds ``"<rank>\\n<reason>"`` of the first rank that reports a
+  failure; every rank's monitor thread checks that one key each heartbeat and, when it appears,
+  prints the reason and exits non-zero (``on_peer_failure``): nobody waits for a collective that can
+  never complete;
+- on gloo every rank also writes its own heartbeat key, so that a rank whose transfer broke or
+  timed out can find the rank that died (stale heartbeat) and report it on that rank's behalf; the
+  survivors then all name the dead rank. That scan reads every heartbeat once, in one
+  ``multi_get``, and happens only after a failure.
+
+On NCCL the monitor stays quiet: no heartbeats (NCCL's watchdog already times out and tears down
+a job whose collectives hang, naming the collective), only the one-key check that lets a rank
+failing for a reason of its own stop the others at once.
 """
 from __future__ import annotations
 
@@ -11,56 +25,59 @@ import time
 from typing import Any, Callable
 
 HEARTBEAT_S = 1.0
+FAILED_KEY = "mist/failed"
+STALE_AFTER_S = 4 * HEARTBEAT_S
 
 
 class FailureMonitor:
-    """Fail fast, and say who failed, through the rendezvous store.
-
-    Every rank writes a heartbeat each second. A rank whose step fails for a reason of its own
-    (not a broken transfer) writes ``mist/failed/<rank>``; every other rank's monitor sees that key
-    within a heartbeat, prints the reason and exits non-zero (``on_peer_failure``): nobody waits
-    for a collective that can never complete. A rank whose step fails because a peer vanished
-    (transfer error or timeout) looks for a rank whose heartbeat went stale and reports it on
-    that rank's behalf, so the survivors all name the dead rank.
-    """
+    """Fail fast, and say who failed, through the rendezvous store (see the module docstring)."""
 
     def __init__(self, rank: int, world: int, timeout_s: float,
-                 on_peer_failure: Callable[[str], None] | None = None) -> None:
+                 on_peer_failure: Callable[[str], None] | None = None, heartbeats: bool | None = None,
+                 store: Any = None) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.on_peer_failure = on_peer_failure or (lambda message: _exit_on_peer_failure(message, rank))
-        self.store = _default_store()
+        self.store = store if store is not None else _default_store()
+        self.heartbeats = _backend_has_no_watchdog() if heartbeats is None else heartbeats
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.store is not None and world > 1:
             self._beat()
-            self._thread = threading.Thread(target=self._run, name="mist-heartbeat", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="mist-failure-monitor", daemon=True)
             self._thread.start()
 
-    def _key(self, kind: str, rank: int) -> str:
-        return f"mist/{kind}/{rank}"
+    def _heartbeat_key(self, rank: int) -> str:
+        return f"mist/heartbeat/{rank}"
 
     def _beat(self) -> None:
-        self.store.set(self._key("heartbeat", self.rank), repr(time.time()))
+        if self.heartbeats:
+            self.store.set(self._heartbeat_key(self.rank), repr(time.time()))
+
+    def _reported(self) -> tuple[int, str] | None:
+        if not self.store.check([FAILED_KEY]):
+            return None
+        rank, _, reason = self.store.get(FAILED_KEY).decode(errors="replace").partition("\n")
+        return int(rank), reason
 
     def _run(self) -> None:
-        others = [r for r in range(self.world) if r != self.rank]
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self._beat()
-                for rank in others:
-                    if self.store.check([self._key("failed", rank)]):
-                        reason = self.store.get(self._key("failed", rank)).decode(errors="replace")
-                        if not self._stop.is_set():
-                            self.on_peer_failure(f"mist: rank {self.rank} stops because rank {rank} failed: {reason}")
-                        return
+                found = self._reported()
             except Exception:  # the store itself is gone: the main thread's timeouts take over
+                return
+            if found is not None and found[0] != self.rank:
+                if not self._stop.is_set():
+                    self.on_peer_failure(f"mist: rank {self.rank} stops because rank {found[0]} failed: {found[1]}")
                 return
 
     def report_failure(self, message: str, rank: int | None = None) -> None:
+        """Publish that ``rank`` (default: this one) failed; the first report stands."""
         if self.store is None:
             return
         try:
-            self.store.set(self._key("failed", self.rank if rank is None else rank), message[:2000])
+            value = f"{self.rank if rank is None else rank}\n{message[:2000]}"
+            self.store.compare_set(FAILED_KEY, "", value)  # only if nobody reported before
         except Exception:
             pass
 
@@ -79,20 +96,33 @@ class FailureMonitor:
             time.sleep(HEARTBEAT_S / 2)
 
     def _scan(self) -> tuple[int, str] | None:
+        reported = self._reported()
+        if reported is not None or not self.heartbeats:
+            return reported
+        others = [r for r in range(self.world) if r != self.rank]
+        keys = [self._heartbeat_key(r) for r in others]
+        if not self.store.check(keys):
+            for rank, key in zip(others, keys):
+                if not self.store.check([key]):
+                    return rank, "never started"
         now = time.time()
-        for rank in range(self.world):
-            if rank == self.rank:
-                continue
-            if self.store.check([self._key("failed", rank)]):
-                return rank, self.store.get(self._key("failed", rank)).decode(errors="replace")
-            if not self.store.check([self._key("heartbeat", rank)]):
-                return rank, "never started"
-            if now - float(self.store.get(self._key("heartbeat", rank)).decode()) > 4 * HEARTBEAT_S:
+        for rank, beat in zip(others, self.store.multi_get(keys)):
+            if now - float(beat.decode()) > STALE_AFTER_S:
                 return rank, "stopped responding (process died or hung)"
         return None
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _backend_has_no_watchdog() -> bool:
+    """gloo (and single-process groups) need heartbeats; NCCL has its own watchdog."""
+    try:
+        import torch.distributed as dist
+
+        return dist.get_backend() != "nccl"
+    except Exception:
+        return True
 
 
 def _exit_on_peer_failure(message: str, rank: int) -> None:

@@ -316,6 +316,16 @@ class StageRuntime:
             return contextlib.nullcontext()
         return offloader.context(unit_name)
 
+    def full_parameter(self, name: str) -> torch.Tensor:
+        """One parameter's current full weight: a view of its resident bucket, or (ZeRO-3, offloaded
+        weights) a copy of its unit's weights only (a collective over the dp group under ZeRO-3)."""
+        if name not in self._param_index:
+            raise StageRuntimeError(f"full_parameter: unknown parameter {name!r}")
+        bucket, index = self._param_index[name]
+        slot = bucket.layout.slots[index]
+        flat = bucket.full.tensor if bucket.persistent_full else bucket.full_weights()
+        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """Current full weights by qualified name (a collective under ZeRO-3: call on every dp rank)."""
         result: dict[str, torch.Tensor] = {}

@@ -1,6 +1,7 @@
 """Weights tied across the pipeline (embedding on the first stage, head on the last).
 
-Moved out of ``engine.py`` unchanged; see :class:`TiedWeights`.
+See :class:`TiedWeights`. Per step it moves one gradient all-reduce and one weight broadcast per
+tied weight over the group joining the first and last stages; it never gathers a whole stage.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class TiedWeights:
     micro-batches and, after its schedule, all-reduces ``sum(h_r) / dp_last`` over the tied group;
     the first stage takes part in that all-reduce from the gradient transform of its *last*
     micro-batch (the last stage is then done with backward, so nobody waits on anybody) and adds
-    it to its own gradient. After the step the first stage broadcasts the updated weight.
+    it to its own gradient. After the step the first stage broadcasts the updated weight, and
+    nothing else of its stage.
     """
 
     def __init__(self, engine: "Engine", names: list[str]) -> None:
@@ -87,16 +89,16 @@ class TiedWeights:
             dist.all_reduce(share, group=self.group)
 
     def after_step(self) -> None:
+        """The first stage broadcasts each updated tied weight (only that weight: a view of its resident
+        bucket, or a gather of its one unit under ZeRO-3) straight into the last stage's copy."""
         if self.is_first:
-            full = self.engine.runtime.named_full_parameters()
             for name in self.names:
-                weight = full[name].contiguous()
-                dist.broadcast(weight, src=self.source, group=self.group)
+                weight = self.engine.runtime.full_parameter(name)
+                dist.broadcast(weight if weight.is_contiguous() else weight.contiguous(), src=self.source,
+                               group=self.group)
         else:
             for param in self.params.values():
-                weight = torch.empty_like(param.data)
-                dist.broadcast(weight, src=self.source, group=self.group)
-                param.data.copy_(weight)
+                dist.broadcast(param.data, src=self.source, group=self.group)
 
     def local_parameters(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.params.items()}
