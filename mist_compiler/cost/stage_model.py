@@ -225,7 +225,8 @@ class StageCostModel:
 
     @property
     def device_memory_bytes(self) -> float:
-        return self.hardware.device_memory
+        """The bytes a stage may use: the profile's usable memory (headroom or ``--memory-limit`` applied)."""
+        return self.hardware.usable_memory
 
     @property
     def tp_supported(self) -> bool:

@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                         help="compute dtype (default bfloat16; float16 trains with dynamic loss scaling)")
     parser.add_argument("--attention", choices=("flash", "math"), default="flash", help="target attention kernel")
+    parser.add_argument("--memory-limit", help="memory a plan may use per device, e.g. 70GB or 64GiB (default: the "
+                        "profile's device memory minus its headroom for context, NCCL, workspaces, fragmentation)")
     parser.add_argument("-o", "--output", help="write the plan here (.json or .yaml)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--space", choices=("full",) + tuple(BASELINE_SPACES), default="full",
@@ -60,18 +62,27 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
     return space.restrict(**changes) if changes else space
 
 
+def hardware_from_args(args: argparse.Namespace):
+    """The hardware profile, with ``--memory-limit`` applied when given."""
+    from ..cost.hardware import load_profile, with_memory_limit
+
+    limit = getattr(args, "memory_limit", None)
+    return with_memory_limit(load_profile(args.hardware), limit) if limit is not None else args.hardware
+
+
 def run(args: argparse.Namespace) -> int:
     from .report import format_result, result_to_dict, save_frontiers
 
     space = space_from_args(args)
+    hardware = hardware_from_args(args)
     if args.space != "full":
         from .baselines import tune_baseline
 
-        result = tune_baseline(args.space, args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch,
+        result = tune_baseline(args.space, args.model, hardware, args.nodes, args.gpus_per_node, args.global_batch,
                                seq_len=args.seq, dtype=args.dtype, attention=args.attention,
                                progress=None if args.quiet else _stderr_progress, space_override=space)
     else:
-        result = tune(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch, seq_len=args.seq,
+        result = tune(args.model, hardware, args.nodes, args.gpus_per_node, args.global_batch, seq_len=args.seq,
                       space=space, dtype=args.dtype, attention=args.attention,
                       progress=None if args.quiet else _stderr_progress)
     if args.output:
