@@ -100,3 +100,17 @@ def test_offloaded_gradients_are_added_on_host_threads_during_the_backward():
     expected = _synchronous_weights(2, offload, 2)
     for name, value in expected.items():
         torch.testing.assert_close(weights[name], value, rtol=0, atol=0)
+
+
+def test_cost_model_prices_the_host_adamw_as_overlapping_the_device():
+    import numpy as np
+
+    from mist_compiler.cost.stage_model import optimizer_phase_s
+
+    # host-bound: the host update plus one unit's copy out and back (the units pipeline)
+    assert optimizer_phase_s(np.array([0.1]), np.array([1.0]), np.array([0.4]), np.array([0.2]), np.array([6]))[0] \
+        == 1.0 + 0.6 / 6
+    # device-bound: the device part and the copies hide the host threads
+    assert optimizer_phase_s(np.array([2.0]), np.array([1.0]), np.array([0.4]), np.array([0.2]), np.array([6]))[0] == 2.0
+    # nothing offloaded: the device part alone
+    assert optimizer_phase_s(np.array([0.3]), np.array([0.0]), np.array([0.0]), np.array([0.0]), np.array([6]))[0] == 0.3
