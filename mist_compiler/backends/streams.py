@@ -134,5 +134,5 @@ class HostWorkers:
 
     def shutdown(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
