@@ -64,6 +64,7 @@ def test_cli_table_and_json(tmp_path, capsys):
 def test_plan_that_does_not_fit_reports_missing_memory(tmp_path, capsys):
     profile = load_profile("l4").to_dict()
     profile["device_memory_gb"] = 0.002
+    profile.pop("memory_headroom_gb", None)  # the whole 2 MB usable
     hardware = write(tmp_path, "small.yaml", profile)
     plan = write(tmp_path, "plan.json", TWO_STAGES)
     estimate = analyze("gpt-tiny", plan, hardware)
@@ -116,3 +117,15 @@ def test_through_mistc_main(tmp_path, capsys):
     bad["stages"][0]["zero"] = 7
     assert cli.main(["analyze", "gpt-tiny", "--plan", write(tmp_path, "bad.json", bad), "--hardware", "l4"]) == 2
     assert "stages[0].zero" in capsys.readouterr().err
+
+
+def test_memory_limit_option_replaces_the_usable_memory(tmp_path, capsys):
+    plan = write(tmp_path, "plan.json", TWO_STAGES)
+    assert run_cli("gpt-tiny", "--plan", plan, "--hardware", "l4", "--json", "--memory-limit", "3MB") == 1
+    data = json.loads(capsys.readouterr().out)
+    assert not data["fits"]
+    assert run_cli("gpt-tiny", "--plan", plan, "--hardware", "l4", "--memory-limit", "20GiB") == 0
+    assert f"{20 * 2 ** 30 / 1e6:,.0f}" in capsys.readouterr().out
+    default = analyze("gpt-tiny", plan, "l4")
+    l4 = load_profile("l4")
+    assert default.stages[0].memory_limit_mb == pytest.approx((l4.device_memory - l4.memory_headroom) / 1e6)

@@ -102,6 +102,9 @@ MALFORMED = [
     ("device_memory_gb", -1, "device_memory_gb"),
     ("device_memory_gb", "24", "device_memory_gb"),
     ("device_memory_gb", _DELETE, "device_memory_gb"),
+    ("memory_headroom_gb", -1.0, "memory_headroom_gb"),
+    ("memory_headroom_gb", 1000.0, "memory_headroom_gb"),
+    ("memory_headroom_gb", "2", "memory_headroom_gb"),
     ("gpus_per_node", 0, "gpus_per_node"),
     ("gpus_per_node", 2.5, "gpus_per_node"),
     ("gpus_per_node", True, "gpus_per_node"),
@@ -166,3 +169,43 @@ def test_malformed_field_is_named(l4_data, field, value, named):
 def test_top_level_must_be_a_mapping(document):
     with pytest.raises(ProfileError, match="mapping"):
         HardwareProfile.from_dict(document, source="x.yaml")
+
+
+def test_shipped_gpu_profiles_keep_the_default_headroom_free():
+    from mist_compiler.cost.hardware import default_memory_headroom
+
+    for name in ("l4", "a100-40gb", "a100-80gb", "h100-80gb", "h200", "v100-32gb"):
+        profile = load_profile(name)
+        assert profile.memory_headroom == pytest.approx(default_memory_headroom(profile.device_memory), abs=1e6), name
+        assert profile.usable_memory == profile.device_memory - profile.memory_headroom
+    assert load_profile("cpu").memory_headroom == 0.0
+    # closed form: 1.25 GB fixed + 5% of the rest; on an 85 GB H100 that leaves 79.56 GB
+    assert load_profile("h100-80gb").usable_memory == pytest.approx(85e9 - (1.25e9 + 0.05 * 83.75e9), rel=1e-4)
+
+
+def test_memory_limit_parsing_and_override():
+    from mist_compiler.cost.hardware import ProfileError, parse_memory, with_memory_limit
+
+    assert parse_memory("70") == parse_memory("70GB") == 70e9
+    assert parse_memory("64GiB") == 64 * 2 ** 30 and parse_memory("1500 MB") == 1.5e9
+    for bad in ("", "-3GB", "lots", "0"):
+        with pytest.raises(ProfileError, match="memory limit"):
+            parse_memory(bad)
+    h100 = load_profile("h100-80gb")
+    limited = with_memory_limit(h100, "40GB")
+    assert limited.usable_memory == 40e9 and with_memory_limit(h100, None) is h100
+    assert HardwareProfile.from_dict(h100.to_dict()).memory_headroom == h100.memory_headroom
+
+
+def test_tune_command_defaults_to_bf16_and_applies_the_memory_limit():
+    import argparse
+
+    from mist_compiler.tuner.tune_command import add_arguments, hardware_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["gpt-tiny", "--hardware", "l4", "--nodes", "1", "--gpus-per-node", "2", "--global-batch", "8"]
+    args = parser.parse_args(base + ["--memory-limit", "10GB"])
+    assert args.dtype == "bfloat16"
+    assert hardware_from_args(args).usable_memory == 10e9
+    assert hardware_from_args(parser.parse_args(base)) == "l4"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mist_compiler.backends.offload import HostMemory, SplitBuffer
-from mist_compiler.backends.optimizer import AdamWConfig, FlatAdamW, ShardState
+from mist_compiler.backends.optimizer import AdamWConfig, FlatAdamW, FlatGrads, ShardState
 from mist_compiler.backends.streams import Streams
 
 
@@ -28,7 +28,7 @@ def test_flat_adamw_on_split_shards_matches_torch(opt_fraction):
         for p, g in zip(params, grads):
             p.grad = g.clone()
         reference.step()
-        optimizer.step(states, [lambda s, e, d, g=g: g[s:e].to(d) for g in grads])
+        optimizer.step(states, [FlatGrads(g) for g in grads])
     for p, state in zip(params, states):
         got = state.master.read(0, state.master.numel, torch.device("cpu"), Streams(torch.device("cpu")))
         torch.testing.assert_close(got, p.detach(), rtol=1e-6, atol=1e-7)

@@ -77,7 +77,7 @@ def test_tuned_plan_never_worse_than_baselines(cost_model):
 
 
 def test_too_little_memory_names_the_memory_that_would_fit(cost_model, tmp_path):
-    profile = dataclasses.replace(load_profile(HARDWARE), device_memory=1e5)
+    profile = dataclasses.replace(load_profile(HARDWARE), device_memory=1e5, memory_headroom=0.0)
     small = dataclasses.replace(cost_model, hardware=profile)
     with pytest.raises(TuneError, match=r"no plan fits in 0\.00 GB per device: the smallest memory that would fit"):
         tune(MODEL, profile, 1, 4, 16, seq_len=SEQ, cost_model=small)

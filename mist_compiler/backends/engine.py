@@ -1,28 +1,27 @@
 """The training engine: ``mist_compiler.compile(model, plan) -> Engine`` and ``engine.step(batch)``.
 
 Set-up reads top to bottom in the order it happens: check the plan against the launched world
-and the model (before any computation), build the process groups, lower this rank's stage
-program (:mod:`.codegen`), wrap its units in the per-stage data-parallel runtime (ZeRO, offload,
+and the captured model (before any computation), build the process groups, lower this rank's
+stage out of the captured program and build it with only this rank's weights (:mod:`.codegen`,
+:mod:`.materialize`), wrap its units in the per-stage data-parallel runtime (ZeRO, offload,
 AdamW), tie embedding/head gradients across stages, link the pipeline neighbours. On a CPU
 device the process keeps freed host memory for reuse (:mod:`.host_allocator`).
 
 ``step(batch)`` runs one training iteration: every rank is given the same global batch and takes
-its own rows; the stage runs the 1F1B schedule over ``grad_accum`` micro-batches, each loss
-scaled by ``1/G`` (the runtime averages over data-parallel ranks), then the optimizer steps.
+its own rows; the stage runs its pipeline schedule (1F1B unless ``set_schedule`` chose another)
+over ``grad_accum`` micro-batches, each loss scaled by ``1/G`` (the runtime averages over
+data-parallel ranks), then the optimizer steps.
 It returns the mean loss of the global batch, the same on every rank.
 
 ``forward_backward`` and ``optimizer_step`` are the two halves (the dynamo runtime uses them).
 
-Failures (:class:`FailureMonitor`): every collective and transfer has a timeout; a rank that
+Failures (:class:`.failure.FailureMonitor`): every collective and transfer has a timeout; a rank that
 fails writes the reason to the rendezvous store and every other rank stops within a heartbeat,
 naming it; a rank that dies is found by its stale heartbeat and named the same way.
 """
 from __future__ import annotations
 
 import datetime
-import os
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,21 +30,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mist_compiler.ir.model_graph import PARAMETER, ModelGraph, ShardSpec
+from mist_compiler.ir.model_graph import ShardSpec
 from mist_compiler.ir.plan import Plan, PlanError, load_plan
 from mist_compiler.ir.program import MistProgram
-from mist_compiler.ir.vocabulary import TORCH_DTYPES
 
 from ..ops.tensor_parallel import ProcessGroup
 from .codegen import check_plan_against_program, lower
+from .device import DTYPES, init_process_group, select_device, warm_up_world
+from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error
 from .host_allocator import keep_freed_host_memory
+from .loss_scaling import loss_scaler_for
 from .materialize import InitTensors, ModuleTensors, StageProgram, TensorSource
-from .pipeline import BACKWARD, FORWARD, P2P, build_links, one_f_one_b
+from .pipeline import BACKWARD, FORWARD, P2P, SCHEDULES
+from .tied_weights import TiedWeights, tied_parameters
 from .topology import ProcessGroups, Topology, build_groups
 
-DTYPES = TORCH_DTYPES
 DEFAULT_TIMEOUT_S = 300.0
-HEARTBEAT_S = 1.0
 
 
 class RankFailure(RuntimeError):
@@ -68,113 +68,6 @@ def _default_optimizer() -> Any:
     return AdamWConfig()
 
 
-class FailureMonitor:
-    """Fail fast, and say who failed, through the rendezvous store.
-
-    Every rank writes a heartbeat each second. A rank whose step fails for a reason of its own
-    (not a broken transfer) writes ``mist/failed/<rank>``; every other rank's monitor sees that key
-    within a heartbeat, prints the reason and exits non-zero (``on_peer_failure``): nobody waits
-    for a collective that can never complete. A rank whose step fails because a peer vanished
-    (transfer error or timeout) looks for a rank whose heartbeat went stale and reports it on
-    that rank's behalf, so the survivors all name the dead rank.
-    """
-
-    def __init__(self, rank: int, world: int, timeout_s: float,
-                 on_peer_failure: Callable[[str], None] | None = None) -> None:
-        self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        self.on_peer_failure = on_peer_failure or (lambda message: _exit_on_peer_failure(message, rank))
-        self.store = _default_store()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if self.store is not None and world > 1:
-            self._beat()
-            self._thread = threading.Thread(target=self._run, name="mist-heartbeat", daemon=True)
-            self._thread.start()
-
-    def _key(self, kind: str, rank: int) -> str:
-        return f"mist/{kind}/{rank}"
-
-    def _beat(self) -> None:
-        self.store.set(self._key("heartbeat", self.rank), repr(time.time()))
-
-    def _run(self) -> None:
-        others = [r for r in range(self.world) if r != self.rank]
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self._beat()
-                for rank in others:
-                    if self.store.check([self._key("failed", rank)]):
-                        reason = self.store.get(self._key("failed", rank)).decode(errors="replace")
-                        if not self._stop.is_set():
-                            self.on_peer_failure(f"mist: rank {self.rank} stops because rank {rank} failed: {reason}")
-                        return
-            except Exception:  # the store itself is gone: the main thread's timeouts take over
-                return
-
-    def report_failure(self, message: str, rank: int | None = None) -> None:
-        if self.store is None:
-            return
-        try:
-            self.store.set(self._key("failed", self.rank if rank is None else rank), message[:2000])
-        except Exception:
-            pass
-
-    def find_failed_rank(self, patience_s: float = 6 * HEARTBEAT_S) -> tuple[int, str] | None:
-        """A rank that reported a failure or whose heartbeat went stale (waits up to ``patience_s``)."""
-        if self.store is None:
-            return None
-        deadline = time.time() + min(patience_s, self.timeout_s)
-        while True:
-            try:
-                found = self._scan()
-            except Exception:
-                return None
-            if found is not None or time.time() > deadline:
-                return found
-            time.sleep(HEARTBEAT_S / 2)
-
-    def _scan(self) -> tuple[int, str] | None:
-        now = time.time()
-        for rank in range(self.world):
-            if rank == self.rank:
-                continue
-            if self.store.check([self._key("failed", rank)]):
-                return rank, self.store.get(self._key("failed", rank)).decode(errors="replace")
-            if not self.store.check([self._key("heartbeat", rank)]):
-                return rank, "never started"
-            if now - float(self.store.get(self._key("heartbeat", rank)).decode()) > 4 * HEARTBEAT_S:
-                return rank, "stopped responding (process died or hung)"
-        return None
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def _exit_on_peer_failure(message: str, rank: int) -> None:
-    print(message, flush=True)  # stdout: what the launcher shows the user
-    if rank == 0:
-        # rank 0 often hosts the rendezvous store: keep it up a moment for the others to read
-        time.sleep(3 * HEARTBEAT_S)
-    os._exit(1)
-
-
-def is_transfer_error(error: BaseException) -> bool:
-    """A failure to talk to a peer (timeout, closed connection), as opposed to a failure of our own."""
-    text = f"{type(error).__name__}: {error}".lower()
-    markers = ("timed out", "timeout", "connection", "closed by peer", "collectiveerror", "pipelinetimeout",
-               "distbackenderror", "broken pipe", "gloo")
-    return any(marker in text for marker in markers)
-
-
-def _default_store() -> Any:
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:
-        return None
-
-
 @dataclass
 class StepState:
     """Per-iteration bookkeeping of one stage."""
@@ -195,8 +88,11 @@ class Engine:
         self.timeout_s = timeout_s
         self.source_model: nn.Module | None = None  # set by the dynamo runtime
         self._step_pending = False
+        self.loss_scaler = loss_scaler_for(plan.dtype)  # fp16 only: dynamic loss scaling, overflowing steps skipped
+        self._skip_next_step = False
         self.topology = Topology(plan)
-        _ensure_process_group(timeout_s)
+        self.device = select_device(device)  # made current first: every kernel and collective on the rank's own GPU
+        init_process_group(timeout_s, self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.topology.check_world_size(self.world)
         # the program that was (or would be) analysed: the same capture is what this rank runs
@@ -205,12 +101,12 @@ class Engine:
         self.monitor = FailureMonitor(self.rank, self.world, timeout_s)
         self.coord = self.topology.coord(self.rank)
         self.stage_plan = plan.stages[self.coord.stage]
-        self.device = torch.device(device) if device is not None else _default_device()
         if self.device.type == "cpu":
             keep_freed_host_memory()  # large per-step tensors reuse memory instead of page-faulting it in again
         timeout = datetime.timedelta(seconds=timeout_s)
         tied_fqns = tied_parameters(self.captured.model_graph)
         self.groups: ProcessGroups = build_groups(self.topology, self.rank, tied=bool(tied_fqns), timeout=timeout)
+        warm_up_world(self.device)
         source = source or (ModuleTensors(model) if isinstance(model, nn.Module) else InitTensors(model, plan.seq_len))
         tp_group = ProcessGroup(self.groups.tp, self.coord.tp_index, self.stage_plan.tp)
         self.program: StageProgram = lower(self.captured, plan, self.coord, source, device=self.device, tp_group=tp_group)
@@ -232,13 +128,23 @@ class Engine:
         self.interface = self.program.interface
         # activations travel in the plan's dtype (the runtime casts the weights to it)
         inputs, outputs = (_in_dtype(values, DTYPES[plan.dtype]) for values in (self.interface.inputs, self.interface.outputs))
-        self.p2p = P2P(build_links(self.topology, self.rank), inputs, outputs,
-                       self.stage_plan.micro_batch, self.device, timeout_s)
-        self.schedule = one_f_one_b(plan.pp, self.coord.stage, plan.grad_accum)
+        self._boundary = (inputs, outputs)
+        self.set_schedule("1f1b")
         # The next stage sends dp_next * dL/dx (its loss share is averaged over its own dp ranks);
         # this stage's data-parallel mean needs dp_here * dL/dx.
         is_last = self.coord.stage == plan.pp - 1
         self.grad_scale = 1.0 if is_last else self.stage_plan.dp / plan.stages[self.coord.stage + 1].dp
+
+    def set_schedule(self, name: str) -> None:
+        """Use pipeline schedule ``name`` (``pipeline.SCHEDULES``: 1f1b, the default, or gpipe) from the
+        next step on; every rank must choose the same."""
+        if name not in SCHEDULES:
+            raise PlanError(f"unknown pipeline schedule {name!r}; known: {sorted(SCHEDULES)}")
+        schedule = SCHEDULES[name](self.plan.pp, self.coord.stage, self.plan.grad_accum)
+        inputs, outputs = self._boundary
+        self.p2p = P2P(self.topology, self.rank, schedule, inputs, outputs, self.stage_plan.micro_batch,
+                       self.device, self.timeout_s)
+        self.schedule = schedule
 
     # ----------------------------------------------------------------- the step
     def step(self, batch: dict[str, torch.Tensor]) -> float:
@@ -297,9 +203,22 @@ class Engine:
         return RankFailure(f"rank {self.rank} (stage {self.coord.stage}) stops because rank {rank} failed: {reason} "
                            f"(here: {what})")
 
-    def _micro_inputs(self, batch: dict[str, torch.Tensor], micro: int) -> dict[str, torch.Tensor]:
-        start, end = self.topology.sample_range(self.coord.stage, self.coord.dp_index, micro)
-        return {name: batch[name][start:end].to(self.device, non_blocking=True) for name in self.interface.batch_inputs}
+    def _stage_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's rows of every micro-batch, on the device in one (pinned, asynchronous) copy per
+        input; micro-batch ``m`` is rows ``[m * mb, (m + 1) * mb)``."""
+        ranges = [self.topology.sample_range(self.coord.stage, self.coord.dp_index, m) for m in range(self.plan.grad_accum)]
+        rows = torch.cat([torch.arange(start, end) for start, end in ranges])
+        staged = {}
+        for name in self.interface.batch_inputs:
+            mine = batch[name].index_select(0, rows.to(batch[name].device))
+            if self.device.type == "cuda" and mine.device.type == "cpu":
+                mine = mine.pin_memory()
+            staged[name] = mine.to(self.device, non_blocking=True)
+        return staged
+
+    def _micro_inputs(self, staged: dict[str, torch.Tensor], micro: int) -> dict[str, torch.Tensor]:
+        mb = self.stage_plan.micro_batch
+        return {name: rows[micro * mb:(micro + 1) * mb] for name, rows in staged.items()}
 
     def _check_batch(self, batch: dict[str, torch.Tensor]) -> None:
         for name in self.interface.batch_inputs:
@@ -312,13 +231,16 @@ class Engine:
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
         self._check_batch(batch)
         grad_accum = self.plan.grad_accum
-        state = StepState({}, {}, torch.zeros((), dtype=torch.float64))
+        state = StepState({}, {}, torch.zeros((), dtype=torch.float64, device=self.device))
+        batch = self._stage_batch(batch)
         self.runtime.begin_iteration()
+        if self.loss_scaler is not None:
+            self.runtime.set_loss_scale(self.loss_scaler.scale)
         if self.tied is not None:
             self.tied.begin_iteration()
         backward_done = 0
         for position, (kind, micro) in enumerate(self.schedule):
-            self._prefetch(position)
+            self.p2p.exchange(position)  # the previous action's sends and this one's receives, in one batch
             if kind == FORWARD:
                 self._forward(batch, micro, state)
             else:
@@ -328,33 +250,28 @@ class Engine:
                 if self.tied is not None:
                     self.tied.last_backward = last
                 self._backward(micro, state, grad_accum)
+        self.p2p.exchange(len(self.schedule))  # the last action's sends (before any collective that waits on them)
         if self.tied is not None:
             self.tied.after_backward()
         self.runtime.finish_gradients()
         self.p2p.wait_sends()
-        return self._mean_loss(state.loss_sum)
+        return self._step_outcome(state.loss_sum)
 
     def _optimizer_step(self) -> None:
+        if self._skip_next_step:  # fp16 gradients overflowed somewhere: every rank skips (the scale backed off)
+            self._skip_next_step = False
+            self.runtime.skip_step()
+            return
         self.runtime.step()
         if self.tied is not None:
             self.tied.after_step()
-
-    def _prefetch(self, position: int) -> None:
-        """Post the receives of the next action's inputs before running this one (overlap)."""
-        if position + 1 >= len(self.schedule):
-            return
-        kind, micro = self.schedule[position + 1]
-        if kind == FORWARD and not self.interface.is_first:
-            self.p2p.prefetch_forward(micro)
-        elif kind == BACKWARD and not self.interface.is_last:
-            self.p2p.prefetch_backward(micro)
 
     def _forward(self, batch: dict[str, torch.Tensor], micro: int, state: StepState) -> None:
         received = self.p2p.recv_forward(micro) if not self.interface.is_first else []
         out = self.program.module(*received, **self._micro_inputs(batch, micro))
         state.inputs[micro] = received
         if self.interface.is_last:
-            state.loss_sum += out.detach().double().cpu()
+            state.loss_sum += out.detach()  # stays on the device: one host sync per step, in _mean_loss
             state.outputs[micro] = out
         else:
             outputs = list(out)
@@ -364,7 +281,8 @@ class Engine:
     def _backward(self, micro: int, state: StepState, grad_accum: int) -> None:
         outputs = state.outputs.pop(micro)
         if self.interface.is_last:
-            (outputs / grad_accum).backward()
+            loss = outputs / grad_accum
+            (loss * self.loss_scaler.scale if self.loss_scaler is not None else loss).backward()
         else:
             grads = self.p2p.recv_backward(micro)
             if self.grad_scale != 1.0:
@@ -379,14 +297,19 @@ class Engine:
                      for t, v in zip(inputs, self.interface.inputs)]
             self.p2p.send_backward(grads, micro)
 
-    def _mean_loss(self, loss_sum: torch.Tensor) -> float:
-        total = loss_sum.clone().to(self.device if self.device.type == "cuda" else "cpu")
-        if not self.interface.is_last:
-            total.zero_()
+    def _step_outcome(self, loss_sum: torch.Tensor) -> float:
+        """The global batch's mean loss on every rank, and (fp16) whether any rank's gradients overflowed:
+        one all-reduce of both and the step's only host sync."""
+        found = (self.loss_scaler.found_nonfinite(self.runtime.reduced_gradients(), self.device)
+                 if self.loss_scaler is not None else torch.zeros((), device=self.device))
+        total = torch.stack([loss_sum.double() if self.interface.is_last else torch.zeros_like(loss_sum, dtype=torch.float64),
+                             found.double()])
         if self.world > 1:
             dist.all_reduce(total)
+        loss, overflow = total.tolist()
+        self._skip_next_step = self.loss_scaler.update(overflow > 0) if self.loss_scaler is not None else False
         last = self.plan.stages[-1]
-        return float(total.item() / (self.plan.grad_accum * last.dp * last.tp))
+        return loss / (self.plan.grad_accum * last.dp * last.tp)
 
     # ----------------------------------------------------------------- checks
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
@@ -476,100 +399,6 @@ def install_activation_offload(runtime: Any, units: list[tuple[str, nn.Module]],
     return handles
 
 
-class TiedWeights:
-    """A weight shared by the first stage (embedding) and the last (head) of a pipeline.
-
-    The first stage owns it (its runtime shards and updates it); the last stage keeps a plain
-    copy outside its runtime. Gradients: the last stage accumulates its share over the
-    micro-batches and, after its schedule, all-reduces ``sum(h_r) / dp_last`` over the tied group;
-    the first stage takes part in that all-reduce from the gradient transform of its *last*
-    micro-batch (the last stage is then done with backward, so nobody waits on anybody) and adds
-    it to its own gradient. After the step the first stage broadcasts the updated weight.
-    """
-
-    def __init__(self, engine: "Engine", names: list[str]) -> None:
-        self.engine = engine
-        self.names = names  # tied parameter names present in this stage program
-        self.is_first = engine.coord.stage == 0
-        self.group = engine.groups.tied
-        self.source = engine.topology.rank_of(0, 0, engine.coord.tp_index)
-        self.last_backward = False
-        self.params: dict[str, nn.Parameter] = {}  # on the last stage: the tied copies, kept out of its runtime
-        if not self.is_first:
-            for name, param in _unit_parameters(engine.program.units):
-                if name in names:
-                    self.params[name] = param
-
-    @classmethod
-    def create(cls, engine: "Engine") -> "TiedWeights | None":
-        if engine.coord.stage not in (0, engine.plan.pp - 1):
-            return None
-        local = {name for name, _ in _unit_parameters(engine.program.units)}
-        names = sorted(local & engine.tied_names)
-        return cls(engine, names) if names else None
-
-    def attach(self, runtime: Any) -> None:
-        if self.is_first:
-            for name in self.names:
-                runtime.register_grad_transform(name, self._add_last_stage_share)
-        else:
-            dtype = DTYPES[self.engine.plan.dtype]
-            for param in self.params.values():
-                param.data = param.data.to(self.engine.device, dtype)
-
-    def begin_iteration(self) -> None:
-        for param in self.params.values():
-            param.grad = None
-
-    def _add_last_stage_share(self, grad: torch.Tensor) -> None:
-        if not self.last_backward:
-            return
-        share = torch.zeros_like(grad, dtype=torch.float32)
-        dist.all_reduce(share, group=self.group)
-        grad.add_(share.to(grad.dtype))
-
-    def after_backward(self) -> None:
-        if self.is_first:
-            return
-        dp = self.engine.stage_plan.dp
-        for param in self.params.values():
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            share = grad.float() / dp
-            dist.all_reduce(share, group=self.group)
-
-    def after_step(self) -> None:
-        if self.is_first:
-            full = self.engine.runtime.named_full_parameters()
-            for name in self.names:
-                weight = full[name].contiguous()
-                dist.broadcast(weight, src=self.source, group=self.group)
-        else:
-            for param in self.params.values():
-                weight = torch.empty_like(param.data)
-                dist.broadcast(weight, src=self.source, group=self.group)
-                param.data.copy_(weight)
-
-    def local_parameters(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach() for name, p in self.params.items()}
-
-
-def _unit_parameters(units: list[tuple[str, nn.Module]]):
-    for unit_name, module in units:
-        for name, param in module.named_parameters():
-            yield f"{unit_name}.{name}" if unit_name else name, param
-
-
-def tied_parameters(graph: ModelGraph) -> set[str]:
-    """Names of the parameters both the pre part (embedding) and the post part (head) read."""
-    by_name = graph._by_name()
-
-    def read_by(nodes: tuple[str, ...]) -> set[str]:
-        return {a.name for n in nodes for a in by_name[n].all_input_nodes
-                if graph.tensors.get(a.name, ("", ""))[0] == PARAMETER}
-
-    return {graph.tensors[p][1] for p in read_by(graph.pre) & read_by(graph.post)}
-
-
 def unshard(by_tp: dict[int, tuple[torch.Tensor, ShardSpec | None, int]]) -> torch.Tensor:
     """A whole tensor from its tensor-parallel pieces (rank -> (piece, split, degree))."""
     ranks = sorted(by_tp)
@@ -594,29 +423,15 @@ def capture_for_plan(model: nn.Module | str, plan: Plan) -> MistProgram:
     return capture(model, dtype=plan.dtype, seq_len=plan.seq_len, analyse=False)
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def _ensure_process_group(timeout_s: float) -> None:
-    """Use the launched process group, or start a one-rank one for single-process use."""
-    if dist.is_initialized():
-        return
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def compile(model: nn.Module, plan: Plan | str, *, optimizer: Any = None, device: torch.device | str | None = None,
-            timeout_s: float = DEFAULT_TIMEOUT_S, runtime_factory: Callable[..., Any] | None = None) -> Engine:
-    """Lower ``model`` with ``plan`` (a Plan or a path) for this rank and return its training engine."""
+def compile(model: nn.Module | str, plan: Plan | str, *, optimizer: Any = None,
+            device: torch.device | str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+            runtime_factory: Callable[..., Any] | None = None, program: MistProgram | None = None,
+            source: TensorSource | None = None) -> Engine:
+    """This rank's training engine for ``model`` (a module, trained from its own weights, or a model
+    name, built and initialised shard by shard) under ``plan`` (a Plan or a path)."""
     if isinstance(plan, str):
         plan = load_plan(plan)
     if not isinstance(plan, Plan):
         raise PlanError(f"plan: expected a Plan or a path to a plan file, got {type(plan).__name__}")
-    return Engine(model, plan, optimizer=optimizer, device=device, timeout_s=timeout_s, runtime_factory=runtime_factory)
+    return Engine(model, plan, optimizer=optimizer, device=device, timeout_s=timeout_s,
+                  runtime_factory=runtime_factory, program=program, source=source)

@@ -1,5 +1,5 @@
-"""Run a function on N local gloo ranks (tests, benchmarks): free port, one process per rank (one torch
-thread each), a timeout, errors surfaced.
+"""Run a function on N local ranks (tests, benchmarks): free port, one process per rank (one torch
+thread each; gloo, or NCCL with one GPU per rank), a timeout, errors surfaced.
 
 Usage (the worker must be a module-level function, TORCH-NOTES section 4)::
 
@@ -33,18 +33,23 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable, args: Sequence[Any],
-               queue: Any, collective_timeout_s: float) -> None:
+               queue: Any, collective_timeout_s: float, backend: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world)  # one node: as torchrun sets them
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        extra = {}
+        if backend == "nccl":  # the rank's own GPU, current before anything touches CUDA
+            torch.cuda.set_device(rank)
+            extra["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=collective_timeout_s),
+            backend, rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=collective_timeout_s), **extra,
         )
         result = fn(rank, world, *args)
         queue.put((rank, True, result))
@@ -56,16 +61,19 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: Sequence[An
 
 
 def run_ranks(fn: Callable, world: int, args: Sequence[Any] = (), timeout_s: float = 120.0,
-              collective_timeout_s: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results."""
+              collective_timeout_s: float = 60.0, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks (gloo; ``backend="nccl"``: one GPU per rank);
+    return the per-rank results."""
     if world < 1:
         raise ValueError(f"run_ranks: world must be >= 1, got {world}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"run_ranks: backend must be gloo or nccl, got {backend!r}")
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = free_port()
     processes = [
-        context.Process(target=_rank_main, args=(rank, world, port, fn, tuple(args), queue, collective_timeout_s),
-                        daemon=True)
+        context.Process(target=_rank_main, args=(rank, world, port, fn, tuple(args), queue, collective_timeout_s,
+                                                 backend), daemon=True)
         for rank in range(world)
     ]
     for process in processes:

@@ -5,6 +5,14 @@ live on the device and the rest (the offloaded fraction, rounded to whole elemen
 memory. Every host tensor the runtime allocates is entered in a ``HostMemory`` registry, so the
 bytes kept on the host can be measured even on CPU, where "host" and "device" are the same memory.
 
+Host-side writes never stall the caller: a write into the host part from a CUDA tensor is an
+asynchronous copy into a pinned staging buffer (the d2h side stream), and the add or copy into the
+host part runs on the ``HostWorkers`` threads once that copy's event completes (on a CPU device
+the staging copy is a plain memcpy and only the add is deferred). Every later access to the host
+part (``parts``, ``overlapping``, reads, writes) first waits for those tasks, so callers see the
+same values as with synchronous writes. Without workers (``HostMemory()`` alone) writes are
+synchronous.
+
 ``ActivationOffloader`` is a ``saved_tensors_hooks`` pair per unit: during forward it moves a
 fraction of the unit's saved activations to host memory, and during backward the runtime
 prefetches them back one unit ahead. Rule (documented for the cost model): tensors are offloaded
@@ -16,6 +24,7 @@ so do tensors already on the host.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import weakref
 from collections import deque
@@ -25,13 +34,19 @@ from typing import Callable, Iterator
 import torch
 
 from ..ir.stage import split_boundary
-from .streams import Streams, host_empty
+from .streams import HostWorkers, Streams, host_empty
+
+HOST_WORK_TIMEOUT_S = 300.0
 
 
 @dataclass
 class HostMemory:
-    """Registry of the host tensors the runtime keeps (for offload accounting and tests)."""
+    """Registry of the host tensors the runtime keeps (for offload accounting and tests), and the
+    streams and threads that move data into them (None: synchronous writes)."""
 
+    streams: Streams | None = None
+    workers: HostWorkers | None = None
+    timeout_s: float = HOST_WORK_TIMEOUT_S
     _tensors: list = field(default_factory=list)
 
     def register(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
@@ -66,13 +81,23 @@ class SplitBuffer:
         self.device_part = device_part if device_part is not None else torch.zeros(self.boundary, dtype=dtype, device=device)
         host = host_empty(numel - self.boundary, dtype).zero_() if numel > self.boundary else torch.empty(0, dtype=dtype)
         self.host_part = host_memory.register(host, kind) if host.numel() else host
+        self.kind = kind
+        self.host_memory = host_memory
+        self._host_tasks: list[concurrent.futures.Future] = []
 
     @property
     def offloaded(self) -> bool:
         return self.host_part.numel() > 0
 
+    def sync_host(self) -> None:
+        """Wait for the deferred writes into the host part."""
+        if self._host_tasks:
+            tasks, self._host_tasks = self._host_tasks, []
+            HostWorkers.wait(tasks, self.host_memory.timeout_s, f"writing offloaded {self.kind} to host memory")
+
     def parts(self) -> list[tuple[int, torch.Tensor]]:
-        """``(start offset, tensor)`` of the non-empty parts."""
+        """``(start offset, tensor)`` of the non-empty parts (the host part's pending writes done)."""
+        self.sync_host()
         return [(start, part) for start, part in ((0, self.device_part), (self.boundary, self.host_part)) if part.numel()]
 
     def overlapping(self, start: int, end: int):
@@ -83,6 +108,7 @@ class SplitBuffer:
                 yield part[lo - offset:hi - offset], slice(lo - start, hi - start)
 
     def zero_(self) -> None:
+        self.sync_host()
         self.device_part.zero_()
         self.host_part.zero_()
 
@@ -107,13 +133,43 @@ class SplitBuffer:
         return out
 
     def write(self, start: int, values: torch.Tensor, accumulate: bool = False) -> None:
-        """``self[start:start+n] = values`` (or ``+=``), copying across devices as needed (synchronous)."""
+        """``self[start:start+n] = values`` (or ``+=``), copying across devices as needed; writes into the
+        host part are deferred to the host workers when there are some (see the module docstring)."""
         for dst, window in self.overlapping(start, start + values.numel()):
             src = values[window]
-            if accumulate:
+            if self._is_host(dst) and self._deferrable(dst, src, accumulate):
+                self._write_host_later(dst, src, accumulate)
+            elif accumulate:
                 dst.add_(src.to(dst.device))
             else:
                 dst.copy_(src)
+
+    def _is_host(self, part: torch.Tensor) -> bool:
+        return self.offloaded and part.untyped_storage().data_ptr() == self.host_part.untyped_storage().data_ptr()
+
+    def _deferrable(self, dst: torch.Tensor, src: torch.Tensor, accumulate: bool) -> bool:
+        if self.host_memory.workers is None or dst.numel() == 0:
+            return False
+        return src.is_cuda or accumulate  # a CPU -> CPU copy is as cheap as staging it
+
+    def _write_host_later(self, dst: torch.Tensor, src: torch.Tensor, accumulate: bool) -> None:
+        streams = self.host_memory.streams
+        staging = host_empty(src.numel(), src.dtype)
+        if src.is_cuda and streams is not None:
+            event = streams.copy_async(staging, src.detach().reshape(-1), "d2h")
+        else:
+            staging.copy_(src.detach().reshape(-1))  # the caller may free ``src`` right after this call
+            event = None
+        label = "mist.host_grad_accumulate" if accumulate else "mist.host_write"
+
+        def work(lo: int, hi: int) -> None:
+            if event is not None:
+                event.synchronize()
+            with torch.profiler.record_function(label):
+                part, incoming = dst[lo:hi], staging[lo:hi]
+                part.add_(incoming.to(part.dtype)) if accumulate else part.copy_(incoming)
+
+        self._host_tasks.extend(self.host_memory.workers.chunks(dst.numel(), work))
 
 
 class ActivationOffloader:
@@ -213,10 +269,10 @@ class ActivationOffloader:
         return tensor.untyped_storage().data_ptr() in self.weight_storage_ptrs()
 
     def _prefetch_one(self, record: "ActivationOffloader.Saved") -> None:
-        self.streams.synchronize(record.d2h_event)  # long finished by backward time
-        record.d2h_event = None
         device_copy = torch.empty(record.host.numel(), dtype=record.host.dtype, device=record.device)
-        record.h2d_event = self.streams.copy_async(device_copy, record.host, "h2d")
+        # the copy back waits for the copy out on the device side: no host stall
+        record.h2d_event = self.streams.copy_async(device_copy, record.host, "h2d", after=record.d2h_event)
+        record.d2h_event = None
         record.prefetched = device_copy
 
     def prefetch(self, unit: str) -> None:

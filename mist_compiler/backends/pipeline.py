@@ -1,39 +1,86 @@
-"""The pipeline: the 1F1B schedule and point-to-point transfers between stages.
+"""The pipeline: schedules, and point-to-point transfers whose matching never depends on tags.
 
-Global micro-batch ``m`` holds ``global_batch / G`` samples; on stage ``s`` data-parallel rank
-``d`` owns rows ``[d * mb_s, (d + 1) * mb_s)`` of it. Stages may differ in dp, micro_batch and
-tp, so each rank sends every next-stage rank the rows their shares have in common. The ranks of
-a tensor-parallel group hold the same boundary activations: a receiver with tp index ``t``
+Rows. Global micro-batch ``m`` holds ``global_batch / G`` samples; on stage ``s`` data-parallel
+rank ``d`` owns rows ``[d * mb_s, (d + 1) * mb_s)`` of it. Stages may differ in dp, micro_batch
+and tp, so each rank sends every next-stage rank the rows their shares have in common. The ranks
+of a tensor-parallel group hold the same boundary activations: a receiver with tp index ``t``
 takes its rows from the sender with tp index ``t % tp_sender`` (forward and backward alike).
 Values without a batch dimension are sent whole by the receiver's first sender.
-Sends are asynchronous and waited for at the end of the step; receives block with a timeout.
+
+Matching. NCCL ignores tags: a pair's messages match in the order they are posted, and PyTorch
+runs every batched transfer of a rank on one NCCL stream, one batch after the other (TORCH-NOTES
+section 9). So the transfers are laid out as *exchanges*: before action ``k`` of its schedule a
+rank posts one ``batch_isend_irecv`` holding the sends that action ``k-1`` produced and the
+receives action ``k`` needs; after its last action, one more with the last sends. Every rank
+derives its exchanges from the same schedule, messages inside an exchange are ordered by
+(peer, direction, micro-batch, value), and micro-batches travel in increasing order in each
+direction, so both ends of a pair post the pair's messages in the same order; no tag is passed.
+:func:`check_exchanges` replays every rank's exchanges under NCCL's rules (each rank in order; an
+exchange finishes when each of its messages meets its match in the peer's current exchange) and
+reports any mismatch or deadlock. Tests run it for every schedule and for stages differing in
+dp, tp and micro-batch, and train on gloo with every tag forced equal.
+
+Waiting. On a CUDA device ``wait()`` only makes the compute stream wait for the transfer (no host
+stall; the process group's timeout and NCCL's watchdog bound it); on CPU (gloo) the host waits with
+the engine's timeout. The sends of one exchange are waited for before the next exchange is posted,
+so at most one exchange's send buffers are alive; that is weaker than what NCCL itself imposes
+(the whole exchange finishes before the action runs), so it cannot deadlock where NCCL would not.
 """
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from mist_compiler.passes.partition import BoundaryValue
-
 from .topology import Topology
 
 FORWARD, BACKWARD = 0, 1
+Action = tuple[int, int]  # (FORWARD | BACKWARD, micro-batch)
 
-
-
-def _piece_of(value: BoundaryValue, tensor: torch.Tensor, piece: "Piece") -> torch.Tensor | None:
-    """The part of ``tensor`` that travels with ``piece``: its sample rows, the whole of an
-    unbatched value for the one peer that carries it, or nothing."""
-    if value.batched:
-        return tensor[piece.start:piece.end]
-    return tensor if piece.whole else None
 
 class PipelineTimeout(RuntimeError):
     """A pipeline transfer did not complete within the timeout."""
 
+
+class ExchangeError(AssertionError):
+    """The exchanges of a plan would mix up tensors or deadlock under NCCL's matching rules."""
+
+
+class Boundary(Protocol):
+    """What the transfers need to know of a value crossing a cut (``partition.BoundaryValue``)."""
+
+    batched: bool
+
+    @property
+    def needs_grad(self) -> bool: ...
+
+
+# ----------------------------------------------------------------------------- schedules
+
+def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> list[Action]:
+    """The 1F1B order of (FORWARD | BACKWARD, micro-batch) for one stage."""
+    warmup = min(num_stages - stage - 1, num_micro)
+    order = [(FORWARD, m) for m in range(warmup)]
+    forward, backward = warmup, 0
+    while forward < num_micro:
+        order += [(FORWARD, forward), (BACKWARD, backward)]
+        forward, backward = forward + 1, backward + 1
+    order += [(BACKWARD, m) for m in range(backward, num_micro)]
+    return order
+
+
+def gpipe(num_stages: int, stage: int, num_micro: int) -> list[Action]:
+    """All forwards, then all backwards (GPipe): more activations alive, a simpler order."""
+    return [(FORWARD, m) for m in range(num_micro)] + [(BACKWARD, m) for m in range(num_micro)]
+
+
+SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+
+
+# ----------------------------------------------------------------------------- who talks to whom
 
 @dataclass(frozen=True)
 class Piece:
@@ -102,132 +149,231 @@ def build_links(topology: Topology, rank: int) -> Links:
     return links
 
 
-def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> list[tuple[int, int]]:
-    """The 1F1B order of (FORWARD | BACKWARD, micro-batch) for one stage."""
-    warmup = min(num_stages - stage - 1, num_micro)
-    order = [(FORWARD, m) for m in range(warmup)]
-    forward, backward = warmup, 0
-    while forward < num_micro:
-        order += [(FORWARD, forward), (BACKWARD, backward)]
-        forward, backward = forward + 1, backward + 1
-    order += [(BACKWARD, m) for m in range(backward, num_micro)]
-    return order
+# ----------------------------------------------------------------------------- exchanges
+
+@dataclass(frozen=True)
+class Transfer:
+    """One tensor sent to or received from ``peer``: value ``value`` of micro-batch ``micro`` in
+    ``direction``, the rows of ``piece`` (or the whole value when it has no batch dimension).
+    ``rows`` are the same rows in global-batch coordinates: both ends of a pair compute the same."""
+
+    send: bool
+    peer: int
+    direction: int
+    micro: int
+    value: int
+    piece: Piece
+    rows: tuple[int, int] | None  # None: an unbatched value, sent whole
+
+    def key(self) -> tuple:
+        return self.direction, self.micro, self.value, self.rows
+
+    def order(self) -> tuple:
+        return (not self.send, self.peer, self.direction, self.micro, self.value,
+                self.rows if self.rows is not None else (-1, -1))
+
+
+def _transfers(topology: Topology, rank: int, values: Sequence[Boundary], pieces: list[Piece], *, send: bool,
+               direction: int, micro: int) -> list[Transfer]:
+    coord = topology.coord(rank)
+    first_row = topology.sample_range(coord.stage, coord.dp_index, micro)[0]
+    result = []
+    for index, value in enumerate(values):
+        if direction == BACKWARD and not value.needs_grad:
+            continue
+        for piece in pieces:
+            if not value.batched and not piece.whole:
+                continue
+            rows = (first_row + piece.start, first_row + piece.end) if value.batched else None
+            result.append(Transfer(send, piece.peer, direction, micro, index, piece, rows))
+    return result
+
+
+def _action_transfers(topology: Topology, rank: int, links: Links, inputs: Sequence[Boundary],
+                      outputs: Sequence[Boundary], action: Action) -> tuple[list[Transfer], list[Transfer]]:
+    """(receives the action needs, sends it produces)."""
+    kind, micro = action
+    if kind == FORWARD:
+        recvs = _transfers(topology, rank, inputs, links.recv_forward, send=False, direction=FORWARD, micro=micro)
+        sends = _transfers(topology, rank, outputs, links.send_forward, send=True, direction=FORWARD, micro=micro)
+    else:
+        recvs = _transfers(topology, rank, outputs, links.recv_backward, send=False, direction=BACKWARD, micro=micro)
+        sends = _transfers(topology, rank, inputs, links.send_backward, send=True, direction=BACKWARD, micro=micro)
+    return recvs, sends
+
+
+def exchange_plan(topology: Topology, rank: int, schedule: list[Action], inputs: Sequence[Boundary],
+                  outputs: Sequence[Boundary]) -> list[list[Transfer]]:
+    """``len(schedule) + 1`` exchanges: exchange ``k`` holds action ``k-1``'s sends and action ``k``'s receives."""
+    links = build_links(topology, rank)
+    per_action = [_action_transfers(topology, rank, links, inputs, outputs, action) for action in schedule]
+    exchanges = []
+    for k in range(len(schedule) + 1):
+        sends = per_action[k - 1][1] if k > 0 else []
+        recvs = per_action[k][0] if k < len(schedule) else []
+        exchanges.append(sorted(sends + recvs, key=Transfer.order))
+    return exchanges
+
+
+def check_exchanges(plans: dict[int, list[list[Transfer]]]) -> None:
+    """Fail (``ExchangeError``) unless every pair posts its messages in the same order on both ends
+    and the exchanges complete under NCCL's rules (see the module docstring)."""
+    streams: dict[tuple[int, int, bool], list[tuple[int, int, Transfer]]] = {}
+    for rank, exchanges in plans.items():
+        for index, exchange in enumerate(exchanges):
+            for position, transfer in enumerate(exchange):
+                src, dst = (rank, transfer.peer) if transfer.send else (transfer.peer, rank)
+                streams.setdefault((src, dst, transfer.send), []).append((index, position, transfer))
+    match: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+    for (src, dst, is_send), sent in streams.items():
+        if not is_send:
+            continue
+        received = streams.get((src, dst, False), [])
+        if len(sent) != len(received):
+            raise ExchangeError(f"rank {src} sends {len(sent)} tensors to rank {dst}, which receives {len(received)}")
+        for (i, p, out), (j, q, into) in zip(sent, received):
+            if out.key() != into.key():
+                raise ExchangeError(f"rank {src} -> {dst}: exchange {i} sends {out.key()} where exchange {j} of the "
+                                    f"receiver expects {into.key()} (direction, micro, value, rows)")
+            match[(src, i, p)], match[(dst, j, q)] = (dst, j, q), (src, i, p)
+    for (src, dst, is_send), received in streams.items():
+        if not is_send and (src, dst, True) not in streams:
+            raise ExchangeError(f"rank {dst} receives {len(received)} tensors from rank {src}, which sends none")
+    _replay(plans, match)
+
+
+def _replay(plans: dict[int, list[list[Transfer]]], match: dict) -> None:
+    current = {rank: 0 for rank in plans}
+    done: set[tuple[int, int, int]] = set()
+    progress = True
+    while progress:
+        progress = False
+        for rank, exchanges in plans.items():
+            while current[rank] < len(exchanges):
+                index = current[rank]
+                for position in range(len(exchanges[index])):
+                    peer, j, q = match[(rank, index, position)]
+                    if (rank, index, position) not in done and current[peer] == j:
+                        done.update({(rank, index, position), (peer, j, q)})
+                if not all((rank, index, p) in done for p in range(len(exchanges[index]))):
+                    break
+                current[rank] += 1
+                progress = True
+    stuck = {rank: current[rank] for rank, exchanges in plans.items() if current[rank] < len(exchanges)}
+    if stuck:
+        raise ExchangeError(f"deadlock under NCCL's in-order matching: ranks stuck at exchanges {stuck}")
+
+
+# ----------------------------------------------------------------------------- the runtime side
+
+def _piece_of(value: Boundary, tensor: torch.Tensor, transfer: Transfer) -> torch.Tensor:
+    """The part of ``tensor`` that ``transfer`` carries: its rows, or all of an unbatched value."""
+    return tensor[transfer.piece.start:transfer.piece.end] if value.batched else tensor
 
 
 class P2P:
-    """Point-to-point transfers of one rank's boundary values (and their gradients)."""
+    """One rank's pipeline transfers, one exchange per schedule position (see the module docstring).
 
-    def __init__(self, links: Links, inputs: list[BoundaryValue], outputs: list[BoundaryValue],
+    Per action the engine calls ``exchange(position)`` first (its receives arrive), then
+    ``recv_forward`` / ``recv_backward`` for the received tensors, computes, and hands its results
+    to ``send_forward`` / ``send_backward``, which only stage them for the next exchange.
+    """
+
+    def __init__(self, topology: Topology, rank: int, schedule: list[Action], inputs: list, outputs: list,
                  micro_batch: int, device: torch.device, timeout_s: float) -> None:
-        self.links = links
         self.inputs, self.outputs = inputs, outputs
+        self.schedule = schedule
         self.micro_batch = micro_batch
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.pending: list[tuple[dist.Work, torch.Tensor, int]] = []
-        # receives posted ahead of use, so the transfer overlaps this rank's compute
-        self.posted: dict[tuple[int, int], tuple[list[torch.Tensor | None], list[tuple[dist.Work, int]]]] = {}
+        self.exchanges = exchange_plan(topology, rank, schedule, inputs, outputs)
+        self.inbox: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self.outbox: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self.sending: list[tuple[dist.Work | None, object, int]] = []  # (work, buffers it reads, peer)
 
-    @staticmethod
-    def _tag(micro: int, direction: int, index: int, count: int) -> int:
-        return (micro * 2 + direction) * max(count, 1) + index
-
+    # ---- waiting ----------------------------------------------------------------------------
     def _wait(self, work: dist.Work, peer: int, what: str) -> None:
         try:
-            ok = work.wait(self.timeout)
+            # CUDA: the compute stream waits for the transfer, the host goes on (the process group's
+            # timeout and the NCCL watchdog bound it); CPU: the host waits, bounded by our timeout
+            ok = work.wait() if self.device.type == "cuda" else work.wait(self.timeout)
         except RuntimeError as error:
             raise PipelineTimeout(f"{what} with rank {peer} failed: {error}") from error
         if ok is False:
             raise PipelineTimeout(f"{what} with rank {peer} timed out after {self.timeout.total_seconds():.0f} s")
 
-    def _post(self, values: list[BoundaryValue], pieces: list[Piece], micro: int, direction: int,
-              batched_only: bool) -> None:
-        """Post the receives of one micro-batch's values (or gradients) without waiting."""
-        if (micro, direction) in self.posted or not pieces:
+    def wait_sends(self) -> None:
+        for work, _buffers, peer in self.sending:
+            if work is not None:
+                self._wait(work, peer, "sending to the next/previous stage")
+        self.sending.clear()
+
+    # ---- one exchange -----------------------------------------------------------------------
+    def exchange(self, position: int) -> None:
+        """Post exchange ``position`` (the previous action's sends, this action's receives) and wait
+        for its receives."""
+        transfers = self.exchanges[position]
+        self.wait_sends()
+        if not transfers:
             return
-        tensors: list[torch.Tensor | None] = []
-        works = []
-        for index, value in enumerate(values):
-            if batched_only and not value.needs_grad:
-                tensors.append(None)
-                continue
-            buffer = torch.empty(value.shape(self.micro_batch), dtype=value.dtype, device=self.device)
-            tensors.append(buffer)
-            for piece in pieces:
-                target = _piece_of(value, buffer, piece)
-                if target is None:
-                    continue
-                tag = self._tag(micro, direction, index, len(values))
-                works.append((dist.irecv(target, src=piece.peer, tag=tag), piece.peer))
-        self.posted[(micro, direction)] = (tensors, works)
+        ops, sends, recvs = [], [], []
+        for transfer in transfers:
+            if transfer.send:
+                tensor = self._outgoing(transfer)
+                ops.append(dist.P2POp(dist.isend, tensor, transfer.peer))
+                sends.append((len(ops) - 1, tensor, transfer.peer))
+            else:
+                ops.append(dist.P2POp(dist.irecv, self._incoming(transfer), transfer.peer))
+                recvs.append((len(ops) - 1, transfer))
+        for key in {(t.direction, t.micro) for t in transfers if t.send}:
+            del self.outbox[key]
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # coalesced (NCCL): one work stands for the whole exchange
+            peers = sorted({t.peer for t in transfers})
+            for work in works:
+                self._wait(work, peers[0], f"exchange {position} of the pipeline schedule (peers {peers})")
+            self.sending.append((None, [tensor for _, tensor, _ in sends], -1))  # buffers kept to the next exchange
+            return
+        for index, transfer in recvs:
+            what = "receiving activations" if transfer.direction == FORWARD else "receiving gradients"
+            self._wait(works[index], transfer.peer, f"{what} of micro-batch {transfer.micro}")
+        self.sending.extend((works[index], tensor, peer) for index, tensor, peer in sends)
 
-    def _receive(self, values: list[BoundaryValue], pieces: list[Piece], micro: int, direction: int,
-                 batched_only: bool) -> list[torch.Tensor | None]:
-        self._post(values, pieces, micro, direction, batched_only)
-        tensors, works = self.posted.pop((micro, direction))
-        what = "receiving activations" if direction == FORWARD else "receiving gradients"
-        for work, peer in works:
-            self._wait(work, peer, f"{what} of micro-batch {micro}")
-        return tensors
+    def _outgoing(self, transfer: Transfer) -> torch.Tensor:
+        values = self.outputs if transfer.direction == FORWARD else self.inputs
+        tensor = self.outbox[(transfer.direction, transfer.micro)][transfer.value]
+        return _piece_of(values[transfer.value], tensor, transfer).detach().contiguous()
 
-    def prefetch_forward(self, micro: int) -> None:
-        if self.links.recv_forward:
-            self._post(self.inputs, self.links.recv_forward, micro, FORWARD, batched_only=False)
+    def _incoming(self, transfer: Transfer) -> torch.Tensor:
+        values = self.inputs if transfer.direction == FORWARD else self.outputs
+        key = (transfer.direction, transfer.micro)
+        if key not in self.inbox:
+            self.inbox[key] = [None] * len(values)
+        buffers = self.inbox[key]
+        value = values[transfer.value]
+        if buffers[transfer.value] is None:
+            buffers[transfer.value] = torch.empty(value.shape(self.micro_batch), dtype=value.dtype, device=self.device)
+        return _piece_of(value, buffers[transfer.value], transfer)
 
-    def prefetch_backward(self, micro: int) -> None:
-        if self.links.recv_backward:
-            self._post(self.outputs, self.links.recv_backward, micro, BACKWARD, batched_only=True)
-
-    def _send(self, values: list[BoundaryValue], tensors: list[torch.Tensor | None], pieces: list[Piece],
-              micro: int, direction: int) -> None:
-        self._finish_sends(direction)
-        for index, (value, tensor) in enumerate(zip(values, tensors)):
-            if tensor is None:
-                continue
-            for piece in pieces:
-                part = _piece_of(value, tensor, piece)
-                if part is None:
-                    continue
-                part = part.detach().contiguous()
-                tag = self._tag(micro, direction, index, len(values))
-                self.pending.append((dist.isend(part, dst=piece.peer, tag=tag), part, piece.peer, direction))
-
+    # ---- what the engine calls ----------------------------------------------------------------
     def recv_forward(self, micro: int) -> list[torch.Tensor]:
-        tensors = self._receive(self.inputs, self.links.recv_forward, micro, FORWARD, batched_only=False)
+        tensors = self.inbox.pop((FORWARD, micro), [None] * len(self.inputs))
         for value, tensor in zip(self.inputs, tensors):
-            if value.needs_grad:
+            if tensor is not None and value.needs_grad:
                 tensor.requires_grad_(True)
         return tensors
 
     def send_forward(self, outputs: list[torch.Tensor], micro: int) -> None:
-        self._send(self.outputs, outputs, self.links.send_forward, micro, FORWARD)
+        self.outbox[(FORWARD, micro)] = list(outputs)
 
     def recv_backward(self, micro: int) -> list[torch.Tensor | None]:
-        return self._receive(self.outputs, self.links.recv_backward, micro, BACKWARD, batched_only=True)
+        return self.inbox.pop((BACKWARD, micro), [None] * len(self.outputs))
 
     def send_backward(self, grads: list[torch.Tensor | None], micro: int) -> None:
-        grads = [g if value.needs_grad else None for value, g in zip(self.inputs, grads)]
-        self._send(self.inputs, grads, self.links.send_backward, micro, BACKWARD)
+        self.outbox[(BACKWARD, micro)] = [g if value.needs_grad else None for value, g in zip(self.inputs, grads)]
 
-    def clear_posted(self) -> None:
-        """Forget receives posted for an iteration that was abandoned (after a failure)."""
-        self.posted.clear()
-
-    def _finish_sends(self, direction: int) -> None:
-        """Wait for the earlier sends in ``direction`` before posting new ones, so at most one micro-batch's
-        sends per direction hold their buffers (gloo's point-to-point works never report completion
-        before ``wait()``, so polling would keep every send to the end of the iteration). The peer
-        posts each receive in schedule order and never needs this rank's later messages first, so the
-        wait is short and cannot deadlock."""
-        still_running = []
-        for work, part, peer, sent_direction in self.pending:
-            if sent_direction == direction or work.is_completed():
-                self._wait(work, peer, "sending to the next/previous stage")
-            else:
-                still_running.append((work, part, peer, sent_direction))
-        self.pending = still_running
-
-    def wait_sends(self) -> None:
-        for work, _part, peer, _direction in self.pending:
-            self._wait(work, peer, "sending to the next/previous stage")
-        self.pending.clear()
+    def reset(self) -> None:
+        """Forget the buffers of an iteration that was abandoned (after a failure)."""
+        self.inbox.clear()
+        self.outbox.clear()
+        self.sending.clear()

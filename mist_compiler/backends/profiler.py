@@ -613,6 +613,20 @@ def _device_memory(device: str, per_node: int) -> float:
     return total_kb * 1024 / per_node
 
 
+def _memory_headroom(device: str, per_node: int) -> dict[str, float]:
+    """GPU: ``memory_headroom_gb`` from the measured context (memory in use that torch did not reserve)
+    plus the typical workspaces, NCCL buffers and fragmentation; CPU: none."""
+    if device != "cuda":
+        return {}
+    import torch
+
+    from mist_compiler.cost.hardware import default_memory_headroom
+
+    free, total = torch.cuda.mem_get_info(0)
+    context = max(0.0, float(total - free - torch.cuda.memory_reserved(0)))
+    return {"memory_headroom_gb": round(default_memory_headroom(_device_memory(device, per_node), context) / 1e9, 3)}
+
+
 def _peaks(device: str, measured: ComputeMeasurements) -> tuple[dict[str, float], str]:
     import torch
 
@@ -705,6 +719,7 @@ def _assemble(options: ProfilerOptions, device: str, per_node: int, measured: Co
         "description": f"Measured by `mistc profile` in {time.perf_counter() - started:.0f} s"
                        f"{' (--quick)' if options.quick else ''}. " + "; ".join(notes) + ".",
         "device_memory_gb": round(_device_memory(device, per_node) / 1e9, 3),
+        **_memory_headroom(device, per_node),
         "gpus_per_node": gpus_per_node or per_node,
         "peak_tflops": {k: float(f"{v / 1e12:.6g}") for k, v in peaks.items()},
         "efficiency": _efficiencies(measured, peaks),

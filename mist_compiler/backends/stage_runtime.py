@@ -48,7 +48,7 @@ from ..passes.offload_insertion import unit_offload_table
 from .dist_compat import all_gather_flat, group_rank, group_size
 from .offload import ActivationOffloader, HostMemory
 from .optimizer import AdamWConfig, FlatAdamW
-from .streams import Streams
+from .streams import HostWorkers, Streams
 from .zero import BucketContext, UnitBucket, UnitOffload
 
 __all__ = ["AdamWConfig", "StageRuntime", "StageRuntimeError", "UnitOffload"]
@@ -77,7 +77,8 @@ class StageRuntime:
         self.device = torch.device(device)
         self.zero = zero
         self.streams = Streams(self.device)
-        self.host_memory = HostMemory()
+        self.host_workers = HostWorkers()
+        self.host_memory = HostMemory(self.streams, self.host_workers, timeout_s)
         self.ctx = BucketContext(zero, dp_group, group_rank(dp_group), group_size(dp_group), self.device,
                                  param_dtype, self.streams, self.host_memory, timeout_s)
         owned, self._needs = self._assign_parameters(units)
@@ -85,7 +86,7 @@ class StageRuntime:
         self.unit_offload = table
         self.buckets = [UnitBucket(name, owned[name], table[name], self.ctx) for name in self.unit_names]
         self._param_index = {name: (bucket, i) for bucket in self.buckets for i, name in enumerate(bucket.names)}
-        self.optimizer = FlatAdamW(optimizer)
+        self.optimizer = FlatAdamW(optimizer, self.streams, self.host_workers, timeout_s)
         acts = {name: table[name].acts for name in self.unit_names}
         self.activations = {
             name: ActivationOffloader(fraction, self.streams, self.host_memory, self._weight_storage_ptrs)
@@ -163,6 +164,7 @@ class StageRuntime:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.host_workers.shutdown()
 
     def _weight_storage_ptrs(self) -> set[int]:
         return {b.full.tensor.untyped_storage().data_ptr() for b in self.buckets if b.full.allocated}
@@ -273,13 +275,29 @@ class StageRuntime:
         """AdamW on the local fp32 master shards, then write the param-dtype weights back."""
         self.finish_gradients()
         states = [bucket.opt_state for bucket in self.buckets]
-        readers = [bucket.reduced_grad for bucket in self.buckets]
-        self.optimizer.step(states, readers)
-        pendings = [bucket.write_back() for bucket in self.buckets]
+        pendings = []
+        # each unit is written back as soon as its update is complete, in unit order on every rank
+        self.optimizer.step(states, self.buckets, on_unit_done=lambda i: pendings.append(self.buckets[i].write_back()))
         for pending in pendings:
             if pending is not None:
                 pending.wait(self.ctx.timeout_s)
         for bucket in self.buckets:  # no forward/backward is in flight: drop every transient weight copy
+            bucket.reset_holds()
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The loss the backward starts from is multiplied by ``scale`` (fp16 loss scaling): divide the
+        gradients by it while casting them for the reduction."""
+        self.ctx.grad_unscale = 1.0 / scale
+
+    def reduced_gradients(self) -> list[torch.Tensor]:
+        """This rank's reduced fp32 gradient shards (after ``finish_gradients``), device and host parts."""
+        return [part for bucket in self.buckets for part in bucket.reduced_parts()]
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients without updating anything (a skipped fp16 step)."""
+        self.finish_gradients()
+        for bucket in self.buckets:
+            bucket.drop_gradients()
             bucket.reset_holds()
 
     def register_grad_transform(self, param_name: str, fn: Callable[[torch.Tensor], None]) -> None:
@@ -299,6 +317,16 @@ class StageRuntime:
             return contextlib.nullcontext()
         return offloader.context(unit_name)
 
+    def full_parameter(self, name: str) -> torch.Tensor:
+        """One parameter's current full weight: a view of its resident bucket, or (ZeRO-3, offloaded
+        weights) a copy of its unit's weights only (a collective over the dp group under ZeRO-3)."""
+        if name not in self._param_index:
+            raise StageRuntimeError(f"full_parameter: unknown parameter {name!r}")
+        bucket, index = self._param_index[name]
+        slot = bucket.layout.slots[index]
+        flat = bucket.full.tensor if bucket.persistent_full else bucket.full_weights()
+        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """Current full weights by qualified name (a collective under ZeRO-3: call on every dp rank)."""
         result: dict[str, torch.Tensor] = {}
@@ -313,7 +341,9 @@ class StageRuntime:
         whole over the data-parallel group (a collective when the gradients are sharded)."""
         result: dict[str, torch.Tensor] = {}
         for bucket in self.buckets:
-            local = bucket.reduced_grad(0, bucket.master.numel, self.device).contiguous()
+            local = torch.zeros(bucket.master.numel, dtype=torch.float32, device=self.device)
+            for window, part in bucket.reduced_grad_views(0, bucket.master.numel):
+                local[window].copy_(part)
             if self.zero >= 1 and bucket.ctx.world > 1:
                 flat = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=self.device)
                 all_gather_flat(flat, local, bucket.ctx.group, f"all_gather of unit {bucket.unit!r} gradients").wait(

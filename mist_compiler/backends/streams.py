@@ -1,4 +1,4 @@
-"""Side streams for host<->device copies, degrading to synchronous copies on CPU.
+"""Where asynchronous work runs: side streams for host<->device copies, threads for host work.
 
 On CUDA, ``Streams.copy_async`` runs a copy on a side stream (one for host-to-device, one for
 device-to-host) after the current stream's pending work, and returns an event; ``wait`` makes
@@ -7,13 +7,20 @@ caching allocator does not reuse them early. Host buffers are pinned when CUDA i
 (``pin_memory`` fails without an accelerator, TORCH-NOTES section 4).
 On CPU the same calls copy synchronously and return ``None``; ``wait(None)`` is a no-op, so the
 runtime has one code path for both.
+``HostWorkers`` is a small thread pool for the host side of offloading (adding offloaded gradients,
+AdamW on offloaded optimizer states): torch's CPU kernels release the GIL, so chunks of one flat
+update run on several cores while the main thread keeps the device busy. Its size is the cores
+this rank may use (its CPU affinity divided by the ranks on the node), or ``MIST_HOST_THREADS``.
 Every host buffer comes from ``host_empty``; ``allocating_host_memory()`` is true while it runs, so
 a memory probe on CPU (where host and device are the same RAM) can tell host buffers apart.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -55,13 +62,16 @@ class Streams:
             self._side[name] = torch.cuda.Stream(self.device)
         return self._side[name]
 
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: str):
-        """``dst.copy_(src)`` on side stream ``stream``, ordered after the current stream's work."""
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: str, after=None):
+        """``dst.copy_(src)`` on side stream ``stream``, ordered after the current stream's work (and
+        after ``after``, an event of another side stream: no host wait)."""
         if not self.asynchronous:
             dst.copy_(src)
             return None
         side = self.side(stream)
         side.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            side.wait_event(after)
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
             for tensor in (dst, src):
@@ -80,3 +90,49 @@ class Streams:
         """Block the host until ``event`` completes (needed before the host reads a D2H copy)."""
         if event is not None:
             event.synchronize()
+
+
+def host_threads() -> int:
+    """Threads for host-side work: ``MIST_HOST_THREADS``, else this rank's share of its cores."""
+    if os.environ.get("MIST_HOST_THREADS"):
+        return max(1, int(os.environ["MIST_HOST_THREADS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
+class HostWorkTimeout(RuntimeError):
+    """Host-side work (offload accumulation, host AdamW) did not finish within the timeout."""
+
+
+class HostWorkers:
+    """A thread pool for host-side work, with chunked submission of flat updates."""
+
+    MIN_CHUNK = 1 << 16  # elements: smaller pieces cost more in scheduling than they gain
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or host_threads()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="mist-host")
+        return self._pool.submit(fn, *args)
+
+    def chunks(self, numel: int, fn: Callable[[int, int], None]) -> list[concurrent.futures.Future]:
+        """Run ``fn(lo, hi)`` over ``[0, numel)`` in up to ``threads`` pieces, asynchronously."""
+        pieces = max(1, min(self.threads, numel // self.MIN_CHUNK))
+        bounds = [numel * i // pieces for i in range(pieces + 1)]
+        return [self.submit(fn, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+    @staticmethod
+    def wait(futures: list[concurrent.futures.Future], timeout_s: float, what: str) -> None:
+        for future in futures:
+            try:
+                future.result(timeout=timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise HostWorkTimeout(f"{what} did not finish within {timeout_s:.0f} s") from None
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

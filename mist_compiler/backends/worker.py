@@ -7,7 +7,7 @@ with one-process training (:mod:`.check`). Everything meant for the user goes to
 line each (the launcher forwards stdout and keeps torchrun's stderr to itself).
 
 On any error the rank prints ``mist: rank R: error: ...``, records it for the others (see
-:mod:`.engine`'s failure monitor) and exits at once, so a failed rank never leaves the job
+:mod:`.failure`) and exits at once, so a failed rank never leaves the job
 hanging; Ctrl-C ends a rank quietly (the launcher says it once); a rank whose launcher dies
 follows it (Linux parent-death signal, and a watchdog on the parent process as a fallback).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import os
 import signal
 import sys
@@ -131,10 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch.distributed as dist
 
+        from .device import init_process_group, select_device
+
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+        init_process_group(args.timeout, select_device())  # NCCL bound to this rank's GPU, gloo on CPU
         status = train(args, rank)
         if dist.is_initialized():
             dist.barrier()

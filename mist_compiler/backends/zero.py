@@ -55,6 +55,7 @@ class BucketContext:
     host_memory: HostMemory
     timeout_s: float
     trace: list | None = None  # when a list: ("fetch" | "free" | "reduce", unit) events, for tests and debugging
+    grad_unscale: float = 1.0  # 1 / the loss scale (fp16): folded into the cast to the fp32 reduction buffer
 
     def record(self, event: str, unit: str) -> None:
         if self.trace is not None:
@@ -220,7 +221,7 @@ class UnitBucket:
             view = self.params[index].grad
             for fn in functions:
                 fn(view)
-        scale = 1.0 / ctx.world
+        scale = ctx.grad_unscale / ctx.world
         reuse = grads.dtype == torch.float32
         comm = grads if reuse else torch.empty_like(grads, dtype=torch.float32)
         kernels.scale_accumulate(comm, grads, scale, accumulate=False)
@@ -279,31 +280,46 @@ class UnitBucket:
         while self.pending and (block or self.pending[0].is_completed()):
             self.pending.pop(0).wait(self.ctx.timeout_s)
 
-    def reduced_grad(self, start: int, end: int, device: torch.device) -> torch.Tensor:
-        """This rank's reduced fp32 gradient over its master range ``[start, end)``."""
+    def reduced_grad_views(self, start: int, end: int) -> list[tuple[slice, torch.Tensor]]:
+        """Where this rank's reduced fp32 gradient over its master range ``[start, end)`` lives, as views
+        (window relative to ``start``, tensor); empty when the unit got no gradient this step."""
         if self.ctx.zero <= 1:
             if self.reduced is None:
                 raise RuntimeError(f"unit {self.unit!r}: no reduced gradients; was the last micro-batch's "
                                    f"backward run with set_last_microbatch(True) and finish_gradients()?")
-            return self.reduced[start:end].to(device)
+            return [(slice(0, end - start), self.reduced[start:end])]
         if not self.acc_has_data:  # the unit got no gradient this step
-            return torch.zeros(end - start, dtype=torch.float32, device=device)
-        return self.grad_acc.read(start, end, device, self.ctx.streams)
+            return []
+        return [(window, part) for part, window in self.grad_acc.overlapping(start, end)]
+
+    def reduced_parts(self) -> list[torch.Tensor]:
+        """This rank's reduced fp32 gradients as stored (device and host parts), for inspection."""
+        if self.ctx.zero <= 1:
+            return [self.reduced] if self.reduced is not None else []
+        return [part for _, part in self.grad_acc.parts()] if self.acc_has_data else []
+
+    def drop_gradients(self) -> None:
+        """Forget this step's reduced gradients (after the update, or instead of it: a skipped step)."""
+        self.reduced = None
+        self._release_acc_device()
+        if self.grads.tensor.dtype == torch.float32:
+            self.grads.free()
 
     # ---- after the optimizer ---------------------------------------------------------------
     def write_back(self) -> Pending | None:
         """Copy the updated fp32 master into the param-dtype weights; returns an all-gather to wait on."""
         ctx = self.ctx
-        self.reduced = None
-        self._release_acc_device()
-        if self.grads.tensor.dtype == torch.float32:
-            self.grads.free()
+        self.drop_gradients()
         if (self.master_aliases_weights and ctx.zero in (0, 3)) or self.master.numel == 0:
             return None
         new = torch.empty(self.master.numel, dtype=ctx.param_dtype, device=ctx.device)
         for start, part in self.master.parts():
             target = new[start:start + part.numel()]
-            kernels.cast_copy(target, part) if part.device == target.device else target.copy_(part)
+            if part.device != target.device:  # the offloaded part: an asynchronous copy, cast on the device
+                staged = torch.empty(part.numel(), dtype=part.dtype, device=target.device)
+                ctx.streams.wait(ctx.streams.copy_async(staged, part, "h2d"))
+                part = staged
+            kernels.cast_copy(target, part)
         if ctx.zero == 0:
             (self.full.tensor.copy_(new) if self.persistent_full else self.source.write(0, new))
             return None

@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan file (JSON or YAML)")
     parser.add_argument("--hardware", required=True, help="hardware profile name (l4, a100-40gb, ...) or YAML path")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash", help="target attention kernel")
+    parser.add_argument("--memory-limit", help="memory a plan may use per device, e.g. 70GB or 64GiB (default: the "
+                        "profile's device memory minus its headroom for context, NCCL, workspaces, fragmentation)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -44,7 +46,12 @@ def format_table(estimate: PlanEstimate) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    estimate = analyze(args.model, args.plan, args.hardware, attention=args.attention)
+    hardware = args.hardware
+    if getattr(args, "memory_limit", None) is not None:
+        from .hardware import load_profile, with_memory_limit
+
+        hardware = with_memory_limit(load_profile(args.hardware), args.memory_limit)
+    estimate = analyze(args.model, args.plan, hardware, attention=args.attention)
     if args.json:
         print(json.dumps(estimate.to_dict(), indent=2))
     else:

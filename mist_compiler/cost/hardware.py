@@ -30,6 +30,13 @@ Meaning of the fields the cost model reads:
 * ``slowdown['A|B']``: factor by which channel A runs slower while channel B is active
   (channels ``compute``, ``collective``, ``h2d``, ``d2h``); missing pairs are 1. ``cost.overlap``
   simulates a phase with them.
+* ``memory_headroom_gb`` (optional, default 0): the part of ``device_memory_gb`` a plan must leave
+  free for what the memory model does not count: the CUDA context and kernel images, NCCL's
+  communicator buffers, cuBLAS/cuDNN workspaces and the caching allocator's fragmentation
+  (reserved minus allocated). The tuner and ``mistc analyze`` hold a stage's predicted peak
+  (allocated bytes) to ``device_memory - memory_headroom`` (``usable_memory``), or to the
+  ``--memory-limit`` given on the command line (:func:`with_memory_limit`). Shipped GPU profiles
+  carry :func:`default_memory_headroom` of their card; ``mistc profile`` measures the context.
 """
 from __future__ import annotations
 
@@ -47,10 +54,39 @@ DTYPES = TRAINING_DTYPES
 # and writes weight and moments back with the low-precision copy: 28 bytes per fp32 parameter.
 FUSED_ADAM_BYTES_PER_PARAM = 28.0
 DEFAULT_HOST_ADAM_PARAMS_PER_S = 1.0e9  # multi-threaded CPU Adam (DeepSpeed CPU-Adam order)
+# What a GPU keeps outside the caching allocator's count of allocated bytes (see the docstring):
+CUDA_CONTEXT_BYTES = 0.5e9  # context + kernel images of torch, NCCL, cuBLAS, Triton (CUDA 12, lazy loading)
+WORKSPACE_BYTES = 0.25e9  # cuBLAS/cuBLASLt (32 MiB per handle and stream on Hopper) and cuDNN workspaces
+NCCL_BYTES = 0.5e9  # NCCL communicator buffers of a rank's few groups (4 MiB per channel and peer)
+FRAGMENTATION = 0.05  # reserved / allocated - 1 of the caching allocator in training (Mist's L4 runs: 4-8%)
 
 
 OPTIONAL_KEYS = {"description", "collective_factor", "slowdown", "op_overhead_s", "reduce_scatter_copies",
-                 "optimizer_gparams_per_s", "host_optimizer_gparams_per_s"}
+                 "optimizer_gparams_per_s", "host_optimizer_gparams_per_s", "memory_headroom_gb"}
+
+
+def default_memory_headroom(device_memory: float, context: float = CUDA_CONTEXT_BYTES) -> float:
+    """Bytes of a GPU's ``device_memory`` a plan must leave free: context (measured, or the typical
+    value), workspaces, NCCL buffers, and the fragmentation share of the rest."""
+    fixed = context + WORKSPACE_BYTES + NCCL_BYTES
+    return fixed + FRAGMENTATION * max(device_memory - fixed, 0.0)
+
+
+def parse_memory(text: str) -> float:
+    """``"70"`` / ``"70GB"`` (1e9 bytes), ``"64GiB"``, ``"70000MB"``, ``"1.5TB"`` -> bytes."""
+    units = {"tib": 2 ** 40, "gib": 2 ** 30, "mib": 2 ** 20, "tb": 1e12, "gb": 1e9, "mb": 1e6, "": 1e9}
+    value = str(text).strip().lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if value.endswith(unit):
+            number = value[:len(value) - len(unit)].strip()
+            try:
+                amount = float(number)
+            except ValueError:
+                break
+            if amount > 0:
+                return amount * units[unit]
+            break
+    raise ProfileError(f"memory limit: expected a positive size such as 70, 70GB, 64GiB or 70000MB, got {text!r}")
 
 
 class ProfileError(ValueError):
@@ -109,6 +145,13 @@ class HardwareProfile:
     reduce_scatter_copies: float = 0.0  # transient copies of its input a reduce-scatter allocates
     optimizer_params_per_s: float = 0.0  # measured AdamW rate on the device; 0: from memory_bandwidth
     host_optimizer_params_per_s: float = 0.0  # measured AdamW rate on the host; 0: the default
+    memory_headroom: float = 0.0  # bytes of device_memory a plan leaves free (context, NCCL, workspaces, fragmentation)
+    memory_limit: float = 0.0  # bytes a plan may use when set on the command line (replaces the two above)
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes a stage's predicted peak may reach: ``--memory-limit``, else device memory minus headroom."""
+        return self.memory_limit or max(self.device_memory - self.memory_headroom, 0.0)
 
     @property
     def device_adam_params_per_s(self) -> float:
@@ -180,13 +223,18 @@ class HardwareProfile:
                  f"copies of the input, between 0 and 8, got {copies!r}")
         rates = {key: _positive(data[key], key) * 1e9 if key in data else 0.0
                  for key in ("optimizer_gparams_per_s", "host_optimizer_gparams_per_s")}
+        device_memory_gb = _positive(data["device_memory_gb"], "device_memory_gb")
+        headroom = data.get("memory_headroom_gb", 0.0)
+        _require(_number(headroom) and 0 <= headroom < device_memory_gb, "memory_headroom_gb",
+                 f"GB kept free, >= 0 and below device_memory_gb={device_memory_gb}, got {headroom!r}")
         return cls(
+            memory_headroom=float(headroom) * 1e9,
             optimizer_params_per_s=rates["optimizer_gparams_per_s"],
             host_optimizer_params_per_s=rates["host_optimizer_gparams_per_s"],
             op_overhead=float(op_overhead),
             reduce_scatter_copies=float(copies),
             name=data["name"],
-            device_memory=_positive(data["device_memory_gb"], "device_memory_gb") * 1e9,
+            device_memory=device_memory_gb * 1e9,
             gpus_per_node=gpus_per_node,
             peak_flops={dtype: _positive(v, f"peak_tflops.{dtype}") * 1e12 for dtype, v in peak.items()},
             efficiency={k: float(v) for k, v in efficiency.items()},
@@ -219,7 +267,20 @@ class HardwareProfile:
             **({"optimizer_gparams_per_s": self.optimizer_params_per_s / 1e9} if self.optimizer_params_per_s else {}),
             **({"host_optimizer_gparams_per_s": self.host_optimizer_params_per_s / 1e9}
                if self.host_optimizer_params_per_s else {}),
+            **({"memory_headroom_gb": self.memory_headroom / 1e9} if self.memory_headroom else {}),
         }
+
+
+def with_memory_limit(profile: HardwareProfile, limit: float | str | None) -> HardwareProfile:
+    """``profile`` whose plans may use ``limit`` bytes per device (a number or a size string); None: unchanged."""
+    if limit is None:
+        return profile
+    from dataclasses import replace
+
+    limit_bytes = parse_memory(limit) if isinstance(limit, str) else float(limit)
+    if not limit_bytes > 0:
+        raise ProfileError(f"memory limit must be positive, got {limit!r}")
+    return replace(profile, memory_limit=limit_bytes)
 
 
 def shipped_profiles() -> list[str]:

@@ -25,7 +25,8 @@ Per candidate (one pipeline stage, one device's view):
 - ``stable_s`` = forward + backward phases of one micro-batch; ``delta_s`` = gradient
   synchronisation + optimizer step (device and host parts at the profile's AdamW rates) + adding
   the other micro-batches' gradients into the accumulator + offload traffic of the step + the
-  first ZeRO-3 gather that nothing hides;
+  first ZeRO-3 gather that nothing hides (the host AdamW overlapping the device part's update and
+  pipelining with its copies, ``optimizer_phase_s``) + (fp16) the loss scaler's inf/NaN pass over the reduced gradients;
 - the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``MATH_ATTENTION_PASSES``);
 - memory: ``cost.memory`` closed forms over the per-block liveness results.
 Evaluation groups candidates by their distinct ``(micro_batch, tp, nodes, gpus_per_node)`` so
@@ -202,7 +203,8 @@ class StageCostModel:
 
     @property
     def device_memory_bytes(self) -> float:
-        return self.hardware.device_memory
+        """The bytes a stage may use: the profile's usable memory (headroom or ``--memory-limit`` applied)."""
+        return self.hardware.usable_memory
 
     @property
     def tp_supported(self) -> bool:
@@ -216,6 +218,14 @@ class StageCostModel:
     def tp_granularity(self) -> int:
         """Tensor-parallel degrees must divide this (attention heads, sharded weight dimensions)."""
         return math.gcd(*(block.tp_granularity for block in self.blocks.values() if not block.tp_optional))
+
+    def _overflow_check_s(self, shard_params: np.ndarray) -> np.ndarray:
+        """fp16 dynamic loss scaling (``backends.loss_scaling``): one read pass over this rank's reduced
+        fp32 gradients per step to find inf/NaN (the unscaling rides on the reduction cast, the flag on
+        the loss's all-reduce); other dtypes: nothing."""
+        if self.dtype != "float16":
+            return np.zeros(np.shape(shard_params))
+        return op_class_time(self.hardware, self.dtype, "reduction", 0.0, 4.0 * np.asarray(shard_params, dtype=float))
 
     # ---- per distinct (b, t, nodes, gpus) quantities -------------------------------------------
 
@@ -352,10 +362,11 @@ class StageCostModel:
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
         accumulate = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
                                    accumulation_bytes_moved(stage_params, zero, dp, c.grad_accum))
-        step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step + accumulate
+        step = optimizer_phase_s(_overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s,
+                                 host_step, step_out, step_in, n + has_pre + has_post) + accumulate
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
                                                            dp_nodes, dp_gpus), 0.0)
-        delta = sync + step + after_step_gather + first_gather
+        delta = sync + step + after_step_gather + first_gather + self._overflow_check_s(shard_params)
 
         present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}
         unsupported = self._infeasible(np.asarray(c.tp, dtype=np.int64), present)
@@ -384,6 +395,17 @@ class StageCostModel:
             "peak_forward_backward": np.where(unsupported, np.inf, memory.peak_forward_backward),
         }
         return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak, breakdown=breakdown)
+
+
+def optimizer_phase_s(device_and_copies: np.ndarray, host_step: np.ndarray, step_out: np.ndarray,
+                      step_in: np.ndarray, units: np.ndarray) -> np.ndarray:
+    """The optimizer step as ``backends.optimizer.FlatAdamW`` runs it: the device parts' update overlaps
+    the offloaded parts' copies (``device_and_copies``) and the host threads' AdamW, which starts when the
+    first unit's gradients have arrived and ends with the last unit's weights going back (the units'
+    copies pipeline with the host updates)."""
+    units = np.maximum(np.asarray(units, dtype=float), 1.0)
+    host_chain = np.where(host_step > 0, host_step + (step_out + step_in) / units, 0.0)
+    return np.maximum(device_and_copies, host_chain)
 
 
 def grad_buffer_bytes_moved(grad_bytes: np.ndarray, dp: np.ndarray) -> np.ndarray:

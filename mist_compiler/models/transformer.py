@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import causal_attention
 from .initialize import initialize
 
 
@@ -134,12 +135,7 @@ class Attention(nn.Module):
         if self.rotary:
             q = self.apply_rotary(q, seq)
             k = self.apply_rotary(k, seq)
-        # grouped-query attention: repeat key/value heads up to the query heads
-        repeats = q.shape[1] // k.shape[1]
-        if repeats > 1:
-            k = k.repeat_interleave(repeats, dim=1)
-            v = v.repeat_interleave(repeats, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = causal_attention(q, k, v)  # flash-attn on a GPU where installed, else SDPA (grouped-query aware)
         y = y.transpose(1, 2).contiguous().view(batch, seq, -1)
         return self.o(y)
 

@@ -193,7 +193,7 @@ def _memory_diagnosis(cost_model: StageCostModel, work: Workload, cluster: Clust
 
 
 def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int, seq_len: int = 2048,
-         space: SearchSpace | None = None, dtype: str = "float16", attention: str = "flash",
+         space: SearchSpace | None = None, dtype: str = "bfloat16", attention: str = "flash",
          cost_model: StageCostModel | None = None, progress: Progress | None = None,
          workload: Workload | None = None) -> TuneResult:
     """Search the fastest plan. ``hardware`` is a profile name/path or a HardwareProfile.

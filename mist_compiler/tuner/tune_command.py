@@ -29,8 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     parser.add_argument("--seq", type=int, default=None,
                         help="sequence length (default: the model's maximum positions, else 2048)")
-    parser.add_argument("--dtype", choices=TRAINING_DTYPES, default="float16")
+    parser.add_argument("--dtype", choices=TRAINING_DTYPES, default="bfloat16",
+                        help="compute dtype (default bfloat16; float16 trains with dynamic loss scaling)")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash", help="target attention kernel")
+    parser.add_argument("--memory-limit", help="memory a plan may use per device, e.g. 70GB or 64GiB (default: the "
+                        "profile's device memory minus its headroom for context, NCCL, workspaces, fragmentation)")
     parser.add_argument("-o", "--output", help="write the plan here (.json or .yaml)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--space", choices=("full",) + tuple(BASELINE_SPACES), default="full",
@@ -63,6 +66,14 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
     return space.restrict(**changes) if changes else space
 
 
+def hardware_from_args(args: argparse.Namespace):
+    """The hardware profile, with ``--memory-limit`` applied when given."""
+    from ..cost.hardware import load_profile, with_memory_limit
+
+    limit = getattr(args, "memory_limit", None)
+    return with_memory_limit(load_profile(args.hardware), limit) if limit is not None else args.hardware
+
+
 def run(args: argparse.Namespace) -> int:
     from .. import driver
     from ..ir.files import check_output
@@ -80,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     solver_name()  # a missing MILP solver fails now, in one line
     program = driver.capture(args.model, dtype=args.dtype, attention=args.attention, seq_len=args.seq)
     seq = args.seq or program.seq_len
-    cost_model = driver.analyse(program, args.hardware, seq_len=seq, attention=args.attention)
+    cost_model = driver.analyse(program, hardware_from_args(args), seq_len=seq, attention=args.attention)
     work = driver.workload(program, args.global_batch, seq)
     if args.space != "full":
         from .baselines import tune_baseline

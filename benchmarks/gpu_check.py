@@ -1,0 +1,450 @@
+"""Ready for GPUs: every plan kind trained on the device against CPU/fp32 training, predicted vs
+measured step time and peak memory, model FLOPs utilisation, and multi-GPU plans over NCCL.
+
+Sections (each a printed table; ``--out DIR`` also writes them, with the device and the date):
+
+1. environment: device, torch / CUDA / NCCL versions, the attention kernel runs use (flash-attn or SDPA);
+2. one device, every plan kind (bf16, fp16 with loss scaling, fp32, ZeRO 1-3, checkpointing, each
+   offload kind): ``check`` trains a small model 3 steps on the device and compares with one-process
+   CPU fp32 training (fp32 plans: losses and weights; bf16/fp16: losses, a looser bound);
+   ``predicted``/``measured`` price the kind on the performance model (``analyze`` with the hardware
+   profile, its compute side re-measured here first: ``recalibrate_compute``) and time it (median of
+   the timed steps after warm-up, the device synchronised around each step); memory is the peak of one
+   step after warm-up: ``max_memory_allocated`` against the predicted peak, ``max_memory_reserved``
+   beside it (what the headroom must cover);
+3. MFU of gpt2-1.3b and llama-1.3b at sequence 2048 on one device, each with the plan ``tune`` picks
+   for it (``tuner.report.model_flops_per_iteration`` / (step time x the profile's dense peak));
+4. several devices (when there are 2+): DP, TP, PP and mixed plans over NCCL, checked and timed the same way.
+
+``--dry-run`` runs the same code on the CPU: gloo ranks instead of NCCL, the ``cpu`` profile, tiny
+models and short sequences (minutes on two cores), so CI exercises every path but the CUDA calls.
+``--smoke`` only checks that CUDA, NCCL (an all-reduce over every local GPU) and flash-attn work (the
+Docker image's command). Accuracy targets (time within 10 %, memory within 3 %, gpt2-1.3b MFU >= 41 %
+on an H100) apply to GPU runs; the dry run prints the same columns without a verdict.
+
+Usage: ``PYTHONPATH=. python benchmarks/gpu_check.py [--dry-run | --smoke] [--hardware NAME] [--out DIR]``
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+LR = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1}
+CHECK_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}  # CPU fp32 vs the device's run
+TIME_TARGET, MEMORY_TARGET, MFU_TARGET = 0.10, 0.03, 0.41
+GPU_PROFILES = [("H200", "h200"), ("H100", "h100-80gb"), ("A100.*80", "a100-80gb"), ("A100", "a100-40gb"),
+                ("L4", "l4"), ("V100", "v100-32gb")]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run of the check uses; GPU and dry-run settings differ only in sizes and names."""
+
+    device: str  # "cuda" | "cpu"
+    hardware: str
+    check_model: str
+    check_seq: int
+    perf_model: str
+    perf_seq: int
+    perf_batch: int
+    mfu_models: tuple[str, ...]
+    mfu_seq: int
+    mfu_batch: int
+    warmup: int
+    timed: int
+    devices: int  # devices available for the multi-device section
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+
+def settings_for(args: argparse.Namespace) -> Settings:
+    if args.dry_run or not torch.cuda.is_available():
+        return Settings("cpu", args.hardware or "cpu", "gpt-tiny", 16, "gpt-tiny", 64, 8, ("gpt-tiny", "llama-tiny"),
+                        64, 8, 1, 2, 4)
+    return Settings("cuda", args.hardware or _profile_of(torch.cuda.get_device_name(0)), "gpt-small", 256,
+                    args.perf_model, 2048, 8, ("gpt2-1.3b", "llama-1.3b"), 2048, args.mfu_batch, 2, 5,
+                    torch.cuda.device_count())
+
+
+def _profile_of(device_name: str) -> str:
+    import re
+
+    for pattern, profile in GPU_PROFILES:
+        if re.search(pattern, device_name):
+            return profile
+    raise SystemExit(f"gpu_check: no shipped profile for {device_name!r}; pass --hardware (e.g. a `mistc profile` file)")
+
+
+# --------------------------------------------------------------------------- plans
+
+def plan_dict(model: str, seq: int, batch: int, grad_accum: int, stages: list[dict], dtype: str) -> dict:
+    for stage in stages:
+        stage.setdefault("micro_batch", batch // (grad_accum * stage["dp"]))
+        stage.setdefault("nodes", 1)
+        stage["gpus_per_node"] = stage["dp"] * stage["tp"]
+    return {"model": model, "seq_len": seq, "global_batch": batch, "dtype": dtype, "grad_accum": grad_accum,
+            "stages": stages}
+
+
+def _layers(model: str) -> int:
+    from mist_compiler.models import zoo_config
+
+    return zoo_config(model).layers
+
+
+def one_device_kinds(model: str, seq: int, batch: int) -> list[tuple[str, dict]]:
+    """(kind, plan) for every one-device plan kind; bf16 unless the kind says otherwise."""
+    n = _layers(model)
+
+    def one(dtype="bfloat16", grad_accum=2, **stage):
+        return plan_dict(model, seq, batch, grad_accum, [{"layers": [0, n], "dp": 1, "tp": 1, **stage}], dtype)
+
+    half = lambda kind: {"offload": {kind: 0.5}}  # noqa: E731
+    return [("bf16", one()), ("fp16 + loss scaling", one("float16")), ("fp32", one("float32")),
+            ("ZeRO-1", one(zero=1)), ("ZeRO-2", one(zero=2)), ("ZeRO-3", one(zero=3)),
+            ("checkpointing (all)", one(ckpt_layers=n)),
+            ("offload weights 50%", one(**half("weights"))), ("offload grads 50%", one(zero=2, **half("grads"))),
+            ("offload opt 50%", one(**half("opt"))), ("offload acts 50%", one(**half("acts")))]
+
+
+def multi_device_kinds(model: str, seq: int, batch: int, devices: int, dtype: str) -> list[tuple[str, int, dict]]:
+    """(kind, ranks, plan) of DP, TP, PP and mixed plans that fit in ``devices``."""
+    n = _layers(model)
+    half = n // 2
+    kinds = [
+        ("DP 2 (ZeRO-1)", 2, plan_dict(model, seq, batch, 2, [{"layers": [0, n], "dp": 2, "tp": 1, "zero": 1}], dtype)),
+        ("TP 2", 2, plan_dict(model, seq, batch, 2, [{"layers": [0, n], "dp": 1, "tp": 2}], dtype)),
+        ("PP 2 (1F1B)", 2, plan_dict(model, seq, batch, 4, [{"layers": [0, half], "dp": 1, "tp": 1},
+                                                             {"layers": [half, n], "dp": 1, "tp": 1}], dtype)),
+        ("mixed: DP 2 -> TP 2", 4, plan_dict(model, seq, batch, 2, [{"layers": [0, half], "dp": 2, "tp": 1, "zero": 2},
+                                                                    {"layers": [half, n], "dp": 1, "tp": 2}], dtype)),
+    ]
+    return [kind for kind in kinds if kind[1] <= devices]
+
+
+# --------------------------------------------------------------------------- one run, on every rank
+
+@dataclass
+class Job:
+    plan: dict
+    device: str  # "cuda" (the rank's GPU) or "cpu"
+    warmup: int = 0  # steps before the measured ones (their losses count for the check)
+    timed: int = 0
+    check: bool = False  # rank 0 trains the same model on the CPU in fp32 and compares
+    memory: bool = False
+
+
+@dataclass
+class Outcome:
+    losses: list[float] = field(default_factory=list)
+    step_s: float = float("nan")
+    allocated: list[float] = field(default_factory=list)  # per stage, the largest over its ranks
+    reserved: list[float] = field(default_factory=list)
+    worst: float = float("nan")
+    where: str = ""
+    kernel: str = ""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _attention_kernel(engine, plan) -> str:
+    from mist_compiler.backends.device import DTYPES
+    from mist_compiler.models import zoo_config
+    from mist_compiler.models.attention import attention_kernel
+
+    head_dim = zoo_config(plan.model).head_dim
+    return attention_kernel(torch.empty(1, 1, 1, head_dim, device=engine.device, dtype=DTYPES[plan.dtype]))
+
+
+def run_job(rank: int, world: int, job: Job) -> dict:
+    """Compile and train ``job.plan`` on this rank; measure what the job asks for."""
+    import torch.distributed as dist
+
+    from mist_compiler.backends.engine import compile as compile_plan
+    from mist_compiler.backends.optimizer import AdamWConfig
+    from mist_compiler.backends.worker import compare, model_vocab, reference_training, synthetic_batch
+    from mist_compiler.cost.live_memory import DevicePeakMemory
+    from mist_compiler.ir.plan import Plan
+    from mist_compiler.models import build_model
+
+    plan = Plan.from_dict(job.plan)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if job.device == "cuda" else torch.device("cpu")
+    result: dict = {"losses": [], "times": [], "allocated": float("nan"), "reserved": float("nan")}
+    with DevicePeakMemory(device) as probe:  # entered before the model exists (CPU counts what it sees)
+        model = build_model(plan.model, seq_len=plan.seq_len)
+        engine = compile_plan(model, plan, optimizer=AdamWConfig(**LR), device=device, timeout_s=600.0)
+        vocab = model_vocab(model)
+        del model
+        gc.collect()
+        batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, step) for step in range(job.warmup + 1)]
+        for step in range(job.warmup):
+            result["losses"].append(engine.step(batches[step]))
+        if job.memory:
+            probe.reset_peak()
+            engine.step(batches[-1])
+            result["allocated"] = float(probe.peak_bytes)
+            if device.type == "cuda":
+                result["reserved"] = float(torch.cuda.max_memory_reserved(device))
+    for step in range(job.timed):
+        if world > 1:
+            dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        engine.step(batches[step % len(batches)])
+        _sync(device)
+        result["times"].append(time.perf_counter() - start)
+    result["stage"], result["kernel"] = engine.coord.stage, _attention_kernel(engine, plan)
+    state = engine.gather_full_state() if job.check else None
+    engine.close()
+    if job.check and rank == 0:
+        reference = build_model(plan.model, seq_len=plan.seq_len)
+        ref_losses, ref_state = reference_training(reference, plan, job.warmup, LR)
+        if plan.dtype == "float32":
+            result["worst"], result["where"] = compare(result["losses"], state, ref_losses, ref_state)
+        else:  # low precision: the losses, against fp32 training
+            result["worst"], result["where"] = compare(result["losses"], {}, ref_losses, {})
+    return result
+
+
+def run(job: Job, world: int, settings: Settings) -> Outcome:
+    from mist_compiler.backends.local_ranks import run_ranks
+    from mist_compiler.ir.plan import Plan
+
+    results = run_ranks(run_job, world=world, args=(job,), timeout_s=1800.0, collective_timeout_s=600.0,
+                        backend=settings.backend if world > 1 else "gloo")
+    stages = Plan.from_dict(job.plan).pp
+    outcome = Outcome(losses=results[0]["losses"], kernel=results[0]["kernel"],
+                      worst=results[0].get("worst", float("nan")), where=results[0].get("where", ""))
+    if job.timed:
+        outcome.step_s = statistics.median(max(r["times"][i] for r in results) for i in range(job.timed))
+    for key in ("allocated", "reserved"):
+        per_stage = [max((r[key] for r in results if r["stage"] == s), default=float("nan")) for s in range(stages)]
+        setattr(outcome, key, per_stage)
+    return outcome
+
+
+# --------------------------------------------------------------------------- predictions, rows, tables
+
+def calibrated(settings: Settings):
+    """The hardware profile with its compute side measured on this device now (seconds)."""
+    from mist_compiler.cost.hardware import load_profile
+    from mist_compiler.cost.profiler import ProfilerOptions, recalibrate_compute
+
+    base = load_profile(settings.hardware)
+    options = ProfilerOptions(quick=settings.device == "cpu", device=settings.device, log=lambda message: None)
+    return recalibrate_compute(base, options)
+
+
+_COST_MODELS: dict = {}
+
+
+def predict(plan_data: dict, profile) -> tuple[float, list[float]]:
+    """``analyze`` of the plan (one stage cost model per model, sequence and dtype, built once)."""
+    from mist_compiler.cost.analyze import analyze
+    from mist_compiler.cost.stage_model import build_stage_cost_model
+    from mist_compiler.ir.plan import Plan
+
+    plan = Plan.from_dict(plan_data)
+    key = (plan.model, plan.seq_len, plan.dtype, profile.name)
+    if key not in _COST_MODELS:
+        _COST_MODELS[key] = build_stage_cost_model(plan.model, profile, seq_len=plan.seq_len, dtype=plan.dtype)
+    estimate = analyze(None, plan, profile, cost_model=_COST_MODELS[key])
+    return estimate.iteration_time_s, [stage.peak_memory_mb * 1e6 for stage in estimate.stages]
+
+
+def _error(predicted: float, measured: float) -> float:
+    return predicted / measured - 1.0 if measured and measured == measured else float("nan")
+
+
+def accuracy_row(kind: str, plan_data: dict, outcome: Outcome, check: Outcome | None, profile, gpu: bool) -> dict:
+    predicted_s, predicted_mem = predict(plan_data, profile)
+    worst = max(range(len(predicted_mem)), key=lambda s: abs(_error(predicted_mem[s], outcome.allocated[s]))
+                if outcome.allocated[s] == outcome.allocated[s] else -1)
+    row = {"kind": kind, "dtype": plan_data["dtype"],
+           "check": "-" if check is None else f"{check.worst:.1e}",
+           "check ok": None if check is None else check.worst <= CHECK_TOLERANCE[plan_data["dtype"]],
+           "predicted s": predicted_s, "measured s": outcome.step_s, "time err": _error(predicted_s, outcome.step_s),
+           "predicted MB": predicted_mem[worst] / 1e6, "allocated MB": outcome.allocated[worst] / 1e6,
+           "memory err": _error(predicted_mem[worst], outcome.allocated[worst]),
+           "reserved MB": outcome.reserved[worst] / 1e6, "kernel": outcome.kernel}
+    if gpu:
+        row["targets met"] = abs(row["time err"]) <= TIME_TARGET and abs(row["memory err"]) <= MEMORY_TARGET
+    return row
+
+
+def format_table(title: str, rows: list[dict]) -> str:
+    if not rows:
+        return f"## {title}\n(nothing to run)\n"
+    columns = list(rows[0])
+
+    def cell(column: str, value) -> str:
+        if isinstance(value, bool) or value is None:
+            return {True: "yes", False: "NO", None: "-"}[value]
+        if isinstance(value, float):
+            if value != value:
+                return "-"
+            return f"{value:+.1%}" if "err" in column else f"{value:.1%}" if column == "MFU" else f"{value:,.4g}"
+        return str(value)
+
+    def render(row: dict) -> list[str]:
+        return [cell(column, row[column]) for column in columns]
+
+    lines = [f"## {title}", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(render(row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- sections
+
+def environment(settings: Settings) -> list[dict]:
+    from mist_compiler.models.attention import FLASH_ATTN_VERSION
+
+    rows = [{"item": "date", "value": datetime.datetime.now().isoformat(timespec="seconds")},
+            {"item": "host", "value": platform.node()},
+            {"item": "torch", "value": torch.__version__},
+            {"item": "hardware profile", "value": settings.hardware},
+            {"item": "flash-attn", "value": FLASH_ATTN_VERSION or "not installed"}]
+    if settings.device == "cuda":
+        rows += [{"item": "device", "value": f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}"},
+                 {"item": "CUDA", "value": torch.version.cuda},
+                 {"item": "NCCL", "value": ".".join(map(str, torch.cuda.nccl.version()))}]
+    else:
+        rows.append({"item": "device", "value": f"CPU dry run ({platform.processor() or platform.machine()}), gloo"})
+    return rows
+
+
+def one_device_section(settings: Settings, profile, log) -> list[dict]:
+    rows = []
+    checks = dict(one_device_kinds(settings.check_model, settings.check_seq, 8))
+    for kind, plan_data in one_device_kinds(settings.perf_model, settings.perf_seq, settings.perf_batch):
+        log(f"one device: {kind}")
+        check = run(Job(checks[kind], settings.device, warmup=3, check=True), 1, settings)
+        outcome = run(Job(plan_data, settings.device, warmup=settings.warmup, timed=settings.timed, memory=True), 1, settings)
+        rows.append(accuracy_row(kind, plan_data, outcome, check, profile, settings.device == "cuda"))
+    return rows
+
+
+def mfu_section(settings: Settings, profile, log) -> list[dict]:
+    from mist_compiler.ir.plan import Plan
+    from mist_compiler.models import zoo_config
+    from mist_compiler.tuner.api import tune
+    from mist_compiler.tuner.report import model_flops_per_iteration
+
+    rows = []
+    dtype = "bfloat16"
+    for model in settings.mfu_models:
+        log(f"MFU: tuning and training {model}")
+        plan = tune(model, profile, 1, 1, settings.mfu_batch, seq_len=settings.mfu_seq, dtype=dtype).plan
+        data = plan.to_dict()
+        outcome = run(Job(data, settings.device, warmup=settings.warmup, timed=settings.timed, memory=True), 1, settings)
+        flops = model_flops_per_iteration(zoo_config(model), Plan.from_dict(data))
+        peak = profile.peak_flops.get(dtype, max(profile.peak_flops.values()))
+        stage = plan.stages[0]
+        rows.append({"model": model, "seq": settings.mfu_seq, "global batch": settings.mfu_batch,
+                     "plan": f"mb {stage.micro_batch} x G {plan.grad_accum}, ckpt {stage.ckpt_layers}, ZeRO-{stage.zero}",
+                     "step s": outcome.step_s, "TFLOP/s": flops / outcome.step_s / 1e12,
+                     "MFU": flops / outcome.step_s / peak, "allocated MB": outcome.allocated[0] / 1e6,
+                     "reserved MB": outcome.reserved[0] / 1e6, "kernel": outcome.kernel})
+    return rows
+
+
+def multi_device_section(settings: Settings, profile, log) -> list[dict]:
+    rows = []
+    checks = {kind: plan for kind, _, plan in multi_device_kinds(settings.check_model, settings.check_seq, 8,
+                                                                   settings.devices, "float32")}
+    dtype = "bfloat16" if settings.device == "cuda" else "float32"
+    for kind, world, plan_data in multi_device_kinds(settings.perf_model, settings.perf_seq, settings.perf_batch,
+                                                     settings.devices, dtype):
+        log(f"{world} devices: {kind}")
+        check = run(Job(checks[kind], settings.device, warmup=3, check=True), world, settings)
+        outcome = run(Job(plan_data, settings.device, warmup=settings.warmup, timed=settings.timed, memory=True), world, settings)
+        row = accuracy_row(kind, plan_data, outcome, check, profile, settings.device == "cuda")
+        rows.append({"ranks": world, **row})
+    return rows
+
+
+def smoke() -> int:
+    """CUDA, NCCL over every local GPU, flash-attn: present and working."""
+    from mist_compiler.backends.local_ranks import run_ranks
+    from mist_compiler.models.attention import FLASH_ATTN_VERSION
+
+    if not torch.cuda.is_available():
+        print("smoke: no CUDA device visible", file=sys.stderr)
+        return 1
+    count = torch.cuda.device_count()
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close((a @ a).float().cpu(), a.float().cpu() @ a.float().cpu(), rtol=5e-2, atol=5e-1)
+    sums = run_ranks(_smoke_rank, world=count, backend="nccl", timeout_s=300.0) if count > 1 else [1.0]
+    print(f"smoke: {torch.cuda.get_device_name(0)} x {count}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, all-reduce over {count} GPU(s) = {sums[0]:.0f}, "
+          f"flash-attn {FLASH_ATTN_VERSION or 'not installed'}: ok")
+    return 0
+
+
+def _smoke_rank(rank: int, world: int) -> float:
+    import torch.distributed as dist
+
+    value = torch.ones(1, device=torch.device("cuda", rank))
+    dist.all_reduce(value)
+    assert value.item() == world
+    return value.item()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="the same code on CPU/gloo with tiny models")
+    parser.add_argument("--smoke", action="store_true", help="only check CUDA, NCCL and flash-attn")
+    parser.add_argument("--hardware", help="hardware profile (default: the shipped profile of the GPU; cpu for --dry-run)")
+    parser.add_argument("--perf-model", default="gpt2-1.3b", help="model of the timed plans on a GPU (default gpt2-1.3b)")
+    parser.add_argument("--mfu-batch", type=int, default=16, help="global batch of the MFU runs on a GPU (default 16)")
+    parser.add_argument("--sections", default="one,mfu,multi", help="comma-separated: one, mfu, multi")
+    parser.add_argument("--out", help="directory to write the tables to (markdown and JSON)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        return smoke()
+    settings = settings_for(args)
+    log = lambda message: print(f"[gpu_check] {message}", file=sys.stderr, flush=True)  # noqa: E731
+    profile = calibrated(settings)
+    sections = [("environment", environment(settings))]
+    wanted = set(args.sections.split(","))
+    if "one" in wanted:
+        sections.append(("one device: every plan kind", one_device_section(settings, profile, log)))
+    if "mfu" in wanted:
+        sections.append(("MFU on one device", mfu_section(settings, profile, log)))
+    if "multi" in wanted and settings.devices > 1:
+        sections.append((f"{settings.backend}: DP, TP, PP and mixed plans", multi_device_section(settings, profile, log)))
+    text = "\n".join(format_table(title, rows) for title, rows in sections)
+    print(text)
+    if args.out:
+        _write(args.out, settings, sections, text)
+    return 0
+
+
+def _write(folder: str, settings: Settings, sections, text: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    name = "dry-run" if settings.device == "cpu" else torch.cuda.get_device_name(0).replace(" ", "-")
+    stem = os.path.join(folder, f"gpu_check-{name}-{datetime.date.today().isoformat()}")
+    with open(stem + ".md", "w") as handle:
+        handle.write(f"# gpu_check on {name}, {datetime.date.today().isoformat()}\n\n{text}")
+    with open(stem + ".json", "w") as handle:
+        json.dump({"settings": asdict(settings), "sections": dict(sections)}, handle, indent=2, default=str)
+    print(f"wrote {stem}.md and .json", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

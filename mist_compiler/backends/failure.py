@@ -1,0 +1,149 @@
+"""Failure detection through the rendezvous store: who failed, and stopping everyone in time.
+
+:class:`FailureMonitor` costs each rank two store requests per heartbeat, whatever the world size
+(the store sees ``2 * world`` requests per second, not ``world ** 2``):
+
+- one shared key, ``mist/failed``, holds ``"<rank>\\n<reason>"`` of the first rank that reports a
+  failure; every rank's monitor thread checks that one key each heartbeat and, when it appears,
+  prints the reason and exits non-zero (``on_peer_failure``): nobody waits for a collective that can
+  never complete;
+- on gloo every rank also writes its own heartbeat key, so that a rank whose transfer broke or
+  timed out can find the rank that died (stale heartbeat) and report it on that rank's behalf; the
+  survivors then all name the dead rank. That scan reads every heartbeat once, in one
+  ``multi_get``, and happens only after a failure.
+
+On NCCL the monitor stays quiet: no heartbeats (NCCL's watchdog already times out and tears down
+a job whose collectives hang, naming the collective), only the one-key check that lets a rank
+failing for a reason of its own stop the others at once.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable
+
+HEARTBEAT_S = 1.0
+FAILED_KEY = "mist/failed"
+STALE_AFTER_S = 4 * HEARTBEAT_S
+
+
+class FailureMonitor:
+    """Fail fast, and say who failed, through the rendezvous store (see the module docstring)."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float,
+                 on_peer_failure: Callable[[str], None] | None = None, heartbeats: bool | None = None,
+                 store: Any = None) -> None:
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.on_peer_failure = on_peer_failure or (lambda message: _exit_on_peer_failure(message, rank))
+        self.store = store if store is not None else _default_store()
+        self.heartbeats = _backend_has_no_watchdog() if heartbeats is None else heartbeats
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.store is not None and world > 1:
+            self._beat()
+            self._thread = threading.Thread(target=self._run, name="mist-failure-monitor", daemon=True)
+            self._thread.start()
+
+    def _heartbeat_key(self, rank: int) -> str:
+        return f"mist/heartbeat/{rank}"
+
+    def _beat(self) -> None:
+        if self.heartbeats:
+            self.store.set(self._heartbeat_key(self.rank), repr(time.time()))
+
+    def _reported(self) -> tuple[int, str] | None:
+        if not self.store.check([FAILED_KEY]):
+            return None
+        rank, _, reason = self.store.get(FAILED_KEY).decode(errors="replace").partition("\n")
+        return int(rank), reason
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._beat()
+                found = self._reported()
+            except Exception:  # the store itself is gone: the main thread's timeouts take over
+                return
+            if found is not None and found[0] != self.rank:
+                if not self._stop.is_set():
+                    self.on_peer_failure(f"mist: rank {self.rank} stops because rank {found[0]} failed: {found[1]}")
+                return
+
+    def report_failure(self, message: str, rank: int | None = None) -> None:
+        """Publish that ``rank`` (default: this one) failed; the first report stands."""
+        if self.store is None:
+            return
+        try:
+            value = f"{self.rank if rank is None else rank}\n{message[:2000]}"
+            self.store.compare_set(FAILED_KEY, "", value)  # only if nobody reported before
+        except Exception:
+            pass
+
+    def find_failed_rank(self, patience_s: float = 6 * HEARTBEAT_S) -> tuple[int, str] | None:
+        """A rank that reported a failure or whose heartbeat went stale (waits up to ``patience_s``)."""
+        if self.store is None:
+            return None
+        deadline = time.time() + min(patience_s, self.timeout_s)
+        while True:
+            try:
+                found = self._scan()
+            except Exception:
+                return None
+            if found is not None or time.time() > deadline:
+                return found
+            time.sleep(HEARTBEAT_S / 2)
+
+    def _scan(self) -> tuple[int, str] | None:
+        reported = self._reported()
+        if reported is not None or not self.heartbeats:
+            return reported
+        others = [r for r in range(self.world) if r != self.rank]
+        keys = [self._heartbeat_key(r) for r in others]
+        if not self.store.check(keys):
+            for rank, key in zip(others, keys):
+                if not self.store.check([key]):
+                    return rank, "never started"
+        now = time.time()
+        for rank, beat in zip(others, self.store.multi_get(keys)):
+            if now - float(beat.decode()) > STALE_AFTER_S:
+                return rank, "stopped responding (process died or hung)"
+        return None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _backend_has_no_watchdog() -> bool:
+    """gloo (and single-process groups) need heartbeats; NCCL has its own watchdog."""
+    try:
+        import torch.distributed as dist
+
+        return dist.get_backend() != "nccl"
+    except Exception:
+        return True
+
+
+def _exit_on_peer_failure(message: str, rank: int) -> None:
+    print(message, flush=True)  # stdout: what the launcher shows the user
+    if rank == 0:
+        # rank 0 often hosts the rendezvous store: keep it up a moment for the others to read
+        time.sleep(3 * HEARTBEAT_S)
+    os._exit(1)
+
+
+def is_transfer_error(error: BaseException) -> bool:
+    """A failure to talk to a peer (timeout, closed connection), as opposed to a failure of our own."""
+    text = f"{type(error).__name__}: {error}".lower()
+    markers = ("timed out", "timeout", "connection", "closed by peer", "collectiveerror", "pipelinetimeout",
+               "distbackenderror", "broken pipe", "gloo")
+    return any(marker in text for marker in markers)
+
+
+def _default_store() -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None

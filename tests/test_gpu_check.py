@@ -1,0 +1,54 @@
+"""benchmarks/gpu_check.py: its plans are valid, its tables readable, and (heavy) its dry run passes."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mist_compiler.ir.plan import Plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_plan_kind_is_a_valid_plan():
+    check = _gpu_check()
+    kinds = check.one_device_kinds("gpt2-1.3b", 2048, 8)
+    assert {kind for kind, _ in kinds} >= {"bf16", "fp16 + loss scaling", "fp32", "ZeRO-3", "checkpointing (all)",
+                                            "offload weights 50%", "offload grads 50%", "offload opt 50%",
+                                            "offload acts 50%"}
+    for _, data in kinds:
+        assert Plan.from_dict(data).world_size == 1
+    multi = check.multi_device_kinds("gpt-tiny", 16, 8, 4, "float32")
+    assert [ranks for _, ranks, _ in multi] == [2, 2, 2, 4]
+    for _, ranks, data in multi:
+        assert Plan.from_dict(data).world_size == ranks
+    assert len(check.multi_device_kinds("gpt-tiny", 16, 8, 2, "float32")) == 3
+
+
+def test_tables_show_errors_as_percentages():
+    check = _gpu_check()
+    text = check.format_table("t", [{"kind": "bf16", "time err": -0.052, "MFU": 0.43, "measured s": 0.31,
+                                     "targets met": True, "reserved MB": float("nan")}])
+    assert "| bf16 | -5.2% | 43.0% | 0.31 | yes | - |" in text
+
+
+@pytest.mark.heavy
+def test_dry_run_executes_every_section(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for title in ("one device: every plan kind", "MFU on one device", "gloo: DP, TP, PP and mixed plans"):
+        assert title in done.stdout
+    assert "| NO |" not in done.stdout, done.stdout  # every check within its tolerance

@@ -1,0 +1,125 @@
+"""Pipeline transfers never depend on tags: every rank's exchanges, replayed under NCCL's rules
+(in-order matching per pair, one batch at a time), match the right tensors and finish."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from mist_compiler.backends.pipeline import (BACKWARD, FORWARD, SCHEDULES, ExchangeError, check_exchanges,
+                                             exchange_plan, one_f_one_b)
+from mist_compiler.backends.topology import Topology
+from mist_compiler.ir.plan import Plan
+
+
+@dataclass(frozen=True)
+class Value:
+    batched: bool = True
+    floating: bool = True
+
+    @property
+    def needs_grad(self) -> bool:
+        return self.batched and self.floating
+
+    dtype = torch.float32
+
+    def shape(self, batch: int) -> tuple[int, ...]:
+        return (batch, 4) if self.batched else (4,)
+
+
+HIDDEN = [Value()]
+MIXED = [Value(), Value(batched=False), Value(floating=False)]  # hidden states, a table, token ids
+
+
+def topology(global_batch: int, grad_accum: int, stages: list[tuple[int, int, int]]) -> Topology:
+    """``stages``: (dp, tp, micro_batch or 0 for global_batch / (G * dp))."""
+    layers = [[i, i + 1] for i in range(len(stages))]
+    return Topology(Plan.from_dict({
+        "model": "gpt-tiny", "seq_len": 16, "global_batch": global_batch, "dtype": "float32",
+        "grad_accum": grad_accum,
+        "stages": [{"layers": layers[i], "nodes": 1, "gpus_per_node": dp * tp, "dp": dp, "tp": tp,
+                    "micro_batch": mb or global_batch // (grad_accum * dp)} for i, (dp, tp, mb) in enumerate(stages)],
+    }))
+
+
+def plans_of(topo: Topology, schedule: str, values=HIDDEN) -> dict[int, list]:
+    plan = topo.plan
+    result = {}
+    for rank in range(topo.world_size):
+        stage = topo.coord(rank).stage
+        inputs = values if stage > 0 else []
+        outputs = values if stage < plan.pp - 1 else []
+        order = SCHEDULES[schedule](plan.pp, stage, plan.grad_accum)
+        result[rank] = exchange_plan(topo, rank, order, inputs, outputs)
+    return result
+
+
+SHAPES = {
+    "2 stages": [(1, 1, 0), (1, 1, 0)],
+    "3 stages": [(1, 1, 0)] * 3,
+    "4 stages": [(1, 1, 0)] * 4,
+    "dp 2 -> tp 2": [(2, 1, 0), (1, 2, 0)],
+    "tp 2 -> dp 2": [(1, 2, 0), (2, 1, 0)],
+    "dp 2, dp 1, dp 4 (micro-batches 2, 4, 1)": [(2, 1, 0), (1, 1, 0), (4, 1, 0)],
+    "dp 2 x tp 2 -> tp 4 -> dp 3": [(2, 2, 0), (1, 4, 0), (2, 1, 0)],
+    "4 stages, mixed": [(2, 1, 0), (1, 2, 0), (2, 2, 0), (1, 1, 0)],
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("grad_accum", [1, 2, 3, 8])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_exchanges_match_and_finish_under_nccl_rules(shape, grad_accum, schedule):
+    stages = SHAPES[shape]
+    dp_lcm = 12  # every stage's dp divides the per-micro-batch sample count
+    topo = topology(dp_lcm * grad_accum, grad_accum, stages)
+    check_exchanges(plans_of(topo, schedule))
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_unbatched_and_integer_values_travel_once(schedule):
+    topo = topology(8, 2, [(2, 1, 0), (1, 2, 0), (2, 1, 0)])
+    plans = plans_of(topo, schedule, MIXED)
+    check_exchanges(plans)
+    # stage 1, tp index 1 (rank 3) receives the unbatched value of each micro-batch once, from one sender
+    received = [t for exchange in plans[3] for t in exchange
+                if not t.send and t.direction == FORWARD and t.value == 1]
+    assert [t.micro for t in received] == [0, 1]
+    # only the floating batched value has a gradient
+    assert {t.value for exchange in plans[3] for t in exchange if t.direction == BACKWARD} == {0}
+
+
+def test_a_pair_posting_in_different_orders_is_caught():
+    topo = topology(8, 4, [(1, 1, 0), (1, 1, 0)])
+    plans = plans_of(topo, "1f1b")
+    # the receiver posts micro-batch 1's receive before micro-batch 0's (what the tag-based code did)
+    first = next(i for i, ex in enumerate(plans[1]) if any(not t.send for t in ex))
+    second = next(i for i, ex in enumerate(plans[1]) if i > first and any(not t.send and t.direction == FORWARD for t in ex))
+    a = [t for t in plans[1][first] if not t.send]
+    b = [t for t in plans[1][second] if not t.send and t.direction == FORWARD]
+    plans[1][first] = [t for t in plans[1][first] if t.send] + b
+    plans[1][second] = [t for t in plans[1][second] if t not in b] + a
+    with pytest.raises(ExchangeError, match="sends"):
+        check_exchanges(plans)
+
+
+def test_receiving_ahead_in_one_batch_deadlocks_under_nccl_rules():
+    """Stage 0 waits for micro-batches 0 and 1's gradients in the batch that sends micro-batch 0's activations:
+    that gradient needs micro-batch 1's activations, which stage 0 sends only after this batch."""
+    topo = topology(8, 4, [(1, 1, 0), (1, 1, 0)])
+    plans = plans_of(topo, "1f1b")
+    stage0 = plans[0]
+    early = next(i for i, ex in enumerate(stage0) if any(t.send and t.direction == FORWARD and t.micro == 0 for t in ex))
+    moved = [t for ex in stage0 for t in ex if not t.send and t.direction == BACKWARD and t.micro <= 1]
+    for index, exchange in enumerate(stage0):
+        stage0[index] = [t for t in exchange if t not in moved]
+    stage0[early] = stage0[early] + moved  # gradients of micro-batches 0 and 1, still in order
+    with pytest.raises(ExchangeError, match="deadlock"):
+        check_exchanges(plans)
+
+
+def test_one_f_one_b_order():
+    assert one_f_one_b(3, 0, 4) == [(FORWARD, 0), (FORWARD, 1), (FORWARD, 2), (BACKWARD, 0), (FORWARD, 3),
+                                    (BACKWARD, 1), (BACKWARD, 2), (BACKWARD, 3)]
+    assert one_f_one_b(3, 2, 2) == [(FORWARD, 0), (BACKWARD, 0), (FORWARD, 1), (BACKWARD, 1)]
