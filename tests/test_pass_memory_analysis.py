@@ -1,10 +1,13 @@
 """Memory analysis pass: saved activations against closed forms, peaks, and a real run."""
 from __future__ import annotations
 
+import functools
+
 import sympy
 import torch
 
-from mist_compiler.cost.analysis import analyse_named_model, captured_named_model
+from mist_compiler.cost.analysis import analyse_program
+from mist_compiler.frontend.capture import capture
 from mist_compiler.cost.stage_api import StageCandidates
 from mist_compiler.cost.stage_model import StageCostModel
 from mist_compiler.cost.hardware import load_profile
@@ -15,8 +18,15 @@ from mist_compiler.passes.memory_analysis import dominates, memory_analysis, pru
 SEQ = 128
 
 
+@functools.lru_cache(maxsize=4)
+def captured(name: str):
+    return capture(name, seq_len=SEQ, dtype="float32")
+
+
 def analysed(name: str):
-    return analyse_named_model(name, SEQ, "float32")
+    program = captured(name)
+    blocks, layers = analyse_program(program)
+    return blocks, layers, program.model_name
 
 
 def same(a, b) -> bool:
@@ -45,7 +55,7 @@ def test_gpt_layer_saved_bytes_closed_form_and_capture():
 
 
 def test_saved_bytes_agree_with_capture_ir_and_the_pass():
-    program = captured_named_model("gpt-tiny", SEQ, "float32")
+    program = captured("gpt-tiny")
     blocks, _, _ = analysed("gpt-tiny")
     layer_class = next(c for c in program.block_classes.values() if c.kind == "layer")
     assert same(blocks["layer"].memory.saved["flash"].subs(T, 1), layer_class.saved_bytes_expr("flash"))

@@ -1,51 +1,41 @@
-"""offload_insertion: stage offload ratios -> per-unit UnitOffload table (same fraction of every unit)."""
+"""offload_insertion: stage offload ratios -> every unit's offload fractions (the same for every unit)."""
 from __future__ import annotations
 
 import pytest
 
-from mist_compiler.backends.zero import UnitOffload
-from mist_compiler.ir.plan import Offload
+from mist_compiler.ir.plan import Offload, Plan
+from mist_compiler.ir.stage import UnitOffload, split_boundary
 from mist_compiler.passes import PassManager
-from mist_compiler.passes.offload_insertion import (OffloadInput, OffloadInsertionError, offload_insertion,
+from mist_compiler.passes.offload_insertion import (OffloadInsertion, OffloadInsertionError, unit_offload,
                                                     unit_offload_table)
+from mist_compiler.passes.partition import Partition
 
-UNITS = (("pre", 33_000), ("blocks.0", 50_000), ("blocks.1", 50_001), ("post", 0))
+UNITS = [("pre", 33_000), ("blocks.0", 50_000), ("blocks.1", 50_001), ("post", 0)]
+PLAN = Plan.from_dict({"model": "gpt-tiny", "seq_len": 8, "global_batch": 2, "dtype": "float32", "grad_accum": 1,
+                       "stages": [{"layers": [0, 4], "nodes": 1, "gpus_per_node": 1, "micro_batch": 2, "dp": 1,
+                                   "tp": 1}]})
 
 
 def test_every_unit_gets_the_stage_fraction_and_totals_match():
     offload = Offload(weights=0.25, grads=0.5, opt=1.0, acts=0.3)
-    result = offload_insertion(OffloadInput(UNITS, offload))
+    table = unit_offload_table(UNITS, offload)
+    assert table["blocks.0"] == UnitOffload(weights=0.25, grads=0.5, opt=1.0, acts=0.3)
+    assert table["pre"] == table["blocks.1"] == table["blocks.0"]
+    assert table["post"] == UnitOffload(acts=0.3)  # no parameters: only its activations
+    # the runtime rounds each unit's share to whole elements; the stage total stays 0.25 within rounding
+    offloaded = sum(size - split_boundary(size, table[name].weights) for name, size in UNITS)
+    assert abs(offloaded - 0.25 * sum(size for _, size in UNITS)) <= len(UNITS)
+
+
+def test_pass_sets_every_unit_of_a_stage_and_is_pure(gpt_tiny_program):
+    stage = Partition(PLAN, 0)(gpt_tiny_program.model_graph).program
+    result = PassManager([OffloadInsertion(Offload(weights=0.5, acts=0.25))])(stage)
     assert result.modified
-    table = result.program
-    assert table.per_unit["blocks.0"] == UnitOffload(weights=0.25, grads=0.5, opt=1.0, acts=0.3)
-    assert table.per_unit["pre"] == table.per_unit["blocks.1"] == table.per_unit["blocks.0"]
-    # a unit without parameters has nothing to offload but its activations
-    assert table.per_unit["post"] == UnitOffload(acts=0.3)
-    # offloaded weight elements: round(0.25 * size) per unit; the stage total is 0.25 of all within rounding
-    assert table.offloaded_weight_elements == {"pre": 8250, "blocks.0": 12500, "blocks.1": 12500, "post": 0}
-    total = sum(size for _, size in UNITS)
-    assert abs(table.total_offloaded_weight_elements() - 0.25 * total) <= len(UNITS)
+    assert all(u.offload == UnitOffload(weights=0.5, acts=0.25) for u in result.program.units)
+    assert all(u.offload == UnitOffload() for u in stage.units)  # the input is untouched
+    assert not OffloadInsertion(Offload())(stage).modified
 
 
-def test_no_offload_is_unmodified_and_runs_in_the_pass_manager():
-    result = PassManager([offload_insertion])(OffloadInput(UNITS, Offload()))
-    assert not result.modified
-    assert all(entry == UnitOffload() for entry in result.program.per_unit.values())
-    assert unit_offload_table(list(UNITS), Offload(weights=1.0))["blocks.1"].weights == 1.0
-
-
-def test_input_is_not_modified():
-    program = OffloadInput(UNITS, Offload(weights=0.5))
-    offload_insertion(program)
-    assert program.units == UNITS and program.offload == Offload(weights=0.5)
-
-
-@pytest.mark.parametrize("units, offload, message", [
-    ((), Offload(), "units must be a non-empty"),
-    ((("a", 1), ("a", 2)), Offload(), "repeats the name 'a'"),
-    ((("a", -1),), Offload(), r"units\[0\] must be"),
-    ((("a", 1),), Offload(weights=1.5), "offload.weights must be in"),
-])
-def test_bad_input_names_the_field(units, offload, message):
-    with pytest.raises(OffloadInsertionError, match=message):
-        offload_insertion(OffloadInput(units, offload))
+def test_bad_fraction_names_the_field():
+    with pytest.raises(OffloadInsertionError, match="offload.weights must be in"):
+        unit_offload(True, Offload(weights=1.5))

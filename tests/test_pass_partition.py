@@ -1,14 +1,17 @@
-"""The pipeline partition pass on small graphs: stage assignment, crossing values, free nodes."""
+"""The partition pass over a captured program: stages compose to the model, values cross cuts, free values are recomputed."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from mist_compiler.backends.materialize import ModuleTensors, build_stage
+from mist_compiler.frontend.capture import capture
 from mist_compiler.frontend.layer_stack import LayerStackError, find_layer_stack
 from mist_compiler.ir.plan import Plan
-from mist_compiler.passes.partition import Partition, PartitionError, stage_interface, trace_model
+from mist_compiler.passes.partition import HIDDEN, Partition, PartitionError
 
 
 class Layer(nn.Module):
@@ -46,13 +49,21 @@ def _plan(ranges, seq=4) -> Plan:
                            "stages": stages})
 
 
-def _run_stages(gm, plan, batch):
+def _run_stages(model, program, plan, batch):
     values = ()
     for index in range(plan.pp):
-        stage = Partition(plan, index)(gm).program
-        kwargs = {name: batch[name] for name in stage_interface(stage).batch_inputs}
-        values = stage(*values, **kwargs)
+        stage = Partition(plan, index)(program.model_graph).program
+        built = build_stage(stage, program.model_graph, ModuleTensors(model), device=torch.device("cpu"))
+        kwargs = {name: batch[name] for name in stage.interface.batch_inputs}
+        values = built.module(*values, **kwargs)
     return values
+
+
+@pytest.fixture(scope="module")
+def skip_model():
+    torch.manual_seed(0)
+    model = SkipModel()
+    return model, capture(model, seq_len=4)
 
 
 def test_layer_stack_is_the_largest_list_of_identical_blocks():
@@ -62,41 +73,57 @@ def test_layer_stack_is_the_largest_list_of_identical_blocks():
         find_layer_stack(nn.Sequential(nn.Linear(2, 2)))
 
 
-def test_stages_compose_to_the_whole_model_and_values_cross_every_cut():
-    torch.manual_seed(0)
-    model = SkipModel()
+def test_stages_compose_to_the_whole_model_and_values_cross_every_cut(skip_model):
+    model, program = skip_model
     batch = {"input_ids": torch.randint(0, 16, (2, 4)), "labels": torch.randint(0, 16, (2, 4))}
     plan = _plan([(0, 1), (1, 2), (2, 3)])
-    gm = trace_model(model)
-    assert torch.allclose(_run_stages(gm, plan, batch), model(**batch))
-    first, middle, last = (stage_interface(Partition(plan, i)(gm).program) for i in range(3))
-    assert first.batch_inputs == ["input_ids"] and [v.name for v in first.outputs] == ["embed", "layers_0"]
-    assert [v.name for v in middle.inputs] == ["embed", "layers_0"] and [v.name for v in middle.outputs] == ["embed", "layers_1"]
-    # the last stage recomputes `scale` from input_ids (a free node) instead of receiving it
+    assert torch.allclose(_run_stages(model, program, plan, batch), model(**batch))
+    first, middle, last = (Partition(plan, i)(program.model_graph).program.interface for i in range(3))
+    assert first.batch_inputs == ["input_ids"] and [v.name for v in first.outputs][0] == HIDDEN
+    assert len(first.outputs) == 2  # the hidden state and the embedding the head reads again
+    assert [v.name for v in middle.inputs] == [v.name for v in first.outputs] == [v.name for v in middle.outputs]
+    # the last stage recomputes `scale` from input_ids (a free value) instead of receiving it
     assert sorted(last.batch_inputs) == ["input_ids", "labels"]
     assert all(v.batched and v.sample_shape == (4, 8) and v.needs_grad for v in middle.inputs)
     assert last.block_targets == ["layers.2"] and not last.outputs
 
 
-def test_one_stage_plan_is_the_model_unchanged():
-    model = SkipModel()
+def test_one_stage_plan_is_the_model_unchanged(skip_model):
+    model, program = skip_model
     batch = {"input_ids": torch.randint(0, 16, (2, 4)), "labels": torch.randint(0, 16, (2, 4))}
-    result = Partition(_plan([(0, 3)]), 0)(trace_model(model))
-    assert not result.modified
-    assert torch.equal(result.program(**batch), model(**batch))
+    assert torch.equal(_run_stages(model, program, _plan([(0, 3)]), batch), model(**batch))
 
 
-def test_plan_layers_beyond_the_model_are_an_error():
-    gm = trace_model(SkipModel(layers=2))
-    with pytest.raises(PartitionError, match="stage 2 is out of range"):
-        Partition(_plan([(0, 1), (1, 2)]), 2)
-    plan = _plan([(0, 1), (1, 2)])
-    stage = Partition(plan, 1)(gm).program  # fine: 2 layers, 2 stages
-    assert stage_interface(stage).block_targets == ["layers.1"]
+def test_every_layer_runs_its_group_representative_with_its_own_weights(skip_model):
+    model, program = skip_model
+    assert len(program.model_graph.regions) == 1 and program.model_graph.regions[0].layers == (0, 1, 2)
+    stage = Partition(_plan([(0, 3)]), 0)(program.model_graph).program
+    layers = stage.layer_units
+    assert [u.name for u in layers] == ["layers.0", "layers.1", "layers.2"]
+    assert layers[0].graph is layers[2].graph  # one program per group
+    assert layers[2].tensors["proj.weight"] == ("parameter", "layers.2.proj.weight")
 
 
-def test_pass_is_pure():
-    gm = trace_model(SkipModel())
-    before = gm.code
-    Partition(_plan([(0, 2), (2, 3)]), 1)(gm)
-    assert gm.code == before
+def test_plan_layers_that_do_not_match_the_model_are_an_error(skip_model):
+    _, program = skip_model
+    with pytest.raises(PartitionError, match="the plan covers 2 layers but the model has 3"):
+        Partition(_plan([(0, 1), (1, 2)]), 0)(program.model_graph)
+
+
+def test_pass_is_pure(skip_model):
+    _, program = skip_model
+    before = program.model_graph.graph.code
+    Partition(_plan([(0, 2), (2, 3)]), 1)(program.model_graph)
+    assert program.model_graph.graph.code == before
+
+
+def test_code_between_layers_is_refused_naming_it():
+    class Interleaved(SkipModel):
+        def forward(self, input_ids, labels):
+            x = self.embed(input_ids)
+            for layer in self.layers:
+                x = layer(x) * 0.5  # runs between the layers
+            return F.cross_entropy(self.head(x).view(-1, 16), labels.reshape(-1))
+
+    with pytest.raises(ValueError, match="code runs between the layers of layers"):
+        capture(Interleaved(), seq_len=4)

@@ -43,6 +43,7 @@ def _mark_inputs(layer_index: int, path: str):
         raise LayerContractError(
             f"layer {path} is called without a tensor as its first argument (or hidden_states=...); "
             "a pipeline stage needs layers called as layer(hidden, ...)")
+    hook.mist_boundary = True
     return hook
 
 
@@ -54,16 +55,20 @@ def _mark_output(layer_index: int, path: str):
             return type(output)([layer_boundary(output[0], 1, layer_index), *output[1:]])
         raise LayerContractError(f"layer {path} returns {type(output).__name__}; a pipeline stage needs a tensor "
                                  "(or a tuple whose first item is the hidden state)")
+    hook.mist_boundary = True
     return hook
 
 
 def install_boundary_hooks(layers: nn.ModuleList, path: str) -> None:
     """Hook every layer of ``layers`` (modules of capture's own copy: their hook tables are made
     private first, so the user's modules never see these hooks)."""
+    def own(table: dict) -> OrderedDict:  # a private copy, without markers an earlier call installed
+        return OrderedDict((k, v) for k, v in table.items() if not getattr(v, "mist_boundary", False))
+
     for index, layer in enumerate(layers):
-        layer._forward_pre_hooks = OrderedDict(layer._forward_pre_hooks)
+        layer._forward_pre_hooks = own(layer._forward_pre_hooks)
         layer._forward_pre_hooks_with_kwargs = OrderedDict(layer._forward_pre_hooks_with_kwargs)
-        layer._forward_hooks = OrderedDict(layer._forward_hooks)
+        layer._forward_hooks = own(layer._forward_hooks)
         layer._forward_hooks_with_kwargs = OrderedDict(layer._forward_hooks_with_kwargs)
         layer._forward_hooks_always_called = OrderedDict(layer._forward_hooks_always_called)
         layer.register_forward_pre_hook(_mark_inputs(index, f"{path}.{index}"), with_kwargs=True)
@@ -76,6 +81,9 @@ class Boundaries:
 
     inputs: dict[int, str] = field(default_factory=dict)
     outputs: dict[int, str] = field(default_factory=dict)
+    # per layer, the nodes that read its hidden state (through the marker); other reads of the same
+    # value, if any, pass it as something else (an embedding every layer reads again)
+    input_users: dict[int, set[str]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.inputs)
@@ -94,6 +102,8 @@ def strip_boundaries(gm: torch.fx.GraphModule) -> Boundaries:
                                      "a pipeline needs each layer called once")
         # a value passed straight from one layer to the next is the previous marker: use its source
         table[layer] = value.name
+        if side == 0:
+            found.input_users[layer] = {user.name for user in node.users}
         node.replace_all_uses_with(value)
         gm.graph.erase_node(node)
     gm.recompile()

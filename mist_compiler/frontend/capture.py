@@ -111,6 +111,7 @@ def capture(
         group_layers,  # layers with the same module structure form a group
         keep_one_layer_per_group,  # trace one representative per group
         check_model_output,  # forward returns a scalar loss or logits
+        check_layer_chain,  # the layers run back to back (no code between them that one layer would hide)
         trace_joint_graph,  # dynamo + aot_autograd: joint forward+backward ATen graph, b and s symbolic
         find_model_graph,  # the torch-level graph of the same trace, cut into pre / layers / post
         recognise_tensor_parallel,  # the one tensor-parallel recogniser: how each tensor splits, or why not
@@ -305,6 +306,24 @@ def keep_one_layer_per_group(state: CaptureState) -> CaptureState:
     kept = nn.ModuleList(copy.copy(layers[group[0]]) for group in state.layer_groups)
     install_boundary_hooks(kept, state.layer_list)  # on capture's own copies (hook tables made private)
     return replace(state, model=replace_submodule(state.model, state.layer_list, kept))
+
+
+def check_layer_chain(state: CaptureState) -> PassResult:
+    """Pass (check): the traced program stands for the whole model only if the layers are called
+    back to back, each on the previous one's output. Tracing one layer per group cannot see code
+    that runs between layers, so the torch-level graph of the layer list run twice over (a cheap
+    trace, no backward) must show no code between any two layers."""
+    if state.layer_list is None:
+        return PassResult(state, modified=False)
+    kept = state.model.get_submodule(state.layer_list)
+    twice = nn.ModuleList([copy.copy(layer) for layer in kept] + [copy.copy(layer) for layer in kept])
+    install_boundary_hooks(twice, state.layer_list)
+    input_ids, labels = _example_tokens(state)
+    with state.fake_mode:
+        probe = trace_joint(replace_submodule(state.model, state.layer_list, twice), input_ids, labels, analyse=False)
+    groups = tuple((i,) for i in range(len(twice)))
+    find_regions(probe.torch_graph, probe.boundaries, state.layer_list, groups, own_weights=False)  # code between layers?
+    return PassResult(state, modified=False)
 
 
 def _example_tokens(state: CaptureState) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,30 +78,33 @@ def _layer_of(node: torch.fx.Node, prefix: str) -> int | None:
 
 
 def _region(index: int, layers: tuple[int, ...], nodes: list[torch.fx.Node], carried_in: str, carried_out: str,
-            tensors: dict, prefix: str) -> LayerRegion:
+            tensors: dict, prefix: str, hidden_users: set[str], own_weights: bool = True) -> LayerRegion:
     members = {n.name for n in nodes}
     own = f"{prefix}.{index}." if prefix else f"{index}."
     params: dict[str, str] = {}
     glue: list[str] = []
     for node in nodes:
         for arg in node.all_input_nodes:
-            if arg.name in members or arg.name == carried_in or arg.name in params or arg.name in glue:
+            as_hidden = arg.name == carried_in and node.name in hidden_users
+            if arg.name in members or as_hidden or arg.name in params or arg.name in glue:
                 continue
             if arg.name in tensors and tensors[arg.name][1].startswith(own):
                 params[arg.name] = tensors[arg.name][1][len(own):]
-            elif arg.name in tensors and tensors[arg.name][0] == PARAMETER:
+            elif arg.name in tensors and tensors[arg.name][0] == PARAMETER and own_weights:
                 raise RegionError(f"layer {prefix}.{layers[0]} reads the parameter {tensors[arg.name][1]} of "
                                   "another module; a pipeline needs every layer to own its weights")
             else:
                 glue.append(arg.name)
     if carried_out not in members and carried_out != carried_in:
         raise RegionError(f"layer {prefix}.{layers[0]}: its output {carried_out} is not computed inside the layer")
-    return LayerRegion(index, layers, tuple(n.name for n in nodes), carried_in, carried_out, tuple(glue), params)
+    return LayerRegion(index, layers, tuple(n.name for n in nodes), carried_in, carried_out, tuple(glue), params,
+                       frozenset(hidden_users))
 
 
 def find_regions(gm: torch.fx.GraphModule, boundaries, layer_list: str, layer_groups: tuple,
-                 model_arg: str = "model") -> ModelGraph:
-    """The :class:`ModelGraph` of ``gm`` (see the module docstring)."""
+                 model_arg: str = "model", own_weights: bool = True) -> ModelGraph:
+    """The :class:`ModelGraph` of ``gm`` (see the module docstring); ``own_weights=False`` accepts
+    layers sharing weights (capture's chain check runs the same layers twice)."""
     tensors, batch, sizes = _classify_inputs(gm, model_arg)
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     layer_of = {n.name: _layer_of(n, layer_list) for n in body}
@@ -119,7 +122,8 @@ def find_regions(gm: torch.fx.GraphModule, boundaries, layer_list: str, layer_gr
     for index in traced:
         nodes = [n for n in body if layer_of[n.name] == index]
         regions.append(_region(index, tuple(layer_groups[index]), nodes, boundaries.inputs[index],
-                               boundaries.outputs[index], tensors, layer_list))
+                               boundaries.outputs[index], tensors, layer_list,
+                               boundaries.input_users.get(index, set()), own_weights))
     for region in regions:
         _check_only_output_leaves(gm, region, layer_list)
     num_layers = sum(len(group) for group in layer_groups)

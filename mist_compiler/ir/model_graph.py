@@ -89,6 +89,7 @@ class LayerRegion:
     carried_out: str  # the hidden state leaving it
     glue: tuple[str, ...]  # other outside values it reads (shared tables, masks, sizes), in order
     params: dict[str, str]  # placeholder -> path inside the layer ("self_attn.q_proj.weight")
+    hidden_users: frozenset = frozenset()  # its nodes reading carried_in as the hidden state (not as glue)
 
     @property
     def label(self) -> str:

@@ -113,25 +113,47 @@ def _unit_graph(model: ModelGraph, nodes: list[fx.Node], outputs: list[str], ten
 
 def layer_graph(model: ModelGraph, region: LayerRegion) -> _UnitGraph:
     """The program of one layer group: ``(hidden, *glue) -> hidden`` with the layer's tensors as
-    attributes named by their path inside the layer."""
+    attributes named by their path inside the layer. Nodes that read the layer's input *as its
+    hidden state* read the first argument; a read of the same value as anything else (a model
+    that passes its embedding to every layer) is glue."""
     by_name = model._by_name()
-    nodes = [by_name[name] for name in region.nodes]
-    unit = _unit_graph(model, nodes, [region.carried_out],
-                       lambda placeholder, name: region.params.get(placeholder))
-    order = [region.carried_in, *region.glue]
-    if sorted(unit.inputs) != sorted(order):
-        raise PartitionError(f"layer {model.layer_list}.{region.layers[0]}: its inputs {unit.inputs} are not "
-                             f"its hidden state and glue {order}")
-    placeholders = {n.name: n for n in unit.graph.nodes if n.op == "placeholder"}
-    first = next(iter(unit.graph.nodes))
-    for name in order:  # placeholders in the calling order: hidden state first, then the glue
-        with unit.graph.inserting_before(first):
-            moved = unit.graph.placeholder(f"{name}_in")
-        moved.meta.update(placeholders[name].meta)
-        placeholders[name].replace_all_uses_with(moved)
-        unit.graph.erase_node(placeholders[name])
-    unit.inputs = order
-    return unit
+    graph = fx.Graph()
+    hidden = graph.placeholder(f"{region.carried_in}_in")
+    hidden.meta.update(by_name[region.carried_in].meta)
+    glue = {}
+    for name in region.glue:
+        glue[name] = graph.placeholder(f"{name}_glue" if name == region.carried_in else f"{name}_in")
+        glue[name].meta.update(by_name[name].meta)
+    env: dict[str, fx.Node] = {}
+    tensors: dict[str, tuple[str, str]] = {}
+    attributes: dict[str, fx.Node] = {}
+
+    def attribute(target: str, source: fx.Node, kind: str, name: str) -> fx.Node:
+        if target not in attributes:
+            attributes[target] = graph.get_attr(target)
+            attributes[target].meta.update(source.meta)
+            tensors[target] = (kind, name)
+        return attributes[target]
+
+    def argument(reader: fx.Node, arg: fx.Node) -> fx.Node:
+        if arg.name in env:
+            return env[arg.name]
+        if arg.name == region.carried_in and reader.name in region.hidden_users:
+            return hidden
+        if arg.name in glue:
+            return glue[arg.name]
+        if arg.name in region.params:
+            return attribute(region.params[arg.name], arg, model.tensors[arg.name][0], region.params[arg.name])
+        if arg.op == "get_attr":
+            return attribute(arg.target, arg, CONSTANT, arg.target)
+        raise PartitionError(f"layer {model.layer_list}.{region.layers[0]} reads {arg.name}, which is neither its "
+                             "hidden state, a value shared by all layers, nor one of its own tensors")
+
+    for name in region.nodes:
+        node = by_name[name]
+        env[name] = graph.node_copy(node, lambda arg, node=node: argument(node, arg))
+    graph.output(env.get(region.carried_out, hidden))
+    return _UnitGraph(graph, [region.carried_in, *region.glue], [region.carried_out], tensors)
 
 
 def _symbol_values(model: ModelGraph, micro_batch: int, seq_len: int) -> tuple[dict, sympy.Symbol | None]:
@@ -188,8 +210,12 @@ def _stage_of_pre_outputs(model: ModelGraph, plan: Plan, pre_unit_nodes: set[str
                 continue
             readers = [post_stage] if user.name in model.post else []
             for region in model.regions:
-                if user.name in region.nodes:
+                if user.name not in region.nodes:
+                    continue
+                if name in region.glue:  # every layer of the group reads it
                     readers += [stage_of_layer[k] for k in region.layers]
+                if name == region.carried_in and user.name in region.hidden_users and 0 in region.layers:
+                    readers.append(stage_of_layer[0])  # the first layer's hidden state
             last_stage[name] = max([last_stage.get(name, 0), *readers])
     return last_stage
 
@@ -209,14 +235,15 @@ def _build_stage(model: ModelGraph, plan: Plan, index: int) -> StageGraph:
     hidden_source = first_region.carried_in
 
     order = list(by_name)
-    later = lambda at: sorted((n for n, s in crossing.items() if s >= at and n != hidden_source), key=order.index)
+    later = lambda at: sorted((n for n, s in crossing.items() if s >= at), key=order.index)
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     inputs: list[BoundaryValue] = []
     micro, seq = stage.micro_batch, plan.seq_len
+    hidden = None
     if not first:  # the hidden state, then the pre values this or a later stage reads
         previous_out = model.region_of_layer(stage.layers[0] - 1).carried_out
-        env[hidden_source] = graph.placeholder(HIDDEN)
+        hidden = graph.placeholder(HIDDEN)
         inputs.append(boundary_value(model, previous_out, HIDDEN, micro, seq))
         for name in later(index):
             env[name] = graph.placeholder(name)
@@ -225,13 +252,13 @@ def _build_stage(model: ModelGraph, plan: Plan, index: int) -> StageGraph:
     needed = _needed_free_values(model, plan, index, free, pre_nodes, post_nodes)
     batch_inputs = _emit_free_values(model, graph, env, needed, free)
     if first:
-        outputs = [hidden_source] + [n for n in later(0) if n in pre_names]
+        outputs = [hidden_source] + [n for n in later(0) if n in pre_names and n != hidden_source]
         unit = _unit_graph(model, pre_nodes, outputs, lambda placeholder, name: name)
         units.append(Unit("pre", "pre", unit.graph, unit.tensors, "pre"))
         call = graph.call_module("pre", tuple(env[name] for name in unit.inputs))
         for position, name in enumerate(outputs):
             env[name] = call if len(outputs) == 1 else graph.call_function(operator.getitem, (call, position))
-    hidden = env[hidden_source]
+        hidden = env[hidden_source]
     layer_graphs: dict[int, _UnitGraph] = {}
     for layer in range(*stage.layers):
         region = model.region_of_layer(layer)
@@ -246,8 +273,7 @@ def _build_stage(model: ModelGraph, plan: Plan, index: int) -> StageGraph:
         hidden = graph.call_module(target, (hidden, *(env[name] for name in region.glue)))
     outputs_sent: list[BoundaryValue] = []
     if last:
-        env_hidden = model.regions[-1].carried_out
-        env[env_hidden] = hidden
+        env[model.regions[-1].carried_out] = hidden  # what the post part read in the trace
         final = next(n for n in model.graph.graph.nodes if n.op == "output").args[0]
         final = final[0] if isinstance(final, (tuple, list)) else final
         outputs = [final.name]
