@@ -178,7 +178,7 @@ def run_job(rank: int, world: int, job: Job) -> dict:
     from mist_compiler.backends.engine import compile as compile_plan
     from mist_compiler.backends.optimizer import AdamWConfig
     from mist_compiler.backends.worker import compare, model_vocab, reference_training, synthetic_batch
-    from mist_compiler.cost.live_memory import DevicePeakMemory
+    from mist_compiler.backends.live_memory import DevicePeakMemory
     from mist_compiler.ir.plan import Plan
     from mist_compiler.models import build_model
 
@@ -243,7 +243,7 @@ def run(job: Job, world: int, settings: Settings) -> Outcome:
 def calibrated(settings: Settings):
     """The hardware profile with its compute side measured on this device now (seconds)."""
     from mist_compiler.cost.hardware import load_profile
-    from mist_compiler.cost.profiler import ProfilerOptions, recalibrate_compute
+    from mist_compiler.backends.profiler import ProfilerOptions, recalibrate_compute
 
     base = load_profile(settings.hardware)
     options = ProfilerOptions(quick=settings.device == "cpu", device=settings.device, log=lambda message: None)

@@ -373,7 +373,7 @@ def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, meas
     import torch.distributed as dist
 
     from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.worker import model_vocab, synthetic_batch
+    from mist_compiler.backends.check import synthetic_batch, vocab_size as model_vocab
     from mist_compiler.backends.live_memory import DevicePeakMemory
     from mist_compiler.models import build_model
 

@@ -33,7 +33,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mist_compiler.backends.optimizer import AdamWConfig  # noqa: E402
-from mist_compiler.backends.worker import synthetic_batch  # noqa: E402
+from mist_compiler.backends.check import synthetic_batch  # noqa: E402
 from mist_compiler.ir.plan import Plan  # noqa: E402
 from mist_compiler.models import build_model, zoo_config  # noqa: E402
 

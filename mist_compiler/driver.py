@@ -94,6 +94,12 @@ def tune(program: MistProgram, cost_model, *, nodes: int, gpus_per_node: int, gl
     return result
 
 
+def check_sequence(program: MistProgram, seq_len: int, field: str = "--seq") -> None:
+    """Refuse a sequence longer than the model's position table (it would fail at run time)."""
+    if program.max_positions is not None and seq_len > program.max_positions:
+        raise PlanError(f"{field}: {seq_len} exceeds the {program.max_positions} positions {program.model_name} takes")
+
+
 def check_plan(program: MistProgram, plan: Plan, *, model_name: str | None = None, prove: bool = True,
                buffers=None) -> None:
     """Step 4: refuse a plan made for another model or one the captured model cannot run."""
@@ -125,6 +131,7 @@ def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes
         if hardware is None or global_batch is None:
             raise PlanError("without a plan, compiling needs the hardware and the global batch to tune one")
         seq = seq_len or program.seq_len
+        check_sequence(program, seq, "seq_len")
         cost_model = analyse(program, hardware, seq_len=seq, attention=attention)
         tuning = tune(program, cost_model, nodes=nodes, gpus_per_node=gpus_per_node, global_batch=global_batch,
                       seq_len=seq, space=space, progress=progress)

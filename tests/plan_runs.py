@@ -30,11 +30,8 @@ def plan_dict(model: str, global_batch: int, grad_accum: int, stages: list, seq:
 def train_and_check(rank: int, world: int, plans: list[dict], by_module: bool = False, sabotage=None) -> list:
     """On every rank: train each plan; rank 0 returns each verdict (as a dict)."""
     from mist_compiler import driver
-    from mist_compiler.backends.check import (Run, canonical_names, compare, noise_run, reference_run,
-                                              synthetic_batch)
+    from mist_compiler.backends.check import Run, check_run, synthetic_batch, vocab_size
     from mist_compiler.backends.optimizer import AdamWConfig
-    from mist_compiler.backends.worker import model_vocab
-    from mist_compiler.frontend.joint import model_call_kwargs
     from mist_compiler.ir.plan import Plan
     from mist_compiler.models import build_model
 
@@ -46,7 +43,7 @@ def train_and_check(rank: int, world: int, plans: list[dict], by_module: bool = 
         engine = compiled.engine
         if sabotage is not None:
             sabotage(engine)
-        vocab = model_vocab(compiled.program)
+        vocab = vocab_size(compiled.program)
         batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, s) for s in range(STEPS)]
         losses, gradients = [], None
         for step, batch in enumerate(batches):
@@ -57,12 +54,7 @@ def train_and_check(rank: int, world: int, plans: list[dict], by_module: bool = 
         weights = engine.gather_full_state()
         engine.close()
         if rank == 0:
-            build = lambda: build_model(plan.model, seq_len=plan.seq_len)  # noqa: E731
-            probe = build()
-            kwargs = model_call_kwargs(probe)
-            reference = reference_run(build, batches, LR, kwargs)
-            noise = noise_run(build, batches, LR, plan.dtype, plan.grad_accum, kwargs)
-            verdict = compare(Run(losses, gradients, weights), reference, noise, canonical_names(probe), plan.dtype)
+            verdict = check_run(plan.model, plan, batches, Run(losses, gradients, weights), LR)
             results.append({"stages": data["stages"], "ok": verdict.ok, "line": verdict.line(),
                             "ratio": verdict.worst_ratio})
     return results

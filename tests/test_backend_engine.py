@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mist_compiler.ir.plan import Plan
-from tests.dist_utils import run_ranks
+from tests.plan_runs import assert_all_pass, run_plans
 
 SEQ = 16
 LR = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": float(os.environ.get("MIST_TEST_EPS", "1e-6")), "weight_decay": 0.1}
@@ -24,38 +24,6 @@ def plan_dict(model, global_batch, grad_accum, stages):
             s["micro_batch"] = global_batch // (grad_accum * s["dp"])
     return {"model": model, "seq_len": SEQ, "global_batch": global_batch, "dtype": "float32",
             "grad_accum": grad_accum, "stages": stages}
-
-
-def _train_plans(rank, world, plans):
-    """On every rank: compile and train each plan 3 steps; rank 0 compares with one process."""
-    from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.optimizer import AdamWConfig
-    from mist_compiler.backends.worker import compare, model_vocab, reference_training, synthetic_batch
-    from mist_compiler.models import build_model
-
-    results = []
-    for data in plans:
-        plan = Plan.from_dict(data)
-        model = build_model(plan.model, seq_len=plan.seq_len)
-        engine = compile_plan(model, plan, optimizer=AdamWConfig(**LR), timeout_s=60)
-        vocab = model_vocab(model)
-        losses = [engine.step(synthetic_batch(vocab, plan.global_batch, plan.seq_len, s)) for s in range(3)]
-        state = engine.gather_full_state()
-        engine.close()
-        if rank == 0:
-            ref_losses, ref_state = reference_training(build_model(plan.model, seq_len=plan.seq_len), plan, 3, LR)
-            worst, where = compare(losses, state, ref_losses, ref_state)
-            results.append({"plan": data, "worst": worst, "where": where, "losses": losses, "ref": ref_losses})
-    return results
-
-
-def run_plans(world, plans, timeout_s=240):
-    return run_ranks(_train_plans, world=world, args=(plans,), timeout_s=timeout_s)[0]
-
-
-def assert_all_match(results, tolerance=1e-5):
-    bad = [(r["plan"]["stages"], r["worst"], r["where"]) for r in results if not r["worst"] <= tolerance]
-    assert not bad, f"plans differ from single-process training: {bad}"
 
 
 def offload(**ratios):
@@ -89,7 +57,11 @@ def mixed_plan():
 
 def report(results):
     for r in results:
-        print(f"{r['worst']:.2e} {r['where']:<28} {r['plan']['model']} {r['plan']['stages']}")
+        print(r["line"], r["stages"])
+
+
+def assert_all_match(results):
+    assert_all_pass(results)
 
 
 @pytest.mark.distributed

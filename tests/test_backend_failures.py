@@ -29,10 +29,11 @@ def _plan(world: int) -> Plan:
 def _failing_worker(rank: int, world: int, port: int, mode: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     log = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(log, 2)  # whatever this rank says on stderr (its own error or its monitor's) lands here
+    os.dup2(log, 2)  # whatever this rank says (its own error on stderr, its monitor's on stdout) lands here
+    os.dup2(log, 1)
     torch.set_num_threads(1)
     from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.worker import synthetic_batch
+    from mist_compiler.backends.check import synthetic_batch
     from mist_compiler.models import build_model
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -104,10 +105,19 @@ def _single_rank_group():
 
 
 def _count_forward_calls(model):
+    """Forward calls on real tensors (capture traces a fake copy: no real computation)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     calls = []
-    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+
+    def count(module, args, kwargs):
+        values = list(args) + list(kwargs.values())
+        if not any(isinstance(v, FakeTensor) for v in values) and not torch.compiler.is_compiling():
+            calls.append(1)
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
     for block in model.blocks:
-        block.register_forward_pre_hook(lambda module, args: calls.append(1))
+        block.register_forward_pre_hook(count, with_kwargs=True)
     return calls
 
 

@@ -124,7 +124,7 @@ def test_ir_after_lowering_passes_with_a_plan(tmp_path, capsys):
     path.write_text(json.dumps(plan))
     out = run_ir(["gpt-tiny", "--plan", str(path), "--after", "tp_sharding", "--after", "checkpoint"], capsys)
     assert "# stage 0: layers [0, 2), dp=1 tp=2" in out and "# stage 1: layers [2, 4)" in out
-    assert "VocabParallelEmbedding weight[256, 64]" in out  # vocab 512 split over tp=2
+    assert "tp.embedding" in out and "unit embed (pre, 1 tensors) split {'weight': (0, ())}" in out  # vocab 512 split
     assert "checkpoint" in out.split("(after checkpoint)")[1]
     from mist_compiler import cli
 

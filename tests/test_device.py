@@ -55,7 +55,7 @@ def test_a_step_waits_for_the_device_once_whatever_the_micro_batch_count(monkeyp
     import torch.distributed as dist
 
     from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.worker import synthetic_batch
+    from mist_compiler.backends.check import synthetic_batch
     from mist_compiler.ir.plan import Plan
     from mist_compiler.models import build_model
 

@@ -1,4 +1,4 @@
-"""The live-memory probe (``cost.live_memory``) on CPU, and the backend's measured peaks against ``analyze``.
+"""The live-memory probe (``backends.live_memory``) on CPU, and the backend's measured peaks against ``analyze``.
 
 The probe is what ``benchmarks/prediction_accuracy.py`` compares the cost model with, so it is
 checked on exact byte counts; the distributed test is a small end-to-end version of that benchmark.
@@ -69,7 +69,7 @@ def test_backward_is_seen():
 
 def _peak_rank(rank: int, world: int, plan: Plan) -> float:
     from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.worker import model_vocab, synthetic_batch
+    from mist_compiler.backends.check import synthetic_batch, vocab_size as model_vocab
     from mist_compiler.models import build_model
 
     with DevicePeakMemory() as probe:

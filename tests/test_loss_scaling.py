@@ -45,7 +45,7 @@ def test_only_float16_is_scaled():
 
 def _fp16_pipeline_skips_together(rank, world, data):
     from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.worker import synthetic_batch
+    from mist_compiler.backends.check import synthetic_batch
     from mist_compiler.models import build_model
 
     plan = Plan.from_dict(data)

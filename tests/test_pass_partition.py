@@ -82,8 +82,8 @@ def test_stages_compose_to_the_whole_model_and_values_cross_every_cut(skip_model
     assert first.batch_inputs == ["input_ids"] and [v.name for v in first.outputs][0] == HIDDEN
     assert len(first.outputs) == 2  # the hidden state and the embedding the head reads again
     assert [v.name for v in middle.inputs] == [v.name for v in first.outputs] == [v.name for v in middle.outputs]
-    # the last stage recomputes `scale` from input_ids (a free value) instead of receiving it
-    assert sorted(last.batch_inputs) == ["input_ids", "labels"]
+    # the last stage recomputes `scale` from the batch's shape (a free value) instead of receiving it
+    assert "labels" in last.batch_inputs and len(last.inputs) == 2
     assert all(v.batched and v.sample_shape == (4, 8) and v.needs_grad for v in middle.inputs)
     assert last.block_targets == ["layers.2"] and not last.outputs
 

@@ -38,27 +38,31 @@ def equal_tags():
 
 
 def _train_with_equal_tags(rank, world, cases):
-    """Each case is (plan dict, schedule name); rank 0 compares with one-process training."""
+    """Each case is (plan dict, schedule name); rank 0 judges the run against one-process training."""
+    from mist_compiler.backends.check import Run, check_run, synthetic_batch, vocab_size
     from mist_compiler.backends.engine import compile as compile_plan
     from mist_compiler.backends.optimizer import AdamWConfig
-    from mist_compiler.backends.worker import compare, model_vocab, reference_training, synthetic_batch
-    from mist_compiler.models import build_model
 
     results = []
     with equal_tags():
         for data, schedule in cases:
             plan = Plan.from_dict(data)
-            model = build_model(plan.model, seq_len=plan.seq_len)
-            engine = compile_plan(model, plan, optimizer=AdamWConfig(**LR), timeout_s=60)
+            engine = compile_plan(plan.model, plan, optimizer=AdamWConfig(**LR), timeout_s=60)
             engine.set_schedule(schedule)
-            vocab = model_vocab(model)
-            losses = [engine.step(synthetic_batch(vocab, plan.global_batch, plan.seq_len, s)) for s in range(3)]
+            vocab = vocab_size(engine.captured)
+            batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, s) for s in range(3)]
+            losses, gradients = [], None
+            for step, batch in enumerate(batches):
+                losses.append(engine.forward_backward(batch))
+                if step == 0:
+                    gradients = engine.gather_full_gradients()
+                engine.optimizer_step()
             state = engine.gather_full_state()
             engine.close()
             if rank == 0:
-                ref_losses, ref_state = reference_training(build_model(plan.model, seq_len=plan.seq_len), plan, 3, LR)
-                worst, where = compare(losses, state, ref_losses, ref_state)
-                results.append({"plan": data, "schedule": schedule, "worst": worst, "where": where})
+                verdict = check_run(plan.model, plan, batches, Run(losses, gradients, state), LR)
+                results.append({"stages": data["stages"], "schedule": schedule, "ok": verdict.ok,
+                                "line": verdict.line()})
     return results
 
 

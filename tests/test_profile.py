@@ -126,7 +126,7 @@ def _fake_compute(device, options):
 def test_overrunning_ranks_are_killed_with_a_clear_error(monkeypatch):
     import subprocess
 
-    from mist_compiler.cost import profiler
+    from mist_compiler.backends import profiler
 
     started: list[subprocess.Popen] = []
     real_popen = subprocess.Popen

@@ -175,3 +175,36 @@ def compare(plan_run: Run, reference: Run, noise: Run, names: dict[str, str], dt
             if key in want_all:
                 consider(f"the {kind} of {key}", got, want_all[key], noisy_all[key], pooled)
     return worst
+
+
+def vocab_size(model) -> int:
+    """The token vocabulary of a model (an ``nn.Module``: its config or largest embedding; a captured
+    program: the embedding its input ids index)."""
+    graph = getattr(model, "model_graph", None)
+    if graph is not None:
+        from .tp_check import _vocabulary
+
+        return _vocabulary(graph)
+    config = getattr(model, "config", None)
+    for attr in ("vocab", "vocab_size"):
+        if config is not None and isinstance(getattr(config, attr, None), int):
+            return getattr(config, attr)
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise ValueError(f"cannot find the vocabulary size of {type(model).__name__}")
+    return max(e.num_embeddings for e in embeddings)
+
+
+def check_run(model_name: str, plan, batches: list[dict], run: Run, optimizer) -> Verdict:
+    """``--check`` for a finished run of ``plan`` on ``batches`` (call on the rank that gathered it)."""
+    from ..frontend.joint import model_call_kwargs
+    from ..models import build_model
+
+    build = lambda: build_model(model_name, seq_len=plan.seq_len)  # noqa: E731
+    probe = build()
+    kwargs = model_call_kwargs(probe)
+    settings = optimizer if isinstance(optimizer, dict) else {
+        "lr": optimizer.lr, "betas": tuple(optimizer.betas), "eps": optimizer.eps, "weight_decay": optimizer.weight_decay}
+    reference = reference_run(build, batches, settings, kwargs)
+    noise = noise_run(build, batches, settings, plan.dtype, plan.grad_accum, kwargs)
+    return compare(run, reference, noise, canonical_names(probe), plan.dtype)

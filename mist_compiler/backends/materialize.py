@@ -99,6 +99,8 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
                     shards[f"{unit.name}.{attr}"] = unit.shards[attr]
     for attr, (kind, name) in stage.tensors.items():
         root[attr] = tensor(kind, name, None)
+    if stage.needs_tp:
+        root.update({f"tp.{child}": getattr(ops, child) for child in ("copy", "reduce", "embedding", "cross_entropy")})
     module = fx.GraphModule(root, stage.graph, class_name=f"Stage{stage.stage}")
     offload = {unit.name: unit.offload for unit in stage.units}
     checkpointed = {unit.name for unit in stage.units if unit.checkpointed}

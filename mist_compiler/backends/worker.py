@@ -51,13 +51,6 @@ def say(message: str) -> None:
     print(f"{PREFIX} {message}", flush=True)
 
 
-def model_vocab(program) -> int:
-    """The vocabulary the captured model's embedding is indexed with."""
-    from .tp_check import _vocabulary
-
-    return _vocabulary(program.model_graph)
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="mist_compiler.backends.worker")
     parser.add_argument("model")
@@ -73,7 +66,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def train(args: argparse.Namespace, rank: int) -> int:
     from mist_compiler import driver
 
-    from .check import synthetic_batch
+    from .check import synthetic_batch, vocab_size
     from .optimizer import AdamWConfig
 
     plan = load_plan(args.plan)
@@ -81,7 +74,7 @@ def train(args: argparse.Namespace, rank: int) -> int:
     started = time.perf_counter()
     compiled = driver.compile_model(args.model, plan=plan, model_name=args.model, prove=False, optimizer=optimizer,
                                     timeout_s=args.timeout)
-    engine, vocab = compiled.engine, model_vocab(compiled.program)
+    engine, vocab = compiled.engine, vocab_size(compiled.program)
     if rank == 0:
         say(f"compiled {args.model} for {plan.world_size} rank(s) in {time.perf_counter() - started:.1f} s")
     batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, step) for step in range(args.steps)]
@@ -105,19 +98,9 @@ def train(args: argparse.Namespace, rank: int) -> int:
 
 
 def check(args, plan, batches, losses, gradients, weights, optimizer) -> int:
-    from mist_compiler.frontend.joint import model_call_kwargs
-    from mist_compiler.models import build_model
+    from .check import Run, check_run
 
-    from .check import Run, canonical_names, compare, noise_run, reference_run
-
-    build = lambda: build_model(args.model, seq_len=plan.seq_len)  # noqa: E731
-    probe = build()
-    kwargs = model_call_kwargs(probe)
-    settings = {"lr": optimizer.lr, "betas": tuple(optimizer.betas), "eps": optimizer.eps,
-                "weight_decay": optimizer.weight_decay}
-    reference = reference_run(build, batches, settings, kwargs)
-    noise = noise_run(build, batches, settings, plan.dtype, plan.grad_accum, kwargs)
-    verdict = compare(Run(losses, gradients, weights), reference, noise, canonical_names(probe), plan.dtype)
+    verdict = check_run(args.model, plan, batches, Run(losses, gradients, weights), optimizer)
     say(verdict.line())
     return 0 if verdict.ok else 1
 

@@ -202,9 +202,7 @@ def build_fake_model(state: CaptureState) -> CaptureState:
         with fake_mode:
             cast_floating(model, DTYPES[state.dtype])
     dtype = state.dtype or _param_dtype(model)
-    max_positions = _max_seq(config)
-    if state.seq_len is not None and max_positions is not None and state.seq_len > max_positions:
-        raise IRError(f"sequence length {state.seq_len} exceeds the {max_positions} positions {state.model_name} takes")
+    max_positions = _max_seq(config)  # callers refuse longer sequences (plans, --seq), naming their field
     seq_len = state.seq_len or max_positions or 2048
     return replace(state, model=model, fake_mode=fake_mode, config=config, dtype=dtype, seq_len=seq_len,
                    max_positions=max_positions)

@@ -11,6 +11,7 @@ FakeTensors, compiled with ``dynamic=True`` so the batch and sequence sizes are 
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import torch.fx
 from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..ir.program import B, S
 from ..passes.block_discovery import module_paths
@@ -195,7 +197,11 @@ def trace_joint(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
         # module float attributes (eps) stay constants: otherwise dynamo lifts them to inputs,
         # fails in aot_autograd and traces everything a second time
         # logging calls in model code (Hugging Face's warning_once) are dropped, not graph breaks
-        with torch._dynamo.config.patch(specialize_float=True, ignore_logging_functions=_logging_functions()):
+        # a dispatch mode the caller has open (a memory probe) would make dynamo skip the frame; the
+        # trace runs on fake tensors, so nothing the mode could see happens here
+        fake_mode = getattr(input_ids, "fake_mode", None)
+        with torch._dynamo.config.patch(specialize_float=True, ignore_logging_functions=_logging_functions()), \
+                _disable_current_modes(), fake_mode if fake_mode is not None else contextlib.nullcontext():
             compiled(model, input_ids, labels)
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as error:
         raise CaptureError(

@@ -2,8 +2,9 @@
 
 ``partition`` produces a :class:`StageGraph` from the captured :class:`~.model_graph.ModelGraph`
 and a plan: a top-level fx graph that recomputes the values every stage can compute from the
-batch alone (positions, masks, rotary tables) and calls one *unit* per parameter-holding piece
-(the ``pre`` part, each layer, the ``post`` part) in execution order. A unit is described, not
+batch alone (positions, masks, rotary tables), runs the code outside modules (a residual add,
+the loss) and calls one *unit* per parameter-holding piece (each module of the pre part that
+reads parameters, each layer, each such module of the post part) in execution order. A unit is described, not
 built: its fx graph (shared by every layer of one class), the model tensors its attributes
 stand for, how each is split over tensor-parallel ranks, whether it is checkpointed, how much
 of it is offloaded. The later passes (``tp_sharding``, ``checkpoint``, ``offload_insertion``)
@@ -111,6 +112,7 @@ class StageGraph:
     tensors: dict[str, tuple[str, str]] = field(default_factory=dict)  # top-level attribute -> (BUFFER | CONSTANT, name)
     tp: tuple[int, int] = (0, 1)  # (tp rank, tp degree) the units are sharded for
     plan_dtype: str = "float32"
+    needs_tp: bool = False  # the top-level graph calls tensor-parallel collectives (a vocabulary-parallel loss)
 
     def unit(self, name: str) -> Unit:
         for unit in self.units:

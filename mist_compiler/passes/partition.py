@@ -26,6 +26,7 @@ import torch.fx as fx
 from ..ir.model_graph import BUFFER, CONSTANT, PARAMETER, LayerRegion, ModelGraph
 from ..ir.plan import Plan
 from ..ir.stage import BoundaryValue, StageGraph, StageInterface, Unit
+from .block_discovery import module_paths
 from .manager import PassResult
 
 HIDDEN = "hidden"  # name of the carried hidden state in stage interfaces
@@ -184,6 +185,38 @@ def boundary_value(model: ModelGraph, source: str, name: str, micro_batch: int, 
     return BoundaryValue(name, sample, value.dtype, batched)
 
 
+def _deepest_module(node: fx.Node) -> str:
+    paths = module_paths(node)
+    return paths[-1] if paths else ""
+
+
+def module_units(model: ModelGraph, nodes: list[fx.Node]) -> list[tuple[str | None, list[fx.Node]]]:
+    """Split the pre or post part into units the way the runtime shards and hooks them: the nodes
+    of each module that reads parameters form one unit, named by the module's path (so a unit's
+    parameters keep their names); other nodes (a residual add, the loss) stay in the stage's
+    top-level graph (``None``). Returned in graph order, consecutive nodes of one owner merged."""
+    params = {p for p, (kind, _) in model.tensors.items() if kind == PARAMETER}
+    reading = {_deepest_module(n) for n in nodes if any(a.name in params for a in n.all_input_nodes)}
+    runs: list[tuple[str | None, list[fx.Node]]] = []
+    for node in nodes:
+        owner = next((path for path in reversed(module_paths(node) or [""]) if path in reading), None)
+        if owner is None and "" in reading and any(a.name in params for a in node.all_input_nodes):
+            owner = ""
+        if runs and runs[-1][0] == owner:
+            runs[-1][1].append(node)
+        else:
+            runs.append((owner, [node]))
+    return runs
+
+
+def _unit_name(owner: str, kind: str) -> str:
+    return owner or kind  # parameters read at the model's top level: the "pre" / "post" unit
+
+
+def _relative(name: str, unit: str) -> str:
+    return name[len(unit) + 1:] if unit and name.startswith(unit + ".") else name
+
+
 @dataclass
 class Partition:
     """The partition pass for one stage of a plan: ``ModelGraph -> StageGraph``."""
@@ -252,12 +285,7 @@ def _build_stage(model: ModelGraph, plan: Plan, index: int) -> StageGraph:
     needed = _needed_free_values(model, plan, index, free, pre_nodes, post_nodes)
     batch_inputs = _emit_free_values(model, graph, env, needed, free)
     if first:
-        outputs = [hidden_source] + [n for n in later(0) if n in pre_names and n != hidden_source]
-        unit = _unit_graph(model, pre_nodes, outputs, lambda placeholder, name: name)
-        units.append(Unit("pre", "pre", unit.graph, unit.tensors, "pre"))
-        call = graph.call_module("pre", tuple(env[name] for name in unit.inputs))
-        for position, name in enumerate(outputs):
-            env[name] = call if len(outputs) == 1 else graph.call_function(operator.getitem, (call, position))
+        _emit_part(model, graph, env, units, pre_nodes, "pre", keep={hidden_source, *later(0)})
         hidden = env[hidden_source]
     layer_graphs: dict[int, _UnitGraph] = {}
     for layer in range(*stage.layers):
@@ -276,13 +304,12 @@ def _build_stage(model: ModelGraph, plan: Plan, index: int) -> StageGraph:
         env[model.regions[-1].carried_out] = hidden  # what the post part read in the trace
         final = next(n for n in model.graph.graph.nodes if n.op == "output").args[0]
         final = final[0] if isinstance(final, (tuple, list)) else final
-        outputs = [final.name]
-        unit = _unit_graph(model, post_nodes, outputs, lambda placeholder, name: name)
-        missing = [name for name in unit.inputs if name not in env]
+        missing = [a.name for a in _external_inputs(post_nodes, {n.name for n in post_nodes})
+                   if a.name not in env and a.name not in model.tensors and a.op != "get_attr"]
         if missing:
             raise PartitionError(f"the last stage needs {missing} but no earlier part of the model provides them")
-        units.append(Unit("post", "post", unit.graph, unit.tensors, "post"))
-        graph.output(graph.call_module("post", tuple(env[name] for name in unit.inputs)))
+        _emit_part(model, graph, env, units, post_nodes, "post", keep={final.name})
+        graph.output(env[final.name])
     else:
         forwarded = later(index + 1)
         sent = [hidden] + [env[n] for n in forwarded]
@@ -294,6 +321,37 @@ def _build_stage(model: ModelGraph, plan: Plan, index: int) -> StageGraph:
     interface = StageInterface(index, plan.pp, inputs, batch_inputs, outputs_sent,
                                [u.name for u in units if u.kind == "layer"])
     return StageGraph(index, plan.pp, graph, interface, units, _top_level_tensors(graph, model), plan_dtype=plan.dtype)
+
+
+def _emit_part(model: ModelGraph, graph: fx.Graph, env: dict[str, fx.Node], units: list[Unit], nodes: list[fx.Node],
+               kind: str, keep: set[str]) -> None:
+    """Emit the pre or post part into the stage graph: a call per parameter-reading module (a unit),
+    the other nodes copied as they are. ``keep``: values read after this part (its results)."""
+    runs = module_units(model, nodes)
+    run_of = {n.name: index for index, (_, run) in enumerate(runs) for n in run}
+    for index, (owner, run) in enumerate(runs):
+        if owner is None:
+            for node in run:
+                env[node.name] = graph.node_copy(node, lambda arg: env[arg.name] if arg.name in env
+                                                 else _tensor_attribute(model, graph, arg))
+            continue
+        name = _unit_name(owner, kind)
+        outputs = [n.name for n in run if n.name in keep or any(run_of.get(u.name) != index for u in n.users)]
+        unit = _unit_graph(model, run, outputs, lambda placeholder, fqn, name=name: _relative(fqn, name))
+        units.append(Unit(name, kind, unit.graph, unit.tensors, kind))
+        call = graph.call_module(name, tuple(env[source] for source in unit.inputs))
+        for position, output in enumerate(outputs):
+            env[output] = call if len(outputs) == 1 else graph.call_function(operator.getitem, (call, position))
+
+
+def _tensor_attribute(model: ModelGraph, graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """A buffer or constant read by top-level code: an attribute of the stage module."""
+    if node.op == "get_attr":
+        return graph.get_attr(node.target)
+    kind, name = model.tensors[node.name]
+    if kind == PARAMETER:
+        raise PartitionError(f"{node.name}: a parameter read outside any module cannot be sharded or offloaded")
+    return graph.get_attr(name)
 
 
 def _needed_free_values(model: ModelGraph, plan: Plan, index: int, free: set[str], pre_nodes, post_nodes) -> set[str]:

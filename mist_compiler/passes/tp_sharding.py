@@ -46,12 +46,13 @@ def clone_graph(graph: fx.Graph) -> fx.Graph:
     return new
 
 
-def _node(graph: fx.Graph, name: str) -> fx.Node:
+def _node(graph: fx.Graph, name: str) -> fx.Node | None:
+    """The node ``name`` of the captured graph in this (unit or stage) graph, or None when it is elsewhere."""
     for candidate in (name, f"{name}_in"):
         for node in graph.nodes:
-            if node.name == candidate:
+            if node.name == candidate and node.op != "output":
                 return node
-    raise KeyError(f"node {name} is not in the unit graph")
+    return None
 
 
 def _divide(value, position: tuple, degree: int):
@@ -93,6 +94,8 @@ def apply_edits(graph: fx.Graph, edits: list[GraphEdit], attrs: dict[str, str], 
     uses_tp = False
     for edit in edits:
         node = _node(graph, edit.node)
+        if node is None or (node.op == "placeholder" and edit.kind != "copy_in"):
+            continue  # the value is computed in another graph of the stage, which applies the edit
         if edit.kind == "divide_arg":
             index, rest = edit.position[0], edit.position[1:]
             args = list(node.args)
@@ -106,6 +109,8 @@ def apply_edits(graph: fx.Graph, edits: list[GraphEdit], attrs: dict[str, str], 
                 node.args, node.kwargs = (node.args[0], node.args[1]), {k: v for k, v in node.kwargs.items() if k != "bias"}
         elif edit.kind == "copy_in":
             users = [u for u in node.users if _is_column_matmul(u, node, shards)]
+            if not users:
+                continue  # its column-parallel readers are in another graph of the stage
             with graph.inserting_after(node):
                 copied = graph.call_module("tp.copy", (node,))
             copied.meta.update(node.meta)
@@ -156,7 +161,8 @@ def _unit_attrs(model: ModelGraph, unit: Unit) -> dict[str, str]:
     if unit.kind == "layer":
         region = next(r for r in model.regions if r.label == unit.region)
         return dict(region.params)
-    return {placeholder: name for placeholder, (_, name) in model.tensors.items() if name in unit.tensors}
+    attribute = {fqn: attr for attr, (_, fqn) in unit.tensors.items()}
+    return {placeholder: attribute[name] for placeholder, (_, name) in model.tensors.items() if name in attribute}
 
 
 @dataclass
@@ -187,7 +193,12 @@ class TensorParallel:
                 done[id(unit.graph)] = (graph, uses_tp)
             graph, uses_tp = done[id(unit.graph)]
             units.append(replace(unit, graph=graph, shards=shards, needs_tp=uses_tp))
-        return PassResult(replace(stage, units=units, tp=(self.rank, self.degree)), True)
+        top = clone_graph(stage.graph)  # the pre/post code outside modules (the loss) is split here
+        top_edits = [e for part in ("pre", "post") if _vocab_divisible(self.model, plan.regions.get(part, RegionSharding()),
+                                                                         self.degree)
+                     for e in plan.regions.get(part, RegionSharding()).edits]
+        top_needs_tp = apply_edits(top, top_edits, {}, {}, self.degree)
+        return PassResult(replace(stage, graph=top, units=units, tp=(self.rank, self.degree), needs_tp=top_needs_tp), True)
 
 
 __all__ = ["TensorParallel", "TensorParallelError", "apply_edits", "check_degree"]

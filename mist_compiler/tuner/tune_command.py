@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     solver_name()  # a missing MILP solver fails now, in one line
     program = driver.capture(args.model, dtype=args.dtype, attention=args.attention, seq_len=args.seq)
     seq = args.seq or program.seq_len
+    driver.check_sequence(program, seq)
     cost_model = driver.analyse(program, hardware_from_args(args), seq_len=seq, attention=args.attention)
     work = driver.workload(program, args.global_batch, seq)
     if args.space != "full":
