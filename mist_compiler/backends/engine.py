@@ -163,6 +163,10 @@ class Engine:
         self._step_pending = False
         self._guarded(self._optimizer_step)
 
+    def set_optimizer(self, config: Any) -> None:
+        """Use these AdamW settings from the next update on (a learning-rate schedule changes them)."""
+        self.runtime.optimizer.config = config
+
     def request_optimizer_step(self) -> None:
         """Apply the gradients before the next forward or weight read (used from autograd hooks,
         where running collectives and in-place weight updates is not safe)."""
@@ -332,20 +336,22 @@ class Engine:
         ``dst``. A weight tied across stages is reported by the stage that updates it."""
         return self._gather_to(self.runtime.named_full_gradients(), dst)
 
-    def _gather_to(self, local: dict[str, torch.Tensor], dst: int) -> dict[str, torch.Tensor] | None:
-        """Collect per-rank tensors on ``dst``: tensor-parallel slices put back together (fused
-        projections part by part), data-parallel replicas taken from dp index 0."""
+    def _gather_to(self, local: dict[str, torch.Tensor], dst: int | None) -> dict[str, torch.Tensor] | None:
+        """Collect per-rank tensors on ``dst`` (every rank when None): tensor-parallel slices put back
+        together (fused projections part by part), data-parallel replicas taken from dp index 0."""
         mine = None
         if self.coord.dp_index == 0:
             tensors = {self.program.fqn.get(name, name): (tensor.detach().float().cpu(), self.program.shards.get(name))
                        for name, tensor in local.items()}
             mine = (self.coord.tp_index, self.stage_plan.tp, tensors)
-        gathered: list[Any] = [None] * self.world if self.rank == dst else None
-        if self.world > 1:
-            dist.gather_object(mine, gathered, dst=dst)
-        else:
+        gathered: list[Any] = [None] * self.world if dst is None or self.rank == dst else None
+        if self.world == 1:
             gathered = [mine]
-        if self.rank != dst:
+        elif dst is None:
+            dist.all_gather_object(gathered, mine)
+        else:
+            dist.gather_object(mine, gathered, dst=dst)
+        if dst is not None and self.rank != dst:
             return None
         pieces: dict[str, dict[int, tuple[torch.Tensor, ShardSpec | None, int]]] = {}
         for item in gathered:

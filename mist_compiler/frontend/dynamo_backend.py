@@ -1,11 +1,13 @@
 """The ``torch.compile(model, backend="mist")`` entry point.
 
-Without a plan, the backend analyses the dynamo graph into a MistProgram (kept as
+Without training options, the backend analyses the dynamo graph into a MistProgram (kept as
 :func:`last_program`) and runs it on this process exactly like eager: aot_autograd with
 forward/backward compilers that return the partitioned graphs as boxed callables. With
-``options={"plan": ...}`` (or any option other than the analysis ones) it hands over to
-``mist_compiler.backends.dynamo_runtime.compile_with_plan`` (the distributed runtime).
+``options={"plan": ...}`` or what tuning needs (``hardware``, ``nodes``, ``gpus_per_node``,
+``global_batch``) it hands over to ``mist_compiler.backends.dynamo_runtime.compile_with_plan``:
+tune (if no plan), then train the user's module through the distributed runtime.
 
+Loading it makes dynamo drop logging calls in compiled code (see :func:`_drop_logging_calls`).
 Reached as "mist" through the ``torch_dynamo_backends`` entry point of the installed package:
 dynamo imports this module and registers :func:`mist_backend` itself, so importing it must
 not register anything (a second registration is dynamo's "duplicate name" error, TORCH-NOTES
@@ -98,6 +100,18 @@ def mist_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any):
         del _history[:-HISTORY_LIMIT]
 
     return joint_backend(on_capture)(gm, example_inputs)
+
+
+def _drop_logging_calls() -> None:
+    """Logging calls inside compiled code are dropped rather than splitting the model's graph
+    (Hugging Face's ``warning_once`` in GPT-2's loss), as capture does; done when the backend is
+    loaded, i.e. when a user asks for it, since tracing happens before the backend is called."""
+    from .joint import _logging_functions
+
+    torch._dynamo.config.ignore_logging_functions.update(_logging_functions())
+
+
+_drop_logging_calls()
 
 
 def register() -> None:
