@@ -1,8 +1,10 @@
 """mist-compiler: an automatic distributed-training compiler for large language models.
 
-The Python API the CLI and the dynamo backend are thin layers over:
-``capture`` (model -> Mist IR), ``analyze`` (plan -> predicted time and memory),
-``tune`` (model + cluster -> best plan), ``compile`` (model + plan -> training engine).
+The Python API, the same pipeline (``mist_compiler.driver``) the CLI and the ``torch.compile``
+backend run: ``capture`` (model -> Mist IR), ``analyze`` (model + plan -> predicted time and
+memory), ``tune`` (model + cluster -> best plan), ``compile`` (model + plan -> this rank's
+training engine). A model is an ``nn.Module`` or a name (zoo, ``hf:config.json``,
+``package.module:function``).
 """
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import importlib
 __version__ = "0.1.0"
 
 _API = {
-    "capture": ("mist_compiler.frontend.capture", "capture"),
-    "analyze": ("mist_compiler.cost.analyze", "analyze"),
-    "tune": ("mist_compiler.tuner.api", "tune"),
-    "compile": ("mist_compiler.backends.engine", "compile"),
+    "capture": ("mist_compiler.driver", "capture"),
+    "analyze": ("mist_compiler.driver", "analyze_plan"),
+    "tune": ("mist_compiler.driver", "tune_model"),
+    "compile": ("mist_compiler.driver", "build_engine"),
 }
 
 __all__ = sorted(_API)

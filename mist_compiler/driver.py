@@ -146,4 +146,31 @@ def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes
     return compiled
 
 
-__all__ = ["Compiled", "IRShape", "analyse", "capture", "check_plan", "compile_model", "ir_shape", "tune", "workload"]
+def tune_model(model, hardware, *, nodes: int = 1, gpus_per_node: int = 1, global_batch: int, seq_len: int | None = None,
+               dtype: str = DEFAULT_DTYPE, attention: str = "flash", space=None,
+               progress: Callable[[str], None] | None = None):
+    """``mist_compiler.tune``: the pipeline up to the plan; returns the tuner's result (plan, times, why)."""
+    compiled = compile_model(model, hardware=hardware, nodes=nodes, gpus_per_node=gpus_per_node,
+                             global_batch=global_batch, seq_len=seq_len, dtype=dtype, attention=attention, space=space,
+                             until="plan", progress=progress, prove=False)
+    return compiled.tuning
+
+
+def analyze_plan(model, plan: Plan | str, hardware, *, attention: str = "flash"):
+    """``mist_compiler.analyze``: a plan's predicted iteration time and per-stage memory on ``hardware``."""
+    from .cost.analyze import analyze
+
+    plan = load_plan(plan) if isinstance(plan, str) else plan
+    program = model if isinstance(model, MistProgram) else capture(model, dtype=plan.dtype, attention=attention,
+                                                                     seq_len=plan.seq_len)
+    check_plan(program, plan, model_name=model if isinstance(model, str) else None, prove=False)
+    return analyze(program, plan, hardware, attention=attention)
+
+
+def build_engine(model, plan: Plan | str, **runtime: Any):
+    """``mist_compiler.compile``: this rank's training engine for ``model`` under ``plan``."""
+    return compile_model(model, plan=plan, **runtime).engine
+
+
+__all__ = ["Compiled", "IRShape", "analyse", "analyze_plan", "build_engine", "capture", "check_plan", "compile_model",
+           "ir_shape", "tune", "tune_model", "workload"]

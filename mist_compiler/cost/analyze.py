@@ -117,10 +117,15 @@ def analyze(model, plan, hardware, *, attention: str = "flash",
     """
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    if model is None:
+    if model is None:  # only a built-in name is taken from a plan: nothing a plan names is loaded
+        from ..models import known_model_names
+
+        if plan.model not in known_model_names():
+            raise PlanError(f"the plan names the model {plan.model!r}; pass the model to analyze it (a plan's model "
+                            "is compared with it, never loaded)")
         model = plan.model
     if isinstance(model, str) and model != plan.model:
-        raise PlanError(f"plan field model: the plan is for {plan.model!r}, not {model!r}")
+        raise PlanError(f"plan field model: the plan was made for {plan.model!r}, not for {model!r}")
     if cost_model is None:
         cost_model = build_stage_cost_model(model, profile, seq_len=plan.seq_len, dtype=plan.dtype, attention=attention)
     _check_plan(plan, cost_model, profile)

@@ -46,12 +46,17 @@ def format_table(estimate: PlanEstimate) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    hardware = args.hardware
-    if getattr(args, "memory_limit", None) is not None:
-        from .hardware import load_profile, with_memory_limit
+    from .. import driver
+    from ..ir.plan import load_plan
+    from .hardware import load_profile, with_memory_limit
 
-        hardware = with_memory_limit(load_profile(args.hardware), args.memory_limit)
-    estimate = analyze(args.model, args.plan, hardware, attention=args.attention)
+    plan = load_plan(args.plan)
+    hardware = load_profile(args.hardware)  # a bad profile fails before the capture
+    if getattr(args, "memory_limit", None) is not None:
+        hardware = with_memory_limit(hardware, args.memory_limit)
+    program = driver.capture(args.model, dtype=plan.dtype, attention=args.attention, seq_len=plan.seq_len)
+    driver.check_plan(program, plan, model_name=args.model, prove=False)
+    estimate = analyze(program, plan, hardware, attention=args.attention)
     if args.json:
         print(json.dumps(estimate.to_dict(), indent=2))
     else:

@@ -13,7 +13,8 @@ import json
 import os
 
 from ..cost.stage_api import pipeline_iteration_time
-from ..ir.plan import Plan, load_plan
+from ..ir.files import check_output_dir
+from ..ir.plan import Plan, PlanError, load_plan
 from ..ir.vocabulary import ATTENTION_KERNELS
 from .report import describe_stage, frontier_path
 from .timeline import iteration_time, plot_frontiers, plot_timeline, simulate, write_chrome_trace
@@ -43,7 +44,7 @@ def stage_predictions(plan: Plan, args: argparse.Namespace) -> tuple[list[dict],
         from ..cost.analyze import plan_candidates
         from ..cost.stage_model import build_stage_cost_model
 
-        model = args.model or plan.model
+        model = model_to_price(plan, args.model)
         cost_model = build_stage_cost_model(model, args.hardware, seq_len=plan.seq_len, dtype=plan.dtype,
                                             attention=args.attention)
         estimates = cost_model.evaluate(plan_candidates(plan))
@@ -63,6 +64,22 @@ def stage_predictions(plan: Plan, args: argparse.Namespace) -> tuple[list[dict],
     return None
 
 
+def model_to_price(plan: Plan, model: str | None) -> str:
+    """The model comes from the command line; a plan's ``model`` is only compared with it. A
+    built-in zoo name needs no loading, so a plan naming one is priced as it is; anything else a
+    plan names (a module to import, a config path) is never loaded from the plan file."""
+    from ..models import known_model_names
+
+    if model is not None:
+        if model != plan.model:
+            raise PlanError(f"plan field model: the plan was made for {plan.model!r}, not for {model!r}")
+        return model
+    if plan.model in known_model_names():
+        return plan.model
+    raise PlanError(f"the plan names the model {plan.model!r}; a plan's model is never loaded from the plan file: "
+                    f"pass --model {plan.model} to price it")
+
+
 def forward_backward(stage: dict) -> tuple[float, float]:
     """Split of ``stable`` into forward and backward (the cost model's own split when it gives one)."""
     parts = stage.get("breakdown", {})
@@ -75,6 +92,8 @@ def forward_backward(stage: dict) -> tuple[float, float]:
 
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
+    if args.output_dir:
+        check_output_dir(args.output_dir, "-o")  # before any work
     print("\n".join(plan_in_words(plan)))
     predictions = stage_predictions(plan, args)
     if predictions is None:
@@ -95,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{i:>5} {forward:>10.4f} {backward:>10.4f} {stage['delta_s']:>9.4f} {busy:>7.1%} "
               f"{stage.get('peak_memory_bytes', 0) / 1e9:>8.2f}  {parts}")
     if args.output_dir:
-        os.makedirs(args.output_dir, exist_ok=True)
+        check_output_dir(args.output_dir, "-o")
         names = [f"stage {i}: layers {s.layers[0]}..{s.layers[1] - 1}, {s.devices} GPUs" for i, s in enumerate(plan.stages)]
         trace = os.path.join(args.output_dir, "timeline.json")
         write_chrome_trace(slots, trace, names)
