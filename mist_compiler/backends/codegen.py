@@ -61,10 +61,11 @@ def lower_stage(program: MistProgram, plan: Plan, coord: RankCoord, *, print_aft
 
 
 def lower(program: MistProgram, plan: Plan, coord: RankCoord, source: TensorSource, *, device: torch.device,
-          tp_group: Any = None) -> StageProgram:
-    """This rank's runnable stage program: the lowered stage, built with this rank's weights."""
+          tp_group: Any = None, deferred: bool = False) -> StageProgram:
+    """This rank's runnable stage program: the lowered stage, built with this rank's weights (made
+    when the runtime asks for them when ``deferred``)."""
     stage = lower_stage(program, plan, coord)
-    return build_stage(stage, program.model_graph, source, device=device, group=tp_group)
+    return build_stage(stage, program.model_graph, source, device=device, group=tp_group, deferred=deferred)
 
 
 def dump_lowered(program: MistProgram, plan: Plan, after: str) -> str:

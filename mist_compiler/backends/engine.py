@@ -101,25 +101,32 @@ class Engine:
         self.monitor = FailureMonitor(self.rank, self.world, timeout_s)
         self.coord = self.topology.coord(self.rank)
         self.stage_plan = plan.stages[self.coord.stage]
-        if self.device.type == "cpu":
-            keep_freed_host_memory()  # large per-step tensors reuse memory instead of page-faulting it in again
         timeout = datetime.timedelta(seconds=timeout_s)
         tied_fqns = tied_parameters(self.captured.model_graph)
         self.groups: ProcessGroups = build_groups(self.topology, self.rank, tied=bool(tied_fqns), timeout=timeout)
         warm_up_world(self.device)
         source = source or (ModuleTensors(model) if isinstance(model, nn.Module) else InitTensors(model, plan.seq_len))
         tp_group = ProcessGroup(self.groups.tp, self.coord.tp_index, self.stage_plan.tp)
-        self.program: StageProgram = lower(self.captured, plan, self.coord, source, device=self.device, tp_group=tp_group)
+        # parameters get their values unit by unit as the runtime lays them out (no rank ever holds
+        # more than its own state plus one unit in flight)
+        self.program: StageProgram = lower(self.captured, plan, self.coord, source, device=self.device,
+                                           tp_group=tp_group, deferred=True)
         self.tied_names = {name for name, fqn in self.program.fqn.items() if fqn in tied_fqns}
         self.tied = TiedWeights.create(self) if self.tied_names and plan.pp > 1 else None
+        if self.tied is not None:
+            for param in self.tied.params.values():
+                self.program.materialize(param)
         units = self.program.units
         self.offload_table = {name: self.program.offload[name] for name, _ in units}
-        factory = runtime_factory or _default_runtime_factory()
-        self.runtime = factory(
+        extra = {"initial": self.program.initial_value}
+        if runtime_factory is not None:  # another runtime gets a module with its values
+            self.program.materialize_all()
+            extra = {}
+        self.runtime = (runtime_factory or _default_runtime_factory())(
             units, dp_group=self.groups.dp, zero=self.stage_plan.zero, offload=self.offload_table,
             optimizer=optimizer if optimizer is not None else _default_optimizer(), device=self.device,
             param_dtype=DTYPES[plan.dtype], timeout_s=timeout_s,
-            exclude=frozenset(self.tied.params.values()) if self.tied is not None else frozenset(),
+            exclude=frozenset(self.tied.params.values()) if self.tied is not None else frozenset(), **extra,
         )
         self._offload_hooks = install_activation_offload(self.runtime, units, self.offload_table,
                                                          checkpointed=self.program.checkpointed)
@@ -130,6 +137,10 @@ class Engine:
         inputs, outputs = (_in_dtype(values, DTYPES[plan.dtype]) for values in (self.interface.inputs, self.interface.outputs))
         self._boundary = (inputs, outputs)
         self.set_schedule("1f1b")
+        if self.device.type == "cpu":
+            # from now on large per-step tensors reuse freed memory instead of page-faulting it in again
+            # (not before: start-up's transients would fragment a heap that never returns memory)
+            keep_freed_host_memory()
         # The next stage sends dp_next * dL/dx (its loss share is averaged over its own dp ranks);
         # this stage's data-parallel mean needs dp_here * dL/dx.
         is_last = self.coord.stage == plan.pp - 1

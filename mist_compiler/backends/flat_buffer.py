@@ -92,9 +92,8 @@ class FreeableBuffer:
 
 
 def bind_params(params: list[nn.Parameter], buffer: FreeableBuffer, layout: FlatLayout) -> None:
-    """Make every parameter's data a view into ``buffer`` (copying its current values in)."""
+    """Make every parameter's data a view into ``buffer`` (the caller fills the buffer)."""
     for param, view in zip(params, buffer.views(layout)):
-        view.copy_(param.detach())
         param.data = view
 
 

@@ -8,6 +8,12 @@ model built on the meta device and initialised tensor by tensor (``InitTensors``
 slice it. Parameters are created in fp32 (the runtime keeps the fp32 master copy and casts its
 compute buffers to the plan's dtype); a tensor two units share (a tied embedding and head) is
 one ``nn.Parameter``.
+
+``build_stage(..., deferred=True)`` (what the engine uses) goes one step further: parameters are
+created with the right shape but no storage, and :meth:`StageProgram.initial_value` produces one
+parameter's initial slice when the runtime asks for it, unit by unit, so a rank's start-up peak
+is the state it owns plus one unit's weights in flight, never the stage's (or model's) weights
+at once. Buffers (rotary tables, masks) are small and made at once.
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ class TensorSource(Protocol):
     def full(self, kind: str, name: str) -> torch.Tensor:
         """The whole tensor ``name`` (a parameter or buffer of the real model)."""
 
+    def meta(self, kind: str, name: str) -> torch.Tensor:
+        """A meta-device tensor with ``name``'s shape and dtype (nothing materialised)."""
+
 
 class ModuleTensors:
     """Tensors of a live module, by name (tied names resolve to the same tensor)."""
@@ -41,6 +50,9 @@ class ModuleTensors:
         if name not in table:
             raise KeyError(f"the model has no {kind} {name!r}; was the plan captured from another model?")
         return table[name].detach()
+
+    def meta(self, kind: str, name: str) -> torch.Tensor:
+        return self.full(kind, name).to("meta")
 
 
 def shard(tensor: torch.Tensor, spec: ShardSpec | None, rank: int, world: int) -> torch.Tensor:
@@ -62,19 +74,66 @@ class StageProgram:
     checkpointed: set[str]
     fqn: dict[str, str] = field(default_factory=dict)  # runtime parameter name -> name in the model
     shards: dict[str, ShardSpec] = field(default_factory=dict)  # runtime parameter name -> its TP split
+    deferred: dict[int, "DeferredParameter"] = field(default_factory=dict, repr=False)  # id(param) -> how to make it
+
+    def initial_value(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The initial fp32 value of a deferred parameter (made now, on the stage's device; read it,
+        do not write to it), or None for a parameter that already holds its value."""
+        pending = self.deferred.pop(id(param), None)  # made once: the caller keeps it
+        return None if pending is None else pending.make()
+
+    def materialize(self, param: nn.Parameter) -> None:
+        """Give a deferred parameter its initial value in place (a no-op for a materialised one)."""
+        value = self.initial_value(param)
+        if value is not None:
+            param.data = value.clone()
+
+    def materialize_all(self) -> None:
+        for pending in list(self.deferred.values()):
+            self.materialize(pending.param)
+
+
+@dataclass
+class DeferredParameter:
+    """A parameter created without storage, and the slice of the model tensor it stands for."""
+
+    param: nn.Parameter
+    name: str
+    spec: ShardSpec | None
+    source: TensorSource
+    tp: tuple[int, int]
+    device: torch.device
+
+    def make(self) -> torch.Tensor:
+        """The value (may share memory with the source's tensor: copy before writing to it)."""
+        value = shard(self.source.full(PARAMETER, self.name), self.spec, *self.tp)
+        return value.to(device=self.device, dtype=torch.float32).contiguous()
+
+
+def _without_storage(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """An fp32 tensor of ``shape`` whose storage holds nothing yet (its data is set later)."""
+    tensor = torch.empty(shape, dtype=torch.float32, device=device)
+    tensor.untyped_storage().resize_(0)
+    return tensor
 
 
 def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, device: torch.device,
-                group: Any = None) -> StageProgram:
-    """Instantiate ``stage``'s modules on ``device`` with this rank's slices of ``source``'s tensors."""
+                group: Any = None, deferred: bool = False) -> StageProgram:
+    """Instantiate ``stage``'s modules on ``device`` with this rank's slices of ``source``'s tensors
+    (parameters left without storage until asked for when ``deferred``)."""
     rank, world = stage.tp
     made: dict[tuple[str, str], torch.Tensor] = {}
+    pending: dict[int, DeferredParameter] = {}
 
     def tensor(kind: str, name: str, spec: ShardSpec | None) -> torch.Tensor:
         key = (kind, name)
         if key not in made:
             if kind == CONSTANT:
                 made[key] = getattr(model.graph, name).to(device)
+            elif kind == PARAMETER and deferred:
+                param = nn.Parameter(_without_storage(shard(source.meta(kind, name), spec, rank, world).shape, device))
+                pending[id(param)] = DeferredParameter(param, name, spec, source, (rank, world), device)
+                made[key] = param
             else:
                 value = shard(source.full(kind, name), spec, rank, world)
                 value = value.to(device=device, dtype=torch.float32 if value.is_floating_point() else value.dtype,
@@ -104,7 +163,7 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
     module = fx.GraphModule(root, stage.graph, class_name=f"Stage{stage.stage}")
     offload = {unit.name: unit.offload for unit in stage.units}
     checkpointed = {unit.name for unit in stage.units if unit.checkpointed}
-    return StageProgram(module, stage.interface, units, offload, checkpointed, fqn, shards)
+    return StageProgram(module, stage.interface, units, offload, checkpointed, fqn, shards, pending)
 
 
 class InitTensors:
@@ -120,7 +179,8 @@ class InitTensors:
         self.spec, self.seq_len, self.seed = spec, seq_len, seed
         with torch.device("meta"):
             meta = resolve_model(spec, seq_len).build()
-        self.meta = MetaInit(meta, seed) if has_init_rule(meta) else None
+        self.meta_tensors = ModuleTensors(meta)  # shapes and dtypes, by name
+        self.meta_init = MetaInit(meta, seed) if has_init_rule(meta) else None
         self._whole: ModuleTensors | None = None
         self.whole_builds = 0
         self._lock = threading.Lock()
@@ -137,12 +197,15 @@ class InitTensors:
             self.whole_builds += 1
         return self._whole
 
+    def meta(self, kind: str, name: str) -> torch.Tensor:
+        return self.meta_tensors.full(kind, name)
+
     def full(self, kind: str, name: str) -> torch.Tensor:
         from ..models.initialize import UninitializedError
 
-        if self.meta is not None:
+        if self.meta_init is not None:
             try:
-                return self.meta.full(kind, name)
+                return self.meta_init.full(kind, name)
             except UninitializedError:
                 pass
         return self.whole().full(kind, name)

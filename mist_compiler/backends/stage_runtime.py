@@ -69,7 +69,8 @@ class StageRuntime:
     def __init__(self, units: list[tuple[str, nn.Module]], *, dp_group: dist.ProcessGroup | None,
                  zero: int, offload: Offload | dict[str, UnitOffload], optimizer: AdamWConfig,
                  device: torch.device, param_dtype: torch.dtype = torch.float32,
-                 timeout_s: float = 300.0, exclude: frozenset = frozenset()) -> None:
+                 timeout_s: float = 300.0, exclude: frozenset = frozenset(),
+                 initial: Callable[[nn.Parameter], torch.Tensor | None] | None = None) -> None:
         self._validate(units, zero, param_dtype, timeout_s)
         self.exclude = {id(p) for p in exclude}  # parameters someone else keeps (a tied head)
         self.unit_names = [name for name, _ in units]
@@ -81,6 +82,8 @@ class StageRuntime:
         self.host_memory = HostMemory(self.streams, self.host_workers, timeout_s)
         self.ctx = BucketContext(zero, dp_group, group_rank(dp_group), group_size(dp_group), self.device,
                                  param_dtype, self.streams, self.host_memory, timeout_s)
+        if initial is not None:  # parameters without a value yet get it unit by unit (see materialize.py)
+            self.ctx.initial = initial
         owned, self._needs = self._assign_parameters(units)
         table = self._offload_table(offload, owned)
         self.unit_offload = table

@@ -55,6 +55,8 @@ class BucketContext:
     host_memory: HostMemory
     timeout_s: float
     trace: list | None = None  # when a list: ("fetch" | "free" | "reduce", unit) events, for tests and debugging
+    # a parameter's initial value when it has none yet (made on demand, see materialize.py), else None
+    initial: Callable[[nn.Parameter], torch.Tensor | None] = lambda param: None
     grad_unscale: float = 1.0  # 1 / the loss scale (fp16): folded into the cast to the fp32 reduction buffer
 
     def record(self, event: str, unit: str) -> None:
@@ -119,7 +121,9 @@ class UnitBucket:
     def _initial_fp32(self) -> torch.Tensor:
         flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.ctx.device)
         for slot, param in zip(self.layout.slots, self.params):
-            flat[slot.offset:slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+            value = self.ctx.initial(param)  # made now, one parameter at a time, when deferred
+            flat[slot.offset:slot.offset + slot.numel].copy_((param.detach() if value is None else value).reshape(-1))
+            del value
         if self.ctx.world > 1 and flat.numel():  # every rank starts from rank 0's weights
             src = dist.get_global_rank(self.ctx.group, 0) if self.ctx.group is not None else 0
             dist.broadcast(flat, src=src, group=self.ctx.group)
