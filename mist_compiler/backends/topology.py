@@ -4,7 +4,8 @@ Stages take contiguous rank ranges in order; inside stage ``s`` (first rank ``of
 rank of data-parallel index ``d`` and tensor-parallel index ``t`` is ``offset_s + d * tp_s + t``.
 Groups: one data-parallel group per (stage, tp index), one tensor-parallel group per (stage, dp
 index) and, for models whose head is tied to the embedding across stages, one group per tp
-index joining the first and the last stage. ``torch.distributed.new_group`` must be called by
+index joining the first and the last stage (one group joining both stages whole when their tp
+differ). ``torch.distributed.new_group`` must be called by
 every rank in the same order, so :func:`build_groups` creates all of them everywhere.
 """
 from __future__ import annotations
@@ -63,7 +64,8 @@ class Topology:
         return [self.rank_of(stage, dp_index, t) for t in range(self.plan.stages[stage].tp)]
 
     def tied_ranks(self, tp_index: int) -> list[int]:
-        """First- and last-stage ranks holding the same vocabulary shard of a tied weight."""
+        """First- and last-stage ranks with tp index ``tp_index`` (the same vocabulary rows of a tied
+        weight when both stages have the same tp)."""
         first, last = 0, self.plan.pp - 1
         return sorted(set(self.dp_ranks(first, tp_index)) | set(self.dp_ranks(last, tp_index)))
 
@@ -110,12 +112,12 @@ def build_groups(topology: Topology, rank: int, *, tied: bool, timeout: Any) -> 
             if rank in ranks:
                 mine["tp"], ranks_of["tp"] = group, ranks
     if tied and plan.pp > 1:
-        tp_first, tp_last = plan.stages[0].tp, plan.stages[-1].tp
-        if tp_first != tp_last:
-            raise PlanError(f"plan field stages: a tied embedding/head needs the same tp on the first and last stage, "
-                            f"got {tp_first} and {tp_last}")
-        for t in range(tp_first):
-            ranks = topology.tied_ranks(t)
+        first, last = 0, plan.pp - 1
+        if plan.stages[first].tp == plan.stages[last].tp:  # rank t of each stage holds the same rows
+            joined = [topology.tied_ranks(t) for t in range(plan.stages[first].tp)]
+        else:  # rows do not line up: one group joins both stages (see tied_weights.py)
+            joined = [sorted({r for s in (first, last) for t in range(plan.stages[s].tp) for r in topology.dp_ranks(s, t)})]
+        for ranks in joined:
             group = _group(ranks, dist, timeout)
             if rank in ranks:
                 mine["tied"], ranks_of["tied"] = group, ranks
