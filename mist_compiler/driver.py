@@ -158,9 +158,12 @@ def tune_model(model, hardware, *, nodes: int = 1, gpus_per_node: int = 1, globa
 
 def analyze_plan(model, plan: Plan | str, hardware, *, attention: str = "flash"):
     """``mist_compiler.analyze``: a plan's predicted iteration time and per-stage memory on ``hardware``."""
-    from .cost.analyze import analyze
+    from .cost.analyze import analyze, check_plan_hardware
+    from .cost.hardware import HardwareProfile, load_profile
 
     plan = load_plan(plan) if isinstance(plan, str) else plan
+    hardware = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    check_plan_hardware(plan, hardware)
     program = model if isinstance(model, MistProgram) else capture(model, dtype=plan.dtype, attention=attention,
                                                                      seq_len=plan.seq_len)
     check_plan(program, plan, model_name=model if isinstance(model, str) else None, prove=False)

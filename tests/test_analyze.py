@@ -87,7 +87,7 @@ def test_bad_plan_names_the_field(tmp_path):
         run_cli("gpt-tiny", "--plan", write(tmp_path, "c.json", too_wide), "--hardware", "l4")
     odd_tp = json.loads(json.dumps(TWO_STAGES))
     odd_tp["stages"][1].update(gpus_per_node=3, dp=1, tp=3)
-    with pytest.raises(PlanError, match=r"stages\[1\].tp: 3 does not divide"):
+    with pytest.raises(PlanError, match=r"stages\[1\].tp: tp=3 does not divide the model's split sizes"):
         run_cli("gpt-tiny", "--plan", write(tmp_path, "e.json", odd_tp), "--hardware", "l4")
     with pytest.raises(PlanError, match="micro_batch"):
         bad = json.loads(json.dumps(TWO_STAGES))

@@ -37,7 +37,7 @@ def test_the_tuner_plans_them_with_every_knob(kind, tmp_path):
     from mist_compiler import driver
 
     model = write_config(kind, str(tmp_path / kind))
-    compiled = driver.compile_model(model, hardware="cpu", nodes=1, gpus_per_node=4, global_batch=8, seq_len=16,
+    compiled = driver.compile_model(model, hardware="cpu", nodes=2, gpus_per_node=2, global_batch=8, seq_len=16,
                                     dtype="float32", until="plan")
     plan = compiled.plan
     assert plan.num_layers == 3 and plan.world_size == 4

@@ -174,12 +174,18 @@ def run(args: argparse.Namespace) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     port = args.master_port or free_port()
     launch = Launch(torchrun_command(args, port), env, getattr(args, "debug", False))
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    received: list[str] = []
+
+    def terminated(signum, frame):
+        received.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         code = launch.wait()
     except KeyboardInterrupt:
         launch.stop()
-        print("mistc run: interrupted; every rank stopped", file=sys.stderr)
+        print(f"mistc run: interrupted ({received[0] if received else 'SIGINT'}); every rank stopped", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

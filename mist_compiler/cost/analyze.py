@@ -92,15 +92,21 @@ def plan_candidates(plan: Plan) -> StageCandidates:
     )
 
 
+def check_plan_hardware(plan: Plan, profile: HardwareProfile) -> None:
+    """Refuse a plan whose stages do not fit the hardware's nodes."""
+    for index, stage in enumerate(plan.stages):
+        if stage.gpus_per_node > profile.gpus_per_node:
+            raise PlanError(f"plan field stages[{index}].gpus_per_node: {stage.gpus_per_node} exceeds the "
+                            f"{profile.gpus_per_node} devices per node of hardware {profile.name!r}")
+
+
 def _check_plan(plan: Plan, cost_model: StageCostModel, profile: HardwareProfile) -> None:
     plan.check_against_model(cost_model.num_layers)
+    check_plan_hardware(plan, profile)
     for index, stage in enumerate(plan.stages):
         if stage.tp > 1 and not cost_model.tp_supported:
             raise PlanError(f"plan field stages[{index}].tp: tensor parallelism ({stage.tp}) is not available for "
                             f"this model: {cost_model.tp_message}; use tp = 1")
-        if stage.gpus_per_node > profile.gpus_per_node:
-            raise PlanError(f"plan field stages[{index}].gpus_per_node: {stage.gpus_per_node} exceeds the "
-                            f"{profile.gpus_per_node} devices per node of hardware {profile.name!r}")
         granularity = cost_model.tp_granularity
         if stage.tp > 1 and granularity and granularity % stage.tp:
             raise PlanError(f"plan field stages[{index}].tp: {stage.tp} does not divide the model's attention heads "

@@ -10,7 +10,7 @@ import argparse
 import json
 
 from ..ir.vocabulary import ATTENTION_KERNELS
-from .analyze import PlanEstimate, analyze
+from .analyze import PlanEstimate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,9 +54,7 @@ def run(args: argparse.Namespace) -> int:
     hardware = load_profile(args.hardware)  # a bad profile fails before the capture
     if getattr(args, "memory_limit", None) is not None:
         hardware = with_memory_limit(hardware, args.memory_limit)
-    program = driver.capture(args.model, dtype=plan.dtype, attention=args.attention, seq_len=plan.seq_len)
-    driver.check_plan(program, plan, model_name=args.model, prove=False)
-    estimate = analyze(program, plan, hardware, attention=args.attention)
+    estimate = driver.analyze_plan(args.model, plan, hardware, attention=args.attention)
     if args.json:
         print(json.dumps(estimate.to_dict(), indent=2))
     else:

@@ -4,7 +4,7 @@ Without training options, the backend analyses the dynamo graph into a MistProgr
 :func:`last_program`) and runs it on this process exactly like eager: aot_autograd with
 forward/backward compilers that return the partitioned graphs as boxed callables. With
 ``options={"plan": ...}`` or what tuning needs (``hardware``, ``nodes``, ``gpus_per_node``,
-``global_batch``) it hands over to ``mist_compiler.backends.dynamo_runtime.compile_with_plan``:
+``global_batch``) it hands over to ``mist_compiler.torch_compile.compile_with_plan``:
 tune (if no plan), then train the user's module through the distributed runtime.
 
 Loading it makes dynamo drop logging calls in compiled code (see :func:`_drop_logging_calls`).
@@ -31,7 +31,7 @@ from .lowering import lower_to_ir
 
 ANALYSIS_OPTIONS = {"attention": "target attention kernel for saved-tensor analysis (flash|math)",
                     "name": "model name recorded in the program"}
-RUNTIME_MODULE = "mist_compiler.backends.dynamo_runtime"
+RUNTIME_MODULE = "mist_compiler.torch_compile"
 
 _last: dict[str, MistProgram | None] = {"program": None}
 _history: list[MistProgram] = []  # one program per graph compiled, oldest first (bounded)

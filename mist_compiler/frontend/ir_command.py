@@ -74,8 +74,11 @@ def run(args: argparse.Namespace) -> int:
         from ..backends.codegen import dump_lowered
         from ..ir.plan import load_plan
 
+        from ..driver import check_plan
+
         plan = load_plan(args.plan)
-        program = capture(args.model, dtype=plan.dtype, attention=args.attention)
+        program = capture(args.model, dtype=plan.dtype, attention=args.attention, seq_len=plan.seq_len, analyse=False)
+        check_plan(program, plan, model_name=args.model, prove=False)
         for name in lowering_after or ["offload_insertion"]:
             print(dump_lowered(program, plan, name))
         return 0

@@ -18,11 +18,12 @@ import torch
 import torch.fx as fx
 
 from ..ir.model_graph import GraphEdit, ModelGraph, RegionSharding, ShardSpec, TensorParallelPlan
+from ..ir.plan import PlanError
 from ..ir.stage import StageGraph, Unit
 from .manager import PassResult
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(PlanError):
     """A plan asking for a tensor-parallel degree the model cannot take; names the layer and why."""
 
 
