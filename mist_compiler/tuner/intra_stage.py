@@ -130,23 +130,19 @@ def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckp
 
 def enumerate_bases(work: Workload, cluster: Cluster, space: SearchSpace, grad_accum: int,
                     max_stages: int) -> tuple[Bases, list[DeviceShape]]:
-    """All (layers, pp kind, shape, tp, zero) with a whole micro-batch for this G."""
+    """All (layers, pp kind, shape, tp, zero) with a whole micro-batch for this G.
+
+    With ``uniform_devices`` a shape of ``c`` devices serves only plans of ``S = world / c`` stages,
+    so it needs only the layer counts such a plan can give a stage (``layer_slack`` narrows them)."""
     shapes = space.device_shapes(cluster.nodes, cluster.gpus_per_node)
     total = work.num_layers
-    layer_kinds = []
-    for pp in (PP_NONE, PP_PRE, PP_POST, PP_BOTH):
-        if pp == PP_BOTH:
-            layers = np.array([total])
-        elif pp == PP_NONE:
-            layers = np.arange(1, total - 1) if max_stages >= 3 else np.zeros(0, dtype=int)
-        else:
-            layers = np.arange(1, total) if max_stages >= 2 else np.zeros(0, dtype=int)
-        layer_kinds.append((pp, layers))
+    stage_options = set(space.stage_count_options(total, cluster.world))
     columns: dict[str, list[np.ndarray]] = {name: [] for name in Bases.__dataclass_fields__}
     zeros = np.array(sorted(space.zero_levels))
     for shape_index, shape in enumerate(shapes):
         if shape.count > cluster.world:
             continue
+        layer_kinds = _layer_kinds(work, cluster, space, shape, max_stages, stage_options)
         for tp in space.tp_options(shape, work.heads):
             dp = shape.count // tp
             if work.global_batch % (dp * grad_accum):
@@ -174,6 +170,27 @@ def enumerate_bases(work: Workload, cluster: Cluster, space: SearchSpace, grad_a
         return Bases(*(empty for _ in Bases.__dataclass_fields__)), shapes
     bases = Bases(**{name: np.concatenate(parts).astype(int) for name, parts in columns.items()})
     return bases, shapes
+
+
+def _layer_kinds(work: Workload, cluster: Cluster, space: SearchSpace, shape: DeviceShape, max_stages: int,
+                 stage_options: set[int]) -> list[tuple[int, np.ndarray]]:
+    """Per pp kind, the layer counts a stage on ``shape`` can hold."""
+    total = work.num_layers
+    kinds = [(PP_NONE, np.arange(1, total - 1) if max_stages >= 3 else np.zeros(0, dtype=int)),
+             (PP_PRE, np.arange(1, total) if max_stages >= 2 else np.zeros(0, dtype=int)),
+             (PP_POST, np.arange(1, total) if max_stages >= 2 else np.zeros(0, dtype=int)),
+             (PP_BOTH, np.array([total]))]
+    if not space.uniform_devices:
+        return kinds
+    stages = cluster.world // shape.count
+    if cluster.world % shape.count or stages not in stage_options:
+        return []
+    allowed = np.array([l for l in range(1, total + 1) if space.layers_allowed(l, stages, total)], dtype=int)
+    if stages == 1:
+        return [(PP_BOTH, np.array([total]))]
+    middle = allowed[allowed <= total - 2] if stages >= 3 else np.zeros(0, dtype=int)
+    ends = allowed[allowed <= total - 1]
+    return [(PP_NONE, middle), (PP_PRE, ends), (PP_POST, ends)]
 
 
 def _fits(memory: np.ndarray, limit: float) -> np.ndarray:
@@ -248,37 +265,25 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
 def _useful_bases(bases: Bases, fastest: np.ndarray, alive: np.ndarray, shapes: list[DeviceShape],
                   bound: IncumbentBound, stats: dict) -> np.ndarray:
     """Bases that can be part of a plan beating the incumbent, judged by each base's fastest time
-    (no knobs, memory ignored): a DP over (layers, devices) bounds the other stages (exact pruning)."""
-    from .inter_stage import ChoicePool, StageSumBounds
-
-    if not math.isfinite(bound.incumbent) or bound.cluster is None or not alive.any():
+    (no knobs, memory ignored). A plan holding base b (l layers on d devices, time t) takes at
+    least ``(G-1) max(t, r) + t + (L - l) least_per_layer``: the other stages hold ``L - l`` layers,
+    each costing at least the fastest per-layer time, and the slowest of them is at least their
+    work over their ``W - d`` devices (``r``), at the least device-seconds per layer."""
+    if not math.isfinite(bound.incumbent) or not alive.any():
         return np.ones(len(bases), dtype=bool)
-    counts = np.array([s.count for s in shapes])[bases.shape]
-    pools = {}
-    for pp in (PP_NONE, PP_PRE, PP_POST, PP_BOTH):
-        index = np.flatnonzero(alive & (bases.pp == pp))
-        pools[pp] = ChoicePool(index, bases.layers[index], counts[index], fastest[index], np.zeros(len(index)),
-                               np.full(len(index), 1 << 30))
-    sums = StageSumBounds(bound.total_layers, bound.cluster, bound.grad_accum, pools[PP_NONE], pools[PP_POST],
-                          pools[PP_BOTH], lambda stages: pools[PP_PRE])
-    if not sums.enabled:
-        return np.ones(len(bases), dtype=bool)
-    useful = np.zeros(len(bases), dtype=bool)
-    live_stages = 0
-    for stages in bound.stage_options:
-        if sums.least_iteration(stages) >= bound.incumbent:
-            continue
-        live_stages += 1
-        if stages == 1:
-            useful[pools[PP_BOTH].rows] = True
-            continue
-        roles = {"first": pools[PP_PRE], "last": pools[PP_POST]}
-        if stages > 2:
-            roles["middle"] = pools[PP_NONE]
-        for pool in sums.prune(roles, stages, bound.incumbent, sums.slowest(stages)).values():
-            useful[pool.rows] = True
-    stats["live_stage_counts"] = live_stages
-    return useful
+    counts = np.array([s.count for s in shapes])[bases.shape].astype(float)
+    layers = np.maximum(bases.layers, 1).astype(float)
+    split = alive & (bases.pp != PP_BOTH)
+    per_layer = float((fastest[split] / layers[split]).min()) if split.any() else math.inf
+    device_seconds = float((fastest[split] * counts[split] / layers[split]).min()) if split.any() else math.inf
+    rest_layers = bound.total_layers - bases.layers
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rest_slowest = np.where(rest_layers > 0, rest_layers * device_seconds / (bound.world - counts), 0.0)
+        rest_sum = np.where(rest_layers > 0, rest_layers * per_layer, 0.0)
+    rest_slowest = np.where((rest_layers > 0) & (counts >= bound.world), np.inf, rest_slowest)
+    slowest = np.maximum(fastest, rest_slowest) if bound.grad_accum > 1 else 0.0
+    least = (bound.grad_accum - 1) * slowest + fastest + rest_sum
+    return least < bound.incumbent
 
 
 def _fits_most_saving(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], high: np.ndarray,

@@ -62,8 +62,8 @@ def format_result(result: TuneResult, config=None, peak_flops: float | None = No
         "",
         f"search: {stats.get('search_s', 0):.1f} s, {stats.get('grad_accum_tried', 0)} G values, "
         f"{stats.get('evaluated', 0):,} stage configs evaluated, {stats.get('frontier_points', 0):,} Pareto points, "
-        f"{stats.get('milps', 0)} MILPs ({stats.get('milps_skipped', 0)} skipped by bound), solver {stats.get('solver')}, "
-        f"final {stats.get('final_status')}, gap {_gap(stats):.2%}",
+        f"{stats.get('grad_accum_skipped', 0)} skipped by bound, {stats.get('dp_passes', 0)} partition DP passes, "
+        f"{stats.get('final_status')} (lower bound {stats.get('bound_s', 0):.4f} s, gap {stats.get('gap', 0):.2%})",
         f"space: {stats.get('space')}",
     ]
     if stats.get("warning"):
@@ -71,15 +71,8 @@ def format_result(result: TuneResult, config=None, peak_flops: float | None = No
     return "\n".join(lines)
 
 
-def _gap(stats: dict) -> float:
-    value, bound = stats.get("milp_objective_s"), stats.get("milp_bound_s")
-    if not value or bound is None:
-        return 0.0
-    return max(0.0, (value - bound) / value)
-
-
 def result_to_dict(result: TuneResult, config=None, peak_flops: float | None = None) -> dict:
-    stats = {k: v for k, v in result.stats.items() if not k.startswith("_") and k != "milp_log"}
+    stats = {k: v for k, v in result.stats.items() if not k.startswith("_") and k != "partition_log"}
     return {
         "plan": result.plan.to_dict(),
         "predicted_time_s": result.predicted_time_s,

@@ -51,8 +51,8 @@ class SearchSpace:
     - ``uniform_devices``: every stage gets ``world / S`` devices (no heterogeneous stages).
     - ``layer_slack``: each stage holds within this many layers of ``L / S`` (None: any split).
     - ``partial_node_stages``: allow stages smaller than a node.
-    - ``max_frontier_points``: cap on Pareto points kept per stage cell (keeps the MILP small).
-    - ``milp_seconds`` / ``milp_gap``: time limit and relative optimality gap of each MILP solve.
+    - ``max_frontier_points``: cap on Pareto points kept per stage cell and in-flight count.
+    - ``gap``: relative optimality gap the stage-partition search must certify (0: exact).
     """
 
     micro_batches: tuple[int, ...] | None = None
@@ -70,9 +70,8 @@ class SearchSpace:
     uniform_devices: bool = False
     layer_slack: int | None = None
     partial_node_stages: bool = True
-    max_frontier_points: int = 12
-    milp_seconds: float = 5.0
-    milp_gap: float = 1e-4
+    max_frontier_points: int = 32
+    gap: float = 1e-4
     name: str = "full"
 
     def __post_init__(self) -> None:
@@ -91,8 +90,8 @@ class SearchSpace:
             raise ValueError(f"SearchSpace.layer_slack must be >= 0, got {self.layer_slack}")
         if self.max_frontier_points < 1:
             raise ValueError(f"SearchSpace.max_frontier_points must be >= 1, got {self.max_frontier_points}")
-        if self.milp_seconds <= 0:
-            raise ValueError(f"SearchSpace.milp_seconds must be positive, got {self.milp_seconds}")
+        if not 0.0 <= self.gap < 1.0:
+            raise ValueError(f"SearchSpace.gap must be in [0, 1), got {self.gap}")
 
     def restrict(self, **changes) -> "SearchSpace":
         return replace(self, **changes)

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-offload", action="append", choices=OFFLOAD_FAMILIES + ("all",), default=[],
                         help="turn an offload family off (repeatable)")
     parser.add_argument("--max-stages", type=int, help="at most this many pipeline stages")
-    parser.add_argument("--milp-seconds", type=float, help="time limit of each MILP solve")
+    parser.add_argument("--gap", type=float, help="relative optimality gap to certify (default 1e-4; 0: exact)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -54,8 +54,10 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
         if args.max_stages < 1:
             raise ValueError(f"--max-stages must be >= 1, got {args.max_stages}")
         changes["max_stages"] = args.max_stages
-    if args.milp_seconds is not None:
-        changes["milp_seconds"] = args.milp_seconds
+    if args.gap is not None:
+        if not 0 <= args.gap < 1:
+            raise ValueError(f"--gap must be in [0, 1), got {args.gap}")
+        changes["gap"] = args.gap
     return space.restrict(**changes) if changes else space
 
 
