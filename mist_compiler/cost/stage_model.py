@@ -212,6 +212,7 @@ class StageCostModel:
     model_name: str = ""
     num_layers: int = 0
     _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
+    _terms_cache: dict[int, dict] = field(default_factory=dict, repr=False)  # (b, t, TP group) key -> block terms
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -281,12 +282,23 @@ class StageCostModel:
         if len(c) and (b.max() >= 1 << 20 or tp.max() >= 1 << 14 or tp_nodes.max() >= 1 << 14 or tp_gpus.max() >= 1 << 14):
             raise StageModelError("micro_batch must be < 2^20 and tp, nodes, gpus_per_node < 2^14")
         keys = ((b << 42) | (tp << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
-        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        unique_keys, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
-        unique_b, unique_t = b[first].astype(float), tp[first].astype(float)
-        shape = (tp_nodes[first], tp_gpus[first])
-        per_kind = {kind: {name: value[inverse] for name, value in self._block_terms(kind, unique_b, unique_t, shape).items()}
-                    for kind in BLOCK_KINDS}
+        missing = np.array([int(key) not in self._terms_cache for key in unique_keys], dtype=bool)
+        if missing.any():  # block terms depend only on the key: computed once per model, then reused
+            pick = first[missing]
+            shape = (tp_nodes[pick], tp_gpus[pick])
+            fresh = {kind: self._block_terms(kind, b[pick].astype(float), tp[pick].astype(float), shape)
+                     for kind in BLOCK_KINDS}
+            for i, key in enumerate(unique_keys[missing]):
+                self._terms_cache[int(key)] = {kind: {name: value[i] for name, value in terms.items()}
+                                               for kind, terms in fresh.items()}
+        cached = [self._terms_cache[int(key)] for key in unique_keys]
+        per_kind = {kind: {name: np.array([entry[kind][name] for entry in cached])[inverse] for name in cached[0][kind]}
+                    for kind in BLOCK_KINDS} if len(cached) else \
+            {kind: {name: np.zeros(0) for name in self._block_terms(kind, np.zeros(0), np.zeros(0),
+                                                                    (np.zeros(0, int), np.zeros(0, int)))}
+             for kind in BLOCK_KINDS}
         return per_kind, dp_shape
 
     def _infeasible(self, tp: np.ndarray, present: dict[str, np.ndarray]) -> np.ndarray:

@@ -247,6 +247,7 @@ class _Search:
         self.stage_options = space.stage_count_options(work.num_layers, cluster.world)
         self.max_stages = max(self.stage_options)
         self.incumbent = math.inf
+        self.trade: list[int] | None = None
         self.best = None
         self.best_table: FrontierTable | None = None
         self.stats: dict = {"space": space.describe(), "grad_accum_tried": 0, "partitions": 0,
@@ -259,7 +260,10 @@ class _Search:
                      f"({solution.status}, {time.perf_counter() - self.started:.1f}s)")
 
     def frontiers(self, g: int, space: SearchSpace) -> FrontierTable:
-        table = build_frontiers(self.cost_model, self.work, self.cluster, space, g, self.max_stages, self.incumbent)
+        table = build_frontiers(self.cost_model, self.work, self.cluster, space, g, self.max_stages, self.incumbent,
+                                self.trade)
+        if self.trade is None and "trade_families" in table.stats:
+            self.trade = table.stats["trade_families"]  # a property of the cost model: probed once
         self.stats["evaluated"] += table.stats.get("evaluated", 0)
         return table
 

@@ -218,7 +218,8 @@ def _knob_limits(space: SearchSpace, layers: np.ndarray) -> tuple[np.ndarray, np
 
 
 def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], space: SearchSpace,
-                     limit: float, stats: dict, bound: "IncumbentBound") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     limit: float, stats: dict, bound: "IncumbentBound",
+                     trade: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows of (base index, ckpt layers, offload combo index) worth evaluating exactly.
 
     A base whose fastest form (no knobs) already gives ``G * stable >= incumbent`` is dropped: no
@@ -228,17 +229,20 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
     n = len(bases)
     low, high = _knob_limits(space, bases.layers)
     no_offload = np.zeros((n, 4))
-    max_offload = np.tile(combos.max(axis=0), (n, 1))
-    alive = _fits_most_saving(model, bases, shapes, high, combos, limit)
-    trade = _trade_families(model, bases, shapes, space, combos, low)
-    stats["trade_families"] = [OFFLOAD_NAMES[f] for f in trade]
+    if trade is None:
+        trade = _trade_families(model, bases, shapes, space, combos, low)
+    stats["trade_families"] = list(trade)
     least_saving = evaluate(model, bases, shapes, low, no_offload, bases.max_inflight)
     fastest = least_saving.stable_s.astype(float)
+    # the bounds use every base's fastest form, so they need no memory check first; only the
+    # survivors are tested for fitting at all
+    alive = bound.grad_accum * fastest < bound.incumbent
+    alive &= _useful_bases(bases, fastest, alive, shapes, bound, stats)
+    survivors = np.flatnonzero(alive)
+    alive[survivors] = _fits_most_saving(model, bases.take(survivors), shapes, high[survivors], combos, limit)
     stats["work_bound"] = bound.work_bound(bases, fastest, alive, shapes)
     if stats["work_bound"] >= bound.incumbent:
         alive[:] = False
-    alive &= bound.grad_accum * fastest < bound.incumbent
-    alive &= _useful_bases(bases, fastest, alive, shapes, bound, stats)
     easy = alive & _fits(least_saving.peak_memory_bytes, limit)
     tight = np.flatnonzero(alive & ~easy)
     stats["bases"] = stats.get("bases", 0) + n
@@ -462,8 +466,12 @@ class IncumbentBound:
 
 
 def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, space: SearchSpace,
-                    grad_accum: int, max_stages: int, incumbent: float = math.inf) -> FrontierTable:
-    """Evaluate every stage configuration for this G and keep each cell's Pareto frontier."""
+                    grad_accum: int, max_stages: int, incumbent: float = math.inf,
+                    trade: list[int] | None = None) -> FrontierTable:
+    """Evaluate every stage configuration for this G and keep each cell's Pareto frontier.
+
+    ``trade``: the offload families found to lower stable or delta (``stats['trade_families']`` of
+    an earlier table of the same model), to skip probing again."""
     stats: dict = {"grad_accum": grad_accum}
     model = CountingModel(model)
     options = tuple(space.stage_count_options(work.num_layers, cluster.world))
@@ -471,7 +479,7 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     limit = float(model.device_memory_bytes)
     bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
     combos = space.offload_combos()
-    rows, ckpt, combo = _candidate_knobs(model, bases, shapes, space, limit, stats, bound) if len(bases) else (
+    rows, ckpt, combo = _candidate_knobs(model, bases, shapes, space, limit, stats, bound, trade) if len(bases) else (
         np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros(0, dtype=int))
     table_bases = bases.take(rows)
     offload = combos[combo] if len(combo) else np.zeros((0, 4))
