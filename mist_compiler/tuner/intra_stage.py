@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import product
 
 import numpy as np
 
@@ -220,7 +221,7 @@ def _knob_limits(space: SearchSpace, layers: np.ndarray) -> tuple[np.ndarray, np
 def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], space: SearchSpace,
                      limit: float, stats: dict, bound: "IncumbentBound",
                      trade: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of (base index, ckpt layers, offload combo index) worth evaluating exactly.
+    """Rows of (base index, ckpt layers, offload ratios [n, 4]) worth evaluating exactly.
 
     A base whose fastest form (no knobs) already gives ``G * stable >= incumbent`` is dropped: no
     plan using it can beat the best plan found so far.
@@ -251,19 +252,19 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
     easy_rows = np.flatnonzero(easy)
     rows = [easy_rows]
     ckpts = [low[easy_rows]]
-    offload_ids = [np.zeros(len(easy_rows), dtype=int)]
+    ratios = [np.zeros((len(easy_rows), 4))]
     for family in trade:  # a knob that can lower stable or delta: its grid values are candidates too
         for combo in np.flatnonzero((combos[:, family] > 0) & (np.delete(combos, family, axis=1) == 0).all(axis=1)):
             rows.append(easy_rows)
             ckpts.append(low[easy_rows])
-            offload_ids.append(np.full(len(easy_rows), combo))
+            ratios.append(np.tile(combos[combo], (len(easy_rows), 1)))
     if len(tight):
-        picked_base, picked_ckpt, picked_combo = _minimal_knobs(model, bases.take(tight), shapes, space, combos, limit,
-                                                                trade)
+        picked_base, picked_ckpt, picked_ratios = _minimal_knobs(model, bases.take(tight), shapes, space, combos, limit,
+                                                                 trade)
         rows.append(tight[picked_base])
         ckpts.append(picked_ckpt)
-        offload_ids.append(picked_combo)
-    return np.concatenate(rows), np.concatenate(ckpts), np.concatenate(offload_ids)
+        ratios.append(picked_ratios)
+    return np.concatenate(rows), np.concatenate(ckpts), np.concatenate(ratios)
 
 
 def _useful_bases(bases: Bases, fastest: np.ndarray, alive: np.ndarray, shapes: list[DeviceShape],
@@ -332,21 +333,55 @@ def _trade_families(model: StageCostModel, bases: Bases, shapes: list[DeviceShap
 
 def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape], space: SearchSpace,
                    combos: np.ndarray, limit: float, trade: list[int] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For each tight base and in-flight count, the minimal (offload combo, ckpt) pairs that fit.
+    """For each tight base and in-flight count, the minimal (offload ratios, ckpt) settings that fit.
 
-    Combos form a grid over the four families. For every combo the smallest fitting checkpoint
-    count is predicted from four corner evaluations (ckpt none/max x k = 1, 2); a combo is kept
-    only if lowering any one offload ratio by a grid step would need strictly more checkpointing
-    (otherwise that lower combo fits with no more recompute and dominates it, knobs being monotone).
+    Returns (base index, ckpt layers, offload ratios [n, 4]).
+
+    - *Optimizer states* are static memory, so memory is exactly linear in their offload ratio and
+      the ratio only costs delta: it is not gridded. One evaluation per base gives the memory it
+      frees, and each candidate gets the smallest ratio that fits in closed form.
+    - *Weights, gradients, activations* (whose memory is not linear: prefetch buffers, the order
+      in which saved tensors are offloaded) stay on the grid; a family whose largest ratio frees no
+      memory on a base is not offered there. For every grid point and every grid value of the
+      optimizer ratio the smallest fitting checkpoint count is predicted from four corner
+      evaluations (ckpt none/max x k = 1, 2), then the optimizer ratio is lowered to the least that
+      fits at that count. A grid point is kept only if lowering one of its ratios by a grid step
+      would need strictly more checkpointing (the lower one fits with no more recompute and
+      dominates it, knobs being monotone); trade-off families (``trade``) are exempt.
     """
-    grid_shape = tuple(len(set(combos[:, f])) for f in range(4))
-    n, c = len(tight), len(combos)
-    sub = tight.take(np.repeat(np.arange(n), c))
-    offload = np.tile(combos, (n, 1))
-    low, high = _knob_limits(space, sub.layers)
-    # the most-saving corner first: rows that do not fit even then need no other evaluation
+    grids = [np.array(sorted(set(combos[:, f]))) for f in range(4)]
+    opt_grid = grids[2]
+    rest_grid = [grids[0], grids[1], grids[3]]
+    n = len(tight)
+    low_base, high_base = _knob_limits(space, tight.layers)
+    # memory freed by offloading every optimizer state (static: the same at every point and k)
+    opt_top = float(opt_grid[-1])
+    opt_saving = np.zeros(n)
+    plain = evaluate(model, tight, shapes, low_base, np.zeros((n, 4)), 1).peak_memory_bytes
+    if opt_top > 0:
+        moved = np.zeros((n, 4))
+        moved[:, 2] = opt_top
+        opt_saving = (plain - evaluate(model, tight, shapes, low_base, moved, 1).peak_memory_bytes) / opt_top
+        opt_saving = np.maximum(opt_saving, 0.0)
+    relevant = [_frees_memory(model, tight, shapes, low_base, family, float(grid[-1]), plain)
+                for family, grid in zip((0, 1, 3), rest_grid)]
+    rest = np.array(list(product(*rest_grid)), dtype=float).reshape(-1, 3)  # (w, g, a) grid points
+    grid_shape = tuple(len(g) for g in rest_grid)
+    c = len(rest)
+    # a grid point using a family that frees nothing on that base is never minimal
+    useful_point = np.ones((n, c), dtype=bool)
+    for axis in range(3):
+        useful_point &= relevant[axis][:, None] | (rest[None, :, axis] == 0) | (axis_family(axis) in trade)
+    pairs = np.flatnonzero(useful_point.ravel())
+    base_of, point_of = pairs // c, pairs % c
+    sub = tight.take(base_of)
+    offload = np.zeros((len(pairs), 4))
+    offload[:, 0], offload[:, 1], offload[:, 3] = rest[point_of, 0], rest[point_of, 1], rest[point_of, 2]
+    low, high = low_base[base_of], high_base[base_of]
+    saving = opt_saving[base_of]
+    # the most-saving corner first (all optimizer states offloaded): pairs that do not fit then are dead
     m_high1 = evaluate(model, sub, shapes, high, offload, 1).peak_memory_bytes.astype(float)
-    alive = np.flatnonzero(_fits(m_high1, limit))
+    alive = np.flatnonzero(_fits(m_high1 - opt_top * saving, limit))
     part = sub.take(alive)
     corners = []
     for knob, k in ((low, 1), (low, 2), (high, 2)):
@@ -355,46 +390,91 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
         corners.append(values)
     m_low1, m_low2, m_high2 = corners
     span = np.maximum(high - low, 1).astype(float)
-    picked_rows, picked_ckpt = [], []
-    for k in inflight_samples(int(sub.max_inflight.max())):
+    picked_pair, picked_ckpt, picked_opt = [], [], []
+    for k in inflight_samples(int(sub.max_inflight.max()) if len(sub) else 1):
         active = sub.max_inflight >= k
         with np.errstate(invalid="ignore"):  # dead rows hold inf
             m_low = np.where(np.isfinite(m_low2), m_low1 + (k - 1) * (m_low2 - m_low1), np.inf)
             m_high = np.where(np.isfinite(m_high2), m_high1 + (k - 1) * (m_high2 - m_high1), np.inf)
-        if space.ckpt == "tune":
+        for opt_value in opt_grid:
+            shift = opt_value * saving
+            ckpt = _needed_ckpt(space, m_low - shift, m_high - shift, span, high - low, limit)
+            ok = active & np.isfinite(ckpt)
+            cost = np.full((n, c), np.inf)
+            cost[base_of, point_of] = np.where(ok, ckpt, np.inf)
+            keep = _minimal_points(cost.reshape((n,) + grid_shape), [axis_family(a) in trade for a in range(3)])
+            index = np.full((n, c), -1)
+            index[base_of, point_of] = np.arange(len(pairs))
+            chosen = index.ravel()[keep]
+            chosen = chosen[chosen >= 0]
+            counts = ckpt[chosen]
+            # the least optimizer ratio that fits at that checkpoint count (memory linear in it)
             with np.errstate(divide="ignore", invalid="ignore"):
-                saving_per_layer = (m_low - m_high) / span
-                needed = np.where(saving_per_layer > 0, (m_low - limit) / saving_per_layer, np.inf)
-            ckpt = np.where(_fits(m_low, limit), 0.0, np.ceil(needed - 1e-9))
-        else:
-            ckpt = np.where(_fits(m_low, limit), 0.0, np.where(_fits(m_high, limit), (high - low).astype(float), np.inf))
-        ok = active & np.isfinite(ckpt) & (ckpt <= high - low) & _fits(m_high, limit)
-        cost = np.where(ok, ckpt, np.inf).reshape((n,) + grid_shape)
-        minimal = np.isfinite(cost)
-        for axis in range(1, 5):
-            if cost.shape[axis] < 2 or axis - 1 in trade:
-                continue
-            lower = np.take(cost, np.arange(cost.shape[axis] - 1), axis=axis)
-            upper = np.take(cost, np.arange(1, cost.shape[axis]), axis=axis)
-            beaten = np.concatenate([np.zeros_like(np.take(minimal, [0], axis=axis)), lower <= upper], axis=axis)
-            minimal &= ~beaten
-        keep = np.flatnonzero(minimal.ravel())
-        picked_rows.append(keep)
-        picked_ckpt.append((low[keep] + ckpt[keep]).astype(int))
-    rows = np.concatenate(picked_rows)
-    ckpts = np.concatenate(picked_ckpt)
-    if space.ckpt == "tune":
+                at_count = m_low[chosen] - counts * (m_low[chosen] - m_high[chosen]) / span[chosen]
+                least = np.where(saving[chosen] > 0, (at_count - limit) / saving[chosen], 0.0)
+            picked_pair.append(chosen)
+            picked_ckpt.append((low[chosen] + counts).astype(int))
+            picked_opt.append(np.clip(np.where(np.isfinite(least), least, opt_value), 0.0, opt_value))
+    pair = np.concatenate(picked_pair) if picked_pair else np.zeros(0, dtype=int)
+    ckpts = np.concatenate(picked_ckpt) if picked_ckpt else np.zeros(0, dtype=int)
+    opts = np.concatenate(picked_opt) if picked_opt else np.zeros(0)
+    if space.ckpt == "tune" and len(pair):
         # with activations offloaded, checkpointing more also means less to copy, so a stage can
         # get faster with more checkpointing: offer the midpoint and all-layers points as well
-        offloading = (offload[rows, 3] > 0) & (ckpts < high[rows])
-        extra_rows = rows[offloading]
-        middle = (ckpts[offloading] + high[extra_rows] + 1) // 2
-        rows = np.concatenate([rows, extra_rows, extra_rows])
-        ckpts = np.concatenate([ckpts, middle, high[extra_rows]])
-    key = rows.astype(np.int64) * (int(sub.layers.max()) + 2) + ckpts
-    _, first = np.unique(key, return_index=True)
-    rows, ckpts = rows[first], ckpts[first]
-    return rows // c, ckpts, rows % c
+        offloading = (offload[pair, 3] > 0) & (ckpts < high[pair])
+        extra = pair[offloading]
+        middle = (ckpts[offloading] + high[extra] + 1) // 2
+        pair = np.concatenate([pair, extra, extra])
+        ckpts = np.concatenate([ckpts, middle, high[extra]])
+        opts = np.concatenate([opts, opts[offloading], opts[offloading]])
+    ratios = offload[pair].copy()
+    ratios[:, 2] = np.round(opts, 6)
+    ratios[:, 2] = np.where(ratios[:, 2] > 0, np.minimum(opt_top, ratios[:, 2] + 1e-6), 0.0)  # round up, not down
+    key = np.column_stack([pair, ckpts, np.round(ratios[:, 2] * 1e6).astype(np.int64)])
+    _, first = np.unique(key, axis=0, return_index=True)
+    return base_of[pair[first]], ckpts[first], ratios[first]
+
+
+def axis_family(axis: int) -> int:
+    """Offload family of an axis of the (weights, grads, acts) grid."""
+    return (0, 1, 3)[axis]
+
+
+def _frees_memory(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray, family: int,
+                  ratio: float, plain: np.ndarray) -> np.ndarray:
+    """Per base: whether offloading ``family`` at ``ratio`` lowers peak memory at all."""
+    if ratio <= 0:
+        return np.zeros(len(bases), dtype=bool)
+    moved = np.zeros((len(bases), 4))
+    moved[:, family] = ratio
+    return evaluate(model, bases, shapes, ckpt, moved, 1).peak_memory_bytes < plain * (1 - 1e-9)
+
+
+def _needed_ckpt(space: SearchSpace, m_low: np.ndarray, m_high: np.ndarray, span: np.ndarray, room: np.ndarray,
+                 limit: float) -> np.ndarray:
+    """Checkpointed layers beyond the minimum that make memory fit (affine prediction; inf: none)."""
+    if space.ckpt == "tune":
+        with np.errstate(divide="ignore", invalid="ignore"):
+            saving_per_layer = (m_low - m_high) / span
+            needed = np.where(saving_per_layer > 0, (m_low - limit) / saving_per_layer, np.inf)
+        ckpt = np.where(_fits(m_low, limit), 0.0, np.ceil(needed - 1e-9))
+    else:
+        ckpt = np.where(_fits(m_low, limit), 0.0, np.where(_fits(m_high, limit), room.astype(float), np.inf))
+    return np.where((ckpt <= room) & _fits(m_high, limit), ckpt, np.inf)
+
+
+def _minimal_points(cost: np.ndarray, exempt: list[bool]) -> np.ndarray:
+    """Flat indices of grid points (axes 1..) whose cost is finite and not matched by a point one
+    grid step lower on some non-exempt axis."""
+    minimal = np.isfinite(cost)
+    for axis in range(1, cost.ndim):
+        if cost.shape[axis] < 2 or exempt[axis - 1]:
+            continue
+        lower = np.take(cost, np.arange(cost.shape[axis] - 1), axis=axis)
+        upper = np.take(cost, np.arange(1, cost.shape[axis]), axis=axis)
+        beaten = np.concatenate([np.zeros_like(np.take(minimal, [0], axis=axis)), lower <= upper], axis=axis)
+        minimal &= ~beaten
+    return np.flatnonzero(minimal.ravel())
 
 
 def pareto_mask(group: np.ndarray, stable: np.ndarray, delta: np.ndarray, tiebreak: np.ndarray) -> np.ndarray:
@@ -478,11 +558,9 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     bound = IncumbentBound(grad_accum, incumbent, work.num_layers, cluster.world, cluster, options)
     limit = float(model.device_memory_bytes)
     bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
-    combos = space.offload_combos()
-    rows, ckpt, combo = _candidate_knobs(model, bases, shapes, space, limit, stats, bound, trade) if len(bases) else (
-        np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros(0, dtype=int))
+    rows, ckpt, offload = _candidate_knobs(model, bases, shapes, space, limit, stats, bound, trade) if len(bases) else (
+        np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros((0, 4)))
     table_bases = bases.take(rows)
-    offload = combos[combo] if len(combo) else np.zeros((0, 4))
     ckpt = ckpt.copy()
     # exact evaluation at k = 1 (times, memory) and, for stages that can hold more than one
     # micro-batch, at their largest k (memory slope); raise the checkpoint count where a
