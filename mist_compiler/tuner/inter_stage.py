@@ -39,6 +39,7 @@ from .space import Cluster, SearchSpace, Workload
 BUCKETS = 16  # lanes of one DP pass
 GRID_STATES = 4_000  # (layers + 1) x device units up to which the exact grid DP is used
 LAMBDA_STEPS = 8  # device prices tried per bucket and round (Lagrangian mode)
+LAMBDA_BUCKETS = 8  # threshold buckets per pass in Lagrangian mode (lanes: buckets x prices)
 MAX_PASSES = 40
 
 
@@ -140,7 +141,7 @@ def _solve_group(table: FrontierTable, work: Workload, cluster: Cluster, s_list:
 def _next_buckets(open_sets: list[np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """Cut the open sets of stage times into at most ``count`` buckets: (top, bottom, members) each;
     a plan whose slowest stage lies in a bucket has one of its times."""
-    per_set = max(1, count // max(1, len(open_sets)))
+    per_set = max(2, count // max(1, len(open_sets)))  # every open set is split: progress each pass
     tops, bottoms, members = [], [], []
     for inside in open_sets:
         cuts = np.unique(np.round(np.linspace(0, len(inside), min(per_set, len(inside)) + 1)).astype(int))
@@ -254,7 +255,7 @@ def _lagrange_search(dp: LagrangeDP, choices: dict[str, Choices], table: Frontie
     pooled = [pool for pool in choices.values() if len(pool)]
     price = float(np.median(np.concatenate([p.stable / p.devices for p in pooled])))  # seconds per device
     while open_sets and passes < MAX_PASSES:
-        tops, bottoms, members = _next_buckets(open_sets, max(1, BUCKETS // LAMBDA_STEPS))
+        tops, bottoms, members = _next_buckets(open_sets, LAMBDA_BUCKETS)
         bounds, best, upper, rounds = _dual_bounds(dp, choices, table, g, world, tops, bottoms, price, best, upper)
         passes += rounds
         open_sets = []
