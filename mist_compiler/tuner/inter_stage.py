@@ -37,7 +37,7 @@ from .partition import Choices, DPRun, GridDP, LagrangeDP, repair_devices, role_
 from .space import Cluster, SearchSpace, Workload
 
 BUCKETS = 16  # lanes of one DP pass
-GRID_STATES = 4_000  # (layers + 1) x device units up to which the exact grid DP is used
+GRID_STATES = 40_000  # (layers + 1) x device units up to which the exact grid DP is used
 LAMBDA_STEPS = 8  # device prices tried per bucket and round (Lagrangian mode)
 LAMBDA_BUCKETS = 8  # threshold buckets per pass in Lagrangian mode (lanes: buckets x prices)
 MAX_PASSES = 40
@@ -195,54 +195,46 @@ def _lane_bounds(run: DPRun, g: int, bottoms: np.ndarray) -> np.ndarray:
 
 def _grid_search(dp: GridDP, table: FrontierTable, g: int, open_sets: list[np.ndarray], upper: float, gap: float,
                  stats: dict) -> tuple[StageSolution | None, float]:
+    """Threshold passes until every bucket is settled or down to one stage time; those left (a later
+    stage's delta exposed) are checked in exposure passes: is there a plan with ``M <= mu`` for
+    ``mu`` just under what beats the best plan by the gap? Many thresholds per pass."""
     best, settled, passes = None, math.inf, 0
-    while open_sets and passes < MAX_PASSES:
-        tops, bottoms, members = _next_buckets(open_sets, BUCKETS)
+    exposed: list[float] = []  # single thresholds whose bound is not yet within the gap
+    while (open_sets or exposed) and passes < MAX_PASSES:
         passes += 1
-        run = dp.run(tops, bottoms, upper, gap)
-        for stages, lane in _promising(run, g, tops, bottoms, upper):
-            best, upper = _keep_best(table, g, GridDP.plan_rows(run, stages, lane), best, upper)
-        bounds = _lane_bounds(run, g, bottoms)
-        open_sets = []
-        for k in range(len(tops)):
-            if bounds[k] * (1 + gap) >= upper:
-                settled = min(settled, bounds[k])
-            elif len(members[k]) > 1:
-                open_sets.append(members[k])
-            else:  # one threshold left: what remains is a later stage's exposed delta
-                refined, best, upper = _close_exposure(dp, table, g, tops[k], bounds[k], best, upper, gap, stats)
-                settled = min(settled, refined)
-    for inside in open_sets:  # out of passes: the lower edge alone bounds them
-        settled = min(settled, (g - 1) * inside[0])
-    stats["passes"] += passes
-    return best, min(settled, dp.dropped_bound, upper)
-
-
-def _close_exposure(dp: GridDP, table: FrontierTable, g: int, tau: float, low: float, best: StageSolution | None,
-                    upper: float, gap: float, stats: dict) -> tuple[float, StageSolution | None, float]:
-    """At one threshold, bisect the exposure bound mu (many values per pass) between the bound and the
-    best plan; returns the refined lower bound of this threshold."""
-    taus, head = np.array([tau]), (g - 1) * tau
-    mu_low, mu_high = low - head, upper - head
-    for _ in range(MAX_PASSES):
-        if (head + mu_low) * (1 + gap) >= upper or mu_high - mu_low <= 1e-12 * max(1.0, upper):
-            break
-        mus = np.linspace(mu_low, mu_high, BUCKETS + 1)[1:]
-        run = dp.run(taus, np.full(len(mus), tau), upper, gap, mu=mus)
-        stats["passes"] += 1
-        feasible = np.zeros(len(mus), dtype=bool)
+        if open_sets:
+            tops, bottoms, members = _next_buckets(open_sets, BUCKETS)
+            run = dp.run(tops, bottoms, upper, gap)
+            for rows in dp.plans(run, _promising(run, g, tops, bottoms, upper)):
+                best, upper = _keep_best(table, g, rows, best, upper)
+            bounds = _lane_bounds(run, g, bottoms)
+            open_sets = []
+            for k in range(len(tops)):
+                if bounds[k] * (1 + gap) >= upper:
+                    settled = min(settled, bounds[k])
+                elif len(members[k]) > 1:
+                    open_sets.append(members[k])
+                else:
+                    exposed.append(float(tops[k]))
+            continue
+        taus = np.array(sorted(set(exposed))[:BUCKETS])
+        exposed = [tau for tau in exposed if tau not in set(taus)]
+        target = upper / (1 + gap) * (1 - 1e-12)  # strictly better than the best plan
+        mus = target - (g - 1) * taus
+        run = dp.run(taus, taus, upper, gap, mu=mus)
+        feasible = np.zeros(len(taus), dtype=bool)
         for values in run.values().values():
             feasible |= np.isfinite(values)
-        lanes = np.full(len(mus), tau)
-        for stages, lane in _promising(run, g, lanes, lanes, upper):
-            best, upper = _keep_best(table, g, GridDP.plan_rows(run, stages, lane), best, upper)
-        if not feasible.any():
-            mu_low = mus[-1]
-            break
-        first = int(np.argmax(feasible))
-        mu_high = min(mus[first], upper - head)
-        mu_low = mus[first - 1] if first > 0 else mu_low
-    return min(head + mu_low, upper), best, upper
+        for rows in dp.plans(run, _promising(run, g, taus, taus, math.inf)):
+            best, upper = _keep_best(table, g, rows, best, upper)
+        settled = min(settled, target) if (~feasible).any() else settled
+        exposed += [float(tau) for tau in taus[feasible] if (g - 1) * tau < upper / (1 + gap) * (1 - 1e-12)]
+    for inside in open_sets:  # out of passes: the lower edge alone bounds them
+        settled = min(settled, (g - 1) * inside[0])
+    for tau in exposed:
+        settled = min(settled, (g - 1) * tau)
+    stats["passes"] += passes
+    return best, min(settled, dp.dropped_bound, upper)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -286,7 +278,7 @@ def _dual_bounds(dp: LagrangeDP, choices: dict[str, Choices], table: FrontierTab
         if round_ == 0:
             lams[:, 0] = 0.0
         lane_tops, lane_bottoms = np.repeat(tops, LAMBDA_STEPS), np.repeat(bottoms, LAMBDA_STEPS)
-        run = dp.run(lane_tops, lams.ravel())
+        run = dp.run(lane_tops, lams.ravel(), lane_bottoms, upper)
         lane_bounds = _lane_bounds(run, g, lane_bottoms).reshape(lams.shape)
         pick = np.argmax(lane_bounds, axis=1)
         everyone = np.arange(count)

@@ -337,33 +337,26 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
 
     Returns (base index, ckpt layers, offload ratios [n, 4]).
 
-    - *Optimizer states* are static memory, so memory is exactly linear in their offload ratio and
-      the ratio only costs delta: it is not gridded. One evaluation per base gives the memory it
-      frees, and each candidate gets the smallest ratio that fits in closed form.
+    - *Optimizer states* only cost delta and their memory is static (the same in every program
+      point), so they are not gridded: memory is evaluated with none and with all of them offloaded
+      and interpolated linearly in between (memory is a maximum of affine terms, so the line lies
+      above it: the ratio it gives always fits), and each candidate gets the least ratio that fits.
     - *Weights, gradients, activations* (whose memory is not linear: prefetch buffers, the order
       in which saved tensors are offloaded) stay on the grid; a family whose largest ratio frees no
-      memory on a base is not offered there. For every grid point and every grid value of the
-      optimizer ratio the smallest fitting checkpoint count is predicted from four corner
-      evaluations (ckpt none/max x k = 1, 2), then the optimizer ratio is lowered to the least that
-      fits at that count. A grid point is kept only if lowering one of its ratios by a grid step
-      would need strictly more checkpointing (the lower one fits with no more recompute and
-      dominates it, knobs being monotone); trade-off families (``trade``) are exempt.
+      memory on a base (at its deepest in-flight count) is not offered there. For every grid point
+      and every grid value of the optimizer ratio the smallest fitting checkpoint count is predicted
+      from corner evaluations (ckpt none/max x k = 1, 2), then the optimizer ratio is lowered to the
+      least that fits at that count. A grid point is kept only if lowering one of its ratios by a
+      grid step would need strictly more checkpointing (the lower one fits with no more recompute
+      and dominates it, knobs being monotone); trade-off families (``trade``) are exempt.
     """
     grids = [np.array(sorted(set(combos[:, f]))) for f in range(4)]
-    opt_grid = grids[2]
-    rest_grid = [grids[0], grids[1], grids[3]]
+    opt_grid, rest_grid = grids[2], [grids[0], grids[1], grids[3]]
+    opt_top = float(opt_grid[-1])
     n = len(tight)
     low_base, high_base = _knob_limits(space, tight.layers)
-    # memory freed by offloading every optimizer state (static: the same at every point and k)
-    opt_top = float(opt_grid[-1])
-    opt_saving = np.zeros(n)
-    plain = evaluate(model, tight, shapes, low_base, np.zeros((n, 4)), 1).peak_memory_bytes
-    if opt_top > 0:
-        moved = np.zeros((n, 4))
-        moved[:, 2] = opt_top
-        opt_saving = (plain - evaluate(model, tight, shapes, low_base, moved, 1).peak_memory_bytes) / opt_top
-        opt_saving = np.maximum(opt_saving, 0.0)
-    relevant = [_frees_memory(model, tight, shapes, low_base, family, float(grid[-1]), plain)
+    deepest = evaluate(model, tight, shapes, low_base, np.zeros((n, 4)), tight.max_inflight).peak_memory_bytes
+    relevant = [_frees_memory(model, tight, shapes, low_base, family, float(grid[-1]), deepest)
                 for family, grid in zip((0, 1, 3), rest_grid)]
     rest = np.array(list(product(*rest_grid)), dtype=float).reshape(-1, 3)  # (w, g, a) grid points
     grid_shape = tuple(len(g) for g in rest_grid)
@@ -378,27 +371,44 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
     offload = np.zeros((len(pairs), 4))
     offload[:, 0], offload[:, 1], offload[:, 3] = rest[point_of, 0], rest[point_of, 1], rest[point_of, 2]
     low, high = low_base[base_of], high_base[base_of]
-    saving = opt_saving[base_of]
-    # the most-saving corner first (all optimizer states offloaded): pairs that do not fit then are dead
-    m_high1 = evaluate(model, sub, shapes, high, offload, 1).peak_memory_bytes.astype(float)
-    alive = np.flatnonzero(_fits(m_high1 - opt_top * saving, limit))
+    moved = offload.copy()
+    moved[:, 2] = opt_top
+    # the most-saving corner first: pairs that do not fit even then need no other evaluation
+    top_high1 = evaluate(model, sub, shapes, high, moved, 1).peak_memory_bytes.astype(float)
+    alive = np.flatnonzero(_fits(top_high1, limit))
     part = sub.take(alive)
-    corners = []
-    for knob, k in ((low, 1), (low, 2), (high, 2)):
-        values = np.full(len(sub), np.inf)
-        values[alive] = evaluate(model, part, shapes, knob[alive], offload[alive], k).peak_memory_bytes
-        corners.append(values)
-    m_low1, m_low2, m_high2 = corners
+    corners = {}  # (opt offloaded?, ckpt corner, k) -> memory
+    for opt_on, ratios in ((False, offload), (True, moved)):
+        for corner, knob in (("low", low), ("high", high)):
+            for k in (1, 2):
+                if opt_on and corner == "high" and k == 1:
+                    corners[(True, "high", 1)] = top_high1
+                    continue
+                if not opt_on and opt_top <= 0:
+                    continue
+                values = np.full(len(sub), np.inf)
+                values[alive] = evaluate(model, part, shapes, knob[alive], ratios[alive], k).peak_memory_bytes
+                corners[(opt_on, corner, k)] = values
+    if opt_top <= 0:  # no optimizer offload: the "offloaded" corners are the plain ones
+        for key in list(corners):
+            corners[(False,) + key[1:]] = corners[key]
     span = np.maximum(high - low, 1).astype(float)
     picked_pair, picked_ckpt, picked_opt = [], [], []
-    for k in inflight_samples(int(sub.max_inflight.max()) if len(sub) else 1):
+    samples = inflight_samples(int(sub.max_inflight.max()) if len(sub) else 1)
+    for k in samples + [sub.max_inflight]:  # the sampled counts, then each base's own deepest
         active = sub.max_inflight >= k
+        at_k = {}
         with np.errstate(invalid="ignore"):  # dead rows hold inf
-            m_low = np.where(np.isfinite(m_low2), m_low1 + (k - 1) * (m_low2 - m_low1), np.inf)
-            m_high = np.where(np.isfinite(m_high2), m_high1 + (k - 1) * (m_high2 - m_high1), np.inf)
+            for opt_on in (False, True):
+                for corner in ("low", "high"):
+                    one, two = corners[(opt_on, corner, 1)], corners[(opt_on, corner, 2)]
+                    at_k[(opt_on, corner)] = np.where(np.isfinite(two), one + (k - 1) * (two - one), np.inf)
         for opt_value in opt_grid:
-            shift = opt_value * saving
-            ckpt = _needed_ckpt(space, m_low - shift, m_high - shift, span, high - low, limit)
+            share = opt_value / opt_top if opt_top > 0 else 0.0
+            with np.errstate(invalid="ignore"):  # dead rows hold inf
+                m_low = (1 - share) * at_k[(False, "low")] + share * at_k[(True, "low")]
+                m_high = (1 - share) * at_k[(False, "high")] + share * at_k[(True, "high")]
+            ckpt = _needed_ckpt(space, m_low, m_high, span, high - low, limit)
             ok = active & np.isfinite(ckpt)
             cost = np.full((n, c), np.inf)
             cost[base_of, point_of] = np.where(ok, ckpt, np.inf)
@@ -408,13 +418,9 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
             chosen = index.ravel()[keep]
             chosen = chosen[chosen >= 0]
             counts = ckpt[chosen]
-            # the least optimizer ratio that fits at that checkpoint count (memory linear in it)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                at_count = m_low[chosen] - counts * (m_low[chosen] - m_high[chosen]) / span[chosen]
-                least = np.where(saving[chosen] > 0, (at_count - limit) / saving[chosen], 0.0)
             picked_pair.append(chosen)
             picked_ckpt.append((low[chosen] + counts).astype(int))
-            picked_opt.append(np.clip(np.where(np.isfinite(least), least, opt_value), 0.0, opt_value))
+            picked_opt.append(_least_opt(at_k, chosen, counts, span, limit, opt_value, opt_top))
     pair = np.concatenate(picked_pair) if picked_pair else np.zeros(0, dtype=int)
     ckpts = np.concatenate(picked_ckpt) if picked_ckpt else np.zeros(0, dtype=int)
     opts = np.concatenate(picked_opt) if picked_opt else np.zeros(0)
@@ -428,11 +434,29 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
         ckpts = np.concatenate([ckpts, middle, high[extra]])
         opts = np.concatenate([opts, opts[offloading], opts[offloading]])
     ratios = offload[pair].copy()
-    ratios[:, 2] = np.round(opts, 6)
-    ratios[:, 2] = np.where(ratios[:, 2] > 0, np.minimum(opt_top, ratios[:, 2] + 1e-6), 0.0)  # round up, not down
+    ratios[:, 2] = np.where(opts > 0, np.minimum(opt_top, np.ceil(opts * 1e6) / 1e6), 0.0)  # rounded up: still fits
     key = np.column_stack([pair, ckpts, np.round(ratios[:, 2] * 1e6).astype(np.int64)])
     _, first = np.unique(key, axis=0, return_index=True)
     return base_of[pair[first]], ckpts[first], ratios[first]
+
+
+def _least_opt(at_k: dict, chosen: np.ndarray, counts: np.ndarray, span: np.ndarray, limit: float,
+               opt_value: float, opt_top: float) -> np.ndarray:
+    """The least optimizer-offload ratio (<= ``opt_value``) that fits at the chosen checkpoint
+    counts: memory is interpolated linearly between no and all optimizer states offloaded."""
+    if opt_top <= 0 or len(chosen) == 0:
+        return np.zeros(len(chosen))
+    fraction = counts / span[chosen]
+
+    def at_count(opt_on: bool) -> np.ndarray:
+        low, high = at_k[(opt_on, "low")][chosen], at_k[(opt_on, "high")][chosen]
+        return low - fraction * (low - high)
+
+    plain, offloaded = at_count(False), at_count(True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(plain > offloaded, (plain - limit * (1 - 1e-7)) / (plain - offloaded), 0.0)
+    least = np.clip(np.where(np.isfinite(share), share, opt_value / opt_top), 0.0, 1.0) * opt_top
+    return np.minimum(least, opt_value)
 
 
 def axis_family(axis: int) -> int:
@@ -442,12 +466,12 @@ def axis_family(axis: int) -> int:
 
 def _frees_memory(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray, family: int,
                   ratio: float, plain: np.ndarray) -> np.ndarray:
-    """Per base: whether offloading ``family`` at ``ratio`` lowers peak memory at all."""
+    """Per base: whether offloading ``family`` at ``ratio`` lowers peak memory (at its deepest in-flight count)."""
     if ratio <= 0:
         return np.zeros(len(bases), dtype=bool)
     moved = np.zeros((len(bases), 4))
     moved[:, family] = ratio
-    return evaluate(model, bases, shapes, ckpt, moved, 1).peak_memory_bytes < plain * (1 - 1e-9)
+    return evaluate(model, bases, shapes, ckpt, moved, bases.max_inflight).peak_memory_bytes < plain * (1 - 1e-9)
 
 
 def _needed_ckpt(space: SearchSpace, m_low: np.ndarray, m_high: np.ndarray, span: np.ndarray, room: np.ndarray,
@@ -587,7 +611,9 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     stable, delta = first.stable_s.astype(float), first.delta_s.astype(float)
     stats["candidates_exact"] = len(rows)
     cells = _frontier_cells(table_bases, fit_k, stable, delta, mem1, space.max_frontier_points, stats)
-    keep = np.unique(np.concatenate(list(cells.values()))) if cells else np.zeros(0, dtype=int)
+    keep = np.unique(np.concatenate(list(cells.values()) + [np.flatnonzero(_capacity_pareto(table_bases, fit_k, stable, delta))]))
+    if not cells:
+        keep = np.zeros(0, dtype=int)
     remap = np.full(len(rows), -1)
     remap[keep] = np.arange(len(keep))
     cells = {key: remap[value] for key, value in cells.items()}
@@ -645,6 +671,23 @@ def _verify_fit(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], 
         high[np.flatnonzero(active)[~ok]] = mid[active][~ok]
     fit_k[failed] = low
     return fit_k
+
+
+def _capacity_pareto(bases: Bases, fit_k: np.ndarray, stable: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """Rows no other row of their (layers, pp, shape) beats in stable, delta and in-flight capacity at
+    once: every row some in-flight need can use (the partition DP takes any need, not only the
+    sampled ones, so none of these may be lost between samples)."""
+    keep = np.zeros(len(fit_k), dtype=bool)
+    if len(fit_k) == 0:
+        return keep
+    shape_span = int(bases.shape.max()) + 1
+    group = (bases.layers.astype(np.int64) * 4 + bases.pp) * shape_span + bases.shape
+    for level in np.unique(fit_k[fit_k >= 1])[::-1]:
+        members = np.flatnonzero(fit_k >= level)
+        order = members[np.lexsort((delta[members], stable[members], group[members]))]
+        front = order[_pareto_sorted(group[order], delta[order])]
+        keep[front[fit_k[front] == level]] = True
+    return keep
 
 
 def _frontier_cells(bases: Bases, fit_k: np.ndarray, stable: np.ndarray, delta: np.ndarray,

@@ -91,7 +91,8 @@ class _Kernel:
     layers: np.ndarray  # [n]
     units: np.ndarray  # [n]
     cost: np.ndarray  # [K, n] value added (inf: not allowed in that lane)
-    check: np.ndarray | None  # [K, n] exposure mode: allowed if Q_old + check <= mu
+    check: np.ndarray  # [K, n] stable + delta: exposure mode allows a row if Q_old + check <= mu; bound
+    # mode takes each cell's least (a bound on the stage's D_i + Q_i over Q_old)
     rows: np.ndarray  # [K, n] table row
 
 
@@ -123,9 +124,11 @@ class GridDP:
             check = np.where(allowed, (pool.stable + pool.delta)[None, :], np.inf)
             return _Kernel(pool.layers, units, cost, check, np.broadcast_to(pool.rows, allowed.shape).copy())
         value = pool.stable + (pool.delta if role in WITH_DELTA else 0.0)
+        exposed = pool.stable + pool.delta
         key = pool.layers.astype(np.int64) * (self.width + 2) + units
         cells, inverse = np.unique(key, return_inverse=True)
         cost = np.full((len(taus), len(cells)), np.inf)
+        check = np.full((len(taus), len(cells)), np.inf)
         rows = np.full((len(taus), len(cells)), -1, dtype=np.int64)
         order = np.argsort(value, kind="stable")
         for lane in range(len(taus)):
@@ -134,83 +137,137 @@ class GridDP:
             first = np.unique(cell, return_index=True)[1]
             cost[lane, cell[first]] = value[picked[first]]
             rows[lane, cell[first]] = pool.rows[picked[first]]
-        return _Kernel((cells // (self.width + 2)).astype(int), (cells % (self.width + 2)).astype(int), cost, None, rows)
+            np.minimum.at(check[lane], cell, exposed[picked])
+        return _Kernel((cells // (self.width + 2)).astype(int), (cells % (self.width + 2)).astype(int), cost, check, rows)
 
     def run(self, taus: np.ndarray, lower: np.ndarray, incumbent: float, gap: float,
-            mu: np.ndarray | None = None) -> DPRun:
-        """One pass over K lanes: tau thresholds (``mu`` None), or mu values at the one threshold ``taus[0]``."""
+            mu: np.ndarray | None = None, track: bool = False) -> DPRun:
+        """One pass over K lanes: tau thresholds, each with an exposure bound ``mu`` in exposure mode
+        (a single tau is shared by every mu).
+
+        Values only, unless ``track`` (then the argmins too, for :meth:`plans`)."""
         lanes = len(taus) if mu is None else len(mu)
-        taus = taus if mu is None else np.full(lanes, taus[0])
+        taus = taus if mu is None or len(taus) == lanes else np.full(lanes, taus[0])
         state = np.full((lanes, self.total_layers + 1, self.width + 1), np.inf)
         state[:, 0, 0] = 0.0
+        exposure = None if mu is not None else np.full(state.shape, -np.inf)  # bound on M of the placed stages
         run, history = DPRun(), []
+        run.inputs = (taus, lower, incumbent, gap, mu)
         s_max = max(self.s_list, default=0)
-        rates = _completion_rates(self.choices, taus)
+        rest = self._completion(taus) if math.isfinite(incumbent) else None
         for placed in range(s_max):
             stages = placed + 1
             if stages in self.s_list:
                 kernel = self.kernel("only" if stages == 1 else "first", 1 if stages == 1 else min(stages, self.g),
                                      taus, mu)
-                values, where = self._close(state, kernel, mu)
+                values, where = self._close(state, exposure, kernel, mu)
                 run.closings[stages] = (values, where, list(history), kernel)
             if stages >= s_max:
                 break
             kernel = self.kernel(stage_role(placed), min(placed + 1, self.g), taus, mu)
             if kernel.cost.shape[1] == 0:
                 break
-            state, arg = self._step(state, kernel, mu)
+            state, exposure, arg = self._step(state, exposure, kernel, mu, track)
             history.append((kernel, arg))
-            self._prune(state, lower, rates, incumbent, gap)
+            self._prune(state, exposure, lower, rest, incumbent, gap)
             if not np.isfinite(state).any():
                 break
         return run
 
-    def _prune(self, state: np.ndarray, lower: np.ndarray, rates, incumbent: float, gap: float) -> None:
-        """Drop states whose value plus the cheapest completion cannot beat the incumbent by the gap."""
-        if not math.isfinite(incumbent):
+    def plans(self, run: DPRun, picks: list[tuple[int, int]]) -> list[list[int] | None]:
+        """Table rows (pipeline order) of the plans behind (stages, lane) picks of an untracked run:
+        the pass is repeated on those lanes alone with its argmins kept."""
+        if not picks:
+            return []
+        taus, lower, incumbent, gap, mu = run.inputs
+        lanes = sorted({lane for _, lane in picks})
+        where = {lane: i for i, lane in enumerate(lanes)}
+        index = np.array(lanes)
+        again = self.run(taus[index], lower[index], incumbent, gap, None if mu is None else mu[index], track=True)
+        return [self.plan_rows(again, stages, where[lane]) if stages in again.closings else None
+                for stages, lane in picks]
+
+    def _completion(self, taus: np.ndarray) -> np.ndarray:
+        """[K, L+1, D+1]: a lower bound on what the stages still to place (the first and some middle
+        ones, in-flight needs relaxed) add to the DP value when (layers, units) are covered: their
+        Lagrangian bound ``max_lambda R_lambda(L - l) - lambda (W - d)`` over a few device prices,
+        where ``R_lambda(x)`` is the least priced sum of such stages covering x layers."""
+        layers, width = self.total_layers, self.width
+        pooled = [pool for pool in self.choices.values() if len(pool)]
+        if not pooled:
+            return np.full((len(taus), layers + 1, width + 1), np.inf)
+        price = float(np.median(np.concatenate([p.stable / p.devices for p in pooled]))) * self.unit
+        best = np.full((len(taus), layers + 1, width + 1), -np.inf)
+        remaining_layers = layers - np.arange(layers + 1)
+        remaining_units = (width - np.arange(width + 1)).astype(float)
+        for lam in np.concatenate([[0.0], price * 2.0 ** np.arange(-3, 4)]):
+            prefix = _prefix_sums(self.choices, taus, lam / self.unit, layers)  # [K, L+1]
+            bound = prefix[:, remaining_layers][:, :, None] - lam * remaining_units[None, None, :]
+            np.maximum(best, bound, out=best)
+        return best
+
+    def _prune(self, state: np.ndarray, exposure: np.ndarray | None, lower: np.ndarray, rest: np.ndarray | None,
+               incumbent: float, gap: float) -> None:
+        """Drop states whose value plus the least completion cannot beat the incumbent by the gap."""
+        if rest is None:
             return
-        per_layer, least_delta = rates
-        remaining = (self.total_layers - np.arange(self.total_layers + 1)).astype(float)
-        with np.errstate(invalid="ignore"):
-            rest = np.where(remaining[None, :] > 0, remaining[None, :] * per_layer[:, None], np.inf) + least_delta
+        live = np.isfinite(state)
         head = (self.g - 1) * lower if self.g > 1 else np.zeros(len(lower))
-        bound = head[:, None, None] + state + rest[:, :, None]
-        dropped = (bound * (1 + gap) >= incumbent) & np.isfinite(state)
+        with np.errstate(invalid="ignore"):
+            bound = state + rest
+            if exposure is not None:
+                np.maximum(bound, exposure, out=bound)
+            bound += head[:, None, None]
+        dropped = (bound * (1 + gap) >= incumbent) & live
         if dropped.any():
             self.dropped_bound = min(self.dropped_bound, float(bound[dropped].min()))
-        state[dropped] = np.inf
+            state[dropped] = np.inf
 
-    def _step(self, state: np.ndarray, kernel: _Kernel, mu: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """new[l + lc, d + dc] = min(state[l, d] + cost) over transitions; arg = transition index."""
+    def _step(self, state: np.ndarray, exposure: np.ndarray | None, kernel: _Kernel, mu: np.ndarray | None,
+              track: bool) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """new[l + lc, d + dc] = min(state[l, d] + cost) over transitions (and the exposure bound
+        min max(M, Q + check)); arg = transition index (if tracked)."""
         _, rows_l, cols_d = state.shape
         new = np.full(state.shape, np.inf)
-        arg = np.full(state.shape, -1, dtype=np.int32)
+        new_exposure = None if exposure is None else np.full(state.shape, np.inf)
+        arg = np.full(state.shape, -1, dtype=np.int32) if track else None
         live = np.isfinite(state)
         if not live.any():
-            return new, arg
+            return new, new_exposure, arg
         l_idx = np.flatnonzero(live.any(axis=(0, 2)))
         d_idx = np.flatnonzero(live.any(axis=(0, 1)))
         l0, l1, d0, d1 = l_idx[0], l_idx[-1] + 1, d_idx[0], d_idx[-1] + 1
         box = state[:, l0:l1, d0:d1]
+        box_exposure = None if exposure is None else exposure[:, l0:l1, d0:d1]
         usable = np.isfinite(kernel.cost).any(axis=0)
         for n in np.flatnonzero(usable):
             lc, dc = int(kernel.layers[n]), int(kernel.units[n])
             if l0 + lc >= rows_l or d0 + dc >= cols_d:
                 continue
             top_l, top_d = min(l1 + lc, rows_l), min(d1 + dc, cols_d)
+            region = (slice(None), slice(l0 + lc, top_l), slice(d0 + dc, top_d))
             source = box[:, :top_l - l0 - lc, :top_d - d0 - dc]
             candidate = source + kernel.cost[:, n][:, None, None]
             if mu is not None:
-                candidate = np.where(source + kernel.check[:, n][:, None, None] <= mu[:, None, None], candidate, np.inf)
-            target = new[:, l0 + lc:top_l, d0 + dc:top_d]
+                candidate[source + kernel.check[:, n][:, None, None] > mu[:, None, None]] = np.inf
+            else:
+                reach = np.maximum(box_exposure[:, :top_l - l0 - lc, :top_d - d0 - dc],
+                                   source + kernel.check[:, n][:, None, None])
+                np.minimum(new_exposure[region], reach, out=new_exposure[region])
+            target = new[region]
+            if not track:
+                np.minimum(target, candidate, out=target)
+                continue
             better = candidate < target
             if better.any():
                 target[better] = candidate[better]
-                arg[:, l0 + lc:top_l, d0 + dc:top_d][better] = n
-        return new, arg
+                arg[region][better] = n
+        return new, new_exposure, arg
 
-    def _close(self, state: np.ndarray, kernel: _Kernel, mu: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """Per lane the best full plan's DP value and its closing (transition, layers, units before it)."""
+    def _close(self, state: np.ndarray, exposure: np.ndarray | None, kernel: _Kernel,
+               mu: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Per lane the best full plan's DP value (bound mode: the bound on M; exposure mode: Q) and its
+        closing (transition, layers, units before it)."""
         lanes = state.shape[0]
         best = np.full(lanes, np.inf)
         where = np.full((lanes, 3), -1, dtype=np.int64)
@@ -222,6 +279,8 @@ class GridDP:
             value = before + kernel.cost[:, n]
             if mu is not None:
                 value = np.where(before + kernel.check[:, n] <= mu, value, np.inf)
+            else:
+                value = np.maximum(value, exposure[:, self.total_layers - lc, self.width - dc])
             better = value < best
             best[better] = value[better]
             where[better] = (n, self.total_layers - lc, self.width - dc)
@@ -243,6 +302,31 @@ class GridDP:
             l -= int(step_kernel.layers[m])
             d -= int(step_kernel.units[m])
         return rows if l == 0 and d == 0 else None
+
+
+def _prefix_sums(choices: dict[str, Choices], taus: np.ndarray, lam: float, layers: int) -> np.ndarray:
+    """[K, L+1]: least ``sum (value + lam * devices)`` of a first stage followed by any number of
+    middle stages (any in-flight capacity) covering x layers with every ``T <= tau``; inf at x = 0."""
+    lanes = len(taus)
+
+    def least(role: str) -> np.ndarray:
+        table = np.full((lanes, layers + 1), np.inf)
+        pool = choices[role]
+        if len(pool):
+            value = pool.stable + (pool.delta if role in WITH_DELTA else 0.0) + lam * pool.devices
+            for lane in range(lanes):
+                ok = pool.stable <= taus[lane]
+                np.minimum.at(table[lane], pool.layers[ok], value[ok])
+        return table
+
+    first, middle = least("first"), least("middle")
+    result = first.copy()
+    live = np.flatnonzero(np.isfinite(middle).any(axis=0))
+    for x in range(1, layers + 1):  # R(x) = min(first(x), min_lc R(x - lc) + middle(lc))
+        steps = live[(live >= 1) & (live < x)]
+        if len(steps):
+            result[:, x] = np.minimum(result[:, x], (result[:, x - steps] + middle[:, steps]).min(axis=1))
+    return result
 
 
 def _completion_rates(choices: dict[str, Choices], taus: np.ndarray) -> tuple[np.ndarray, float]:
@@ -303,8 +387,10 @@ class LagrangeDP:
         self._kernels[key] = (cost, rows, devices)
         return self._kernels[key]
 
-    def run(self, taus: np.ndarray, lams: np.ndarray) -> DPRun:
-        """Per S and lane: ``min sum (value + lambda d) - lambda world``; ``run.devices[S]`` the argmin's device total."""
+    def run(self, taus: np.ndarray, lams: np.ndarray, bottoms: np.ndarray | None = None,
+            incumbent: float = math.inf) -> DPRun:
+        """Per S and lane: ``min sum (value + lambda d) - lambda world``; ``run.devices[S]`` the argmin's
+        device total. With ``bottoms`` and ``incumbent`` the chain stops once no lane can still beat it."""
         lanes, layers = len(taus), self.total_layers
         state = np.full((lanes, layers + 1), np.inf)
         state[:, 0] = 0.0
@@ -313,6 +399,8 @@ class LagrangeDP:
         run.devices = {}
         s_max = max(self.s_list, default=0)
         everyone = np.arange(lanes)
+        head = (self.g - 1) * bottoms - lams * self.world if bottoms is not None else None
+        rates = self._rates(taus, lams) if head is not None else None
         for placed in range(s_max):
             stages = placed + 1
             if stages in self.s_list:
@@ -327,21 +415,28 @@ class LagrangeDP:
             if stages >= s_max:
                 break
             cost, rows, devices = self.kernel(stage_role(placed), min(placed + 1, self.g), taus, lams)
-            new = np.full(state.shape, np.inf)
-            new_used = np.zeros(state.shape)
-            arg = np.zeros(state.shape, dtype=np.int32)
-            for lc in np.flatnonzero(np.isfinite(cost).any(axis=0)):
-                candidate = state[:, :layers + 1 - lc] + cost[:, lc][:, None]
-                target = new[:, lc:]
-                better = candidate < target
-                target[better] = candidate[better]
-                arg[:, lc:][better] = lc
-                new_used[:, lc:][better] = (used[:, :layers + 1 - lc] + devices[:, lc][:, None])[better]
-            state, used = new, new_used
+            state, used, arg = _min_plus_layers(state, used, cost, devices)
             history.append((rows, arg))
+            if head is not None and math.isfinite(incumbent):
+                remaining = layers - np.arange(layers + 1)
+                with np.errstate(invalid="ignore"):
+                    rest = np.where(remaining > 0, remaining[None, :] * rates[:, None], np.inf)
+                if ((head[:, None] + state + rest).min(axis=1) >= incumbent).all():
+                    break
             if not np.isfinite(state).any():
                 break
         return run
+
+    def _rates(self, taus: np.ndarray, lams: np.ndarray) -> np.ndarray:
+        """Per lane the least ``(value + lambda d) / layers`` of a stage still to place (>= 0)."""
+        rates = np.full(len(taus), np.inf)
+        for role in ("middle", "first"):
+            pool = self.choices[role]
+            if len(pool):
+                priced = (pool.stable[None, :] + lams[:, None] * pool.devices[None, :]) / pool.layers[None, :]
+                priced = np.where(pool.stable[None, :] <= taus[:, None], priced, np.inf)
+                rates = np.minimum(rates, priced.min(axis=1))
+        return rates
 
     def split(self, run: DPRun, stages: int, lane: int) -> list[tuple[str, int, int]] | None:
         """The plan's (role, in-flight need, layers) per stage in pipeline order."""
@@ -358,6 +453,32 @@ class LagrangeDP:
             result.append((stage_role(placed), min(placed + 1, self.g), lc))
             l -= lc
         return result if l == 0 else None
+
+
+def _min_plus_layers(state: np.ndarray, used: np.ndarray, cost: np.ndarray,
+                     devices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """new[l] = min over lc of state[l - lc] + cost[lc] per lane (one gather over every layer count),
+    with the argmin's layer count and the device total along it."""
+    lanes, width = state.shape
+    live = np.flatnonzero(np.isfinite(cost).any(axis=0))
+    new = np.full(state.shape, np.inf)
+    arg = np.zeros(state.shape, dtype=np.int32)
+    new_used = np.zeros(state.shape)
+    if len(live) == 0:
+        return new, new_used, arg
+    padded = np.concatenate([state, np.full((lanes, 1), np.inf)], axis=1)
+    source = np.arange(width)[:, None] - live[None, :]  # [l, j] -> l - lc_j
+    source = np.where(source >= 0, source, width)  # the inf column
+    total = padded[:, source] + cost[:, live][:, None, :]  # [K, l, j]
+    pick = np.argmin(total, axis=2)
+    lanes_index = np.arange(lanes)[:, None]
+    layer_index = np.arange(width)[None, :]
+    new = total[lanes_index, layer_index, pick]
+    chosen = live[pick]
+    arg = np.where(np.isfinite(new), chosen, 0).astype(np.int32)
+    origin = np.maximum(layer_index - chosen, 0)
+    new_used = np.where(np.isfinite(new), used[lanes_index, origin] + devices[lanes_index, chosen], 0.0)
+    return new, new_used, arg
 
 
 def repair_devices(choices: dict[str, Choices], split: list[tuple[str, int, int]], world: int,
