@@ -37,8 +37,10 @@ from .partition import Choices, DPRun, GridDP, LagrangeDP, repair_devices, role_
 from .space import Cluster, SearchSpace, Workload
 
 BUCKETS = 16  # lanes of one DP pass
+FIRST_BUCKETS = 4  # lanes of a grid DP's first pass
 GRID_STATES = 40_000  # (layers + 1) x device units up to which the exact grid DP is used
 LAMBDA_STEPS = 8  # device prices tried per bucket and round (Lagrangian mode)
+QUICK_PLAN_STATES = 1_500  # grids larger than this first get a plan from the Lagrangian DP
 LAMBDA_BUCKETS = 8  # threshold buckets per pass in Lagrangian mode (lanes: buckets x prices)
 MAX_PASSES = 40
 
@@ -132,10 +134,28 @@ def _solve_group(table: FrontierTable, work: Workload, cluster: Cluster, s_list:
     stats["method"].add(method)
     open_sets = [(np.array([stable[-1]]) if g == 1 else stable)]  # G = 1: no bottleneck term
     if method == "grid":
+        best = None
+        if states > QUICK_PLAN_STATES and len(s_list) > 1:  # a good plan first makes the exact DP prune far more
+            best, upper = _quick_plan(table, work, cluster, s_list, choices, stable, upper)
         dp = GridDP(g, work.num_layers, cluster.world, s_list, choices, unit)
-        return _grid_search(dp, table, g, open_sets, upper, gap, stats)
+        found, bound = _grid_search(dp, table, g, open_sets, upper, gap, stats)
+        return (found or best), bound
     dp = LagrangeDP(g, work.num_layers, cluster.world, s_list, choices)
     return _lagrange_search(dp, choices, table, g, cluster.world, open_sets, upper, gap, stats)
+
+
+def _quick_plan(table: FrontierTable, work: Workload, cluster: Cluster, s_list: list[int],
+                choices: dict[str, Choices], stable: np.ndarray, upper: float) -> tuple[StageSolution | None, float]:
+    """A plan from the Lagrangian DP (layer splits, devices repaired) at a few thresholds: cheap, and
+    usually close to the optimum, so the exact DP that follows drops most states at once."""
+    dp = LagrangeDP(table.grad_accum, work.num_layers, cluster.world, s_list, choices)
+    picks = np.unique(np.round(np.linspace(0, len(stable) - 1, 4)).astype(int))
+    tops = stable[picks]
+    pooled = [pool for pool in choices.values() if len(pool)]
+    price = float(np.median(np.concatenate([p.stable / p.devices for p in pooled])))
+    _, best, upper, _ = _dual_bounds(dp, choices, table, table.grad_accum, cluster.world, tops, tops, price, None,
+                                     upper, rounds=2)
+    return best, upper
 
 
 def _next_buckets(open_sets: list[np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -196,14 +216,16 @@ def _lane_bounds(run: DPRun, g: int, bottoms: np.ndarray) -> np.ndarray:
 def _grid_search(dp: GridDP, table: FrontierTable, g: int, open_sets: list[np.ndarray], upper: float, gap: float,
                  stats: dict) -> tuple[StageSolution | None, float]:
     """Threshold passes until every bucket is settled or down to one stage time; those left (a later
-    stage's delta exposed) are checked in exposure passes: is there a plan with ``M <= mu`` for
-    ``mu`` just under what beats the best plan by the gap? Many thresholds per pass."""
+    stage's delta exposed) go to exposure passes: is there a plan at that threshold whose M beats
+    the best plan by the gap (``mu`` just under it)? No: the threshold is settled. Yes: its plan is
+    kept, and the threshold is asked again with a ladder of lower ``mu`` values, so a much better
+    plan is found in a few passes. Many thresholds share a pass."""
     best, settled, passes = None, math.inf, 0
-    exposed: list[float] = []  # single thresholds whose bound is not yet within the gap
+    exposed: dict[float, bool] = {}  # threshold -> whether a plan beating the target was found there
     while (open_sets or exposed) and passes < MAX_PASSES:
         passes += 1
         if open_sets:
-            tops, bottoms, members = _next_buckets(open_sets, BUCKETS)
+            tops, bottoms, members = _next_buckets(open_sets, BUCKETS if passes > 1 else FIRST_BUCKETS)
             run = dp.run(tops, bottoms, upper, gap)
             for rows in dp.plans(run, _promising(run, g, tops, bottoms, upper)):
                 best, upper = _keep_best(table, g, rows, best, upper)
@@ -215,26 +237,49 @@ def _grid_search(dp: GridDP, table: FrontierTable, g: int, open_sets: list[np.nd
                 elif len(members[k]) > 1:
                     open_sets.append(members[k])
                 else:
-                    exposed.append(float(tops[k]))
+                    exposed[float(tops[k])] = False
             continue
-        taus = np.array(sorted(set(exposed))[:BUCKETS])
-        exposed = [tau for tau in exposed if tau not in set(taus)]
-        target = upper / (1 + gap) * (1 - 1e-12)  # strictly better than the best plan
-        mus = target - (g - 1) * taus
-        run = dp.run(taus, taus, upper, gap, mu=mus)
-        feasible = np.zeros(len(taus), dtype=bool)
-        for values in run.values().values():
-            feasible |= np.isfinite(values)
-        for rows in dp.plans(run, _promising(run, g, taus, taus, math.inf)):
-            best, upper = _keep_best(table, g, rows, best, upper)
-        settled = min(settled, target) if (~feasible).any() else settled
-        exposed += [float(tau) for tau in taus[feasible] if (g - 1) * tau < upper / (1 + gap) * (1 - 1e-12)]
+        best, upper, closed = _exposure_pass(dp, table, g, exposed, best, upper, gap)
+        settled = min(settled, closed)
     for inside in open_sets:  # out of passes: the lower edge alone bounds them
         settled = min(settled, (g - 1) * inside[0])
     for tau in exposed:
         settled = min(settled, (g - 1) * tau)
     stats["passes"] += passes
     return best, min(settled, dp.dropped_bound, upper)
+
+
+EXPOSURE_LADDER = (0.0, 0.005, 0.01, 0.02, 0.04)  # relative steps below the target once a threshold had a plan
+
+
+def _exposure_pass(dp: GridDP, table: FrontierTable, g: int, exposed: dict[float, bool], best: StageSolution | None,
+                   upper: float, gap: float) -> tuple[StageSolution | None, float, float]:
+    """One pass of exposure checks; returns the best plan, its time and the least bound of the
+    thresholds it settled (removed from ``exposed``)."""
+    target = upper / (1 + gap) * (1 - 1e-12)  # strictly better than the best plan by the gap
+    taus, mus, owners = [], [], []
+    for tau, had_plan in sorted(exposed.items()):
+        for step in (EXPOSURE_LADDER if had_plan else (0.0,)):
+            if len(taus) < BUCKETS:
+                taus.append(tau)
+                mus.append(target * (1 - step) - (g - 1) * tau)
+                owners.append(step)
+    taus, mus, owners = np.array(taus), np.array(mus), np.array(owners)
+    run = dp.run(taus, taus, upper, gap, mu=mus)
+    feasible = np.zeros(len(mus), dtype=bool)
+    for values in run.values().values():
+        feasible |= np.isfinite(values)
+    for rows in dp.plans(run, _promising(run, g, taus, taus, math.inf)):
+        best, upper = _keep_best(table, g, rows, best, upper)
+    closed = math.inf
+    for tau in np.unique(taus):
+        at_target = (taus == tau) & (owners == 0.0)
+        if at_target.any() and not feasible[at_target].any():
+            closed = min(closed, target)  # no plan at this threshold beats the best by the gap
+            del exposed[float(tau)]
+        else:
+            exposed[float(tau)] = True
+    return best, upper, closed
 
 
 # ------------------------------------------------------------------------------------------------

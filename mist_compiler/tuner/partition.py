@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable
+from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable, _pareto_sorted
 
 ROLES = {"only": PP_BOTH, "first": PP_PRE, "middle": PP_NONE, "last": PP_POST}
 WITH_DELTA = ("first", "only")  # the first stage's delta is counted in the bound
@@ -119,7 +119,10 @@ class GridDP:
         pool = pool.take((pool.fit >= need) & (pool.stable <= taus.max()))
         units = pool.devices // self.unit
         allowed = pool.stable[None, :] <= taus[:, None]  # [K, n]
-        if mu is not None:  # exposure mode: every row is its own transition
+        if mu is not None:  # exposure mode: every row is its own transition, but a row another row of
+            # its cell beats in both stable and stable + delta is never the better one
+            keep = _dominance_free(pool.layers * (self.width + 2) + units, pool.stable, pool.stable + pool.delta)
+            pool, units, allowed = pool.take(keep), units[keep], allowed[:, keep]
             cost = np.where(allowed, pool.stable[None, :], np.inf)
             check = np.where(allowed, (pool.stable + pool.delta)[None, :], np.inf)
             return _Kernel(pool.layers, units, cost, check, np.broadcast_to(pool.rows, allowed.shape).copy())
@@ -239,20 +242,22 @@ class GridDP:
         l0, l1, d0, d1 = l_idx[0], l_idx[-1] + 1, d_idx[0], d_idx[-1] + 1
         box = state[:, l0:l1, d0:d1]
         box_exposure = None if exposure is None else exposure[:, l0:l1, d0:d1]
-        usable = np.isfinite(kernel.cost).any(axis=0)
-        for n in np.flatnonzero(usable):
+        finite = np.isfinite(kernel.cost)
+        first_lane = np.argmax(finite, axis=0)  # lanes are in ascending threshold order: a row allowed
+        for n in np.flatnonzero(finite.any(axis=0)):  # in one lane is allowed in every later lane
             lc, dc = int(kernel.layers[n]), int(kernel.units[n])
             if l0 + lc >= rows_l or d0 + dc >= cols_d:
                 continue
+            k0 = int(first_lane[n]) if finite[first_lane[n]:, n].all() else 0
             top_l, top_d = min(l1 + lc, rows_l), min(d1 + dc, cols_d)
-            region = (slice(None), slice(l0 + lc, top_l), slice(d0 + dc, top_d))
-            source = box[:, :top_l - l0 - lc, :top_d - d0 - dc]
-            candidate = source + kernel.cost[:, n][:, None, None]
+            region = (slice(k0, None), slice(l0 + lc, top_l), slice(d0 + dc, top_d))
+            source = box[k0:, :top_l - l0 - lc, :top_d - d0 - dc]
+            candidate = source + kernel.cost[k0:, n][:, None, None]
             if mu is not None:
-                candidate[source + kernel.check[:, n][:, None, None] > mu[:, None, None]] = np.inf
+                candidate[source + kernel.check[k0:, n][:, None, None] > mu[k0:, None, None]] = np.inf
             else:
-                reach = np.maximum(box_exposure[:, :top_l - l0 - lc, :top_d - d0 - dc],
-                                   source + kernel.check[:, n][:, None, None])
+                reach = source + kernel.check[k0:, n][:, None, None]
+                np.maximum(reach, box_exposure[k0:, :top_l - l0 - lc, :top_d - d0 - dc], out=reach)
                 np.minimum(new_exposure[region], reach, out=new_exposure[region])
             target = new[region]
             if not track:
@@ -302,6 +307,15 @@ class GridDP:
             l -= int(step_kernel.layers[m])
             d -= int(step_kernel.units[m])
         return rows if l == 0 and d == 0 else None
+
+
+def _dominance_free(group: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Mask of rows no other row of the same group matches or beats in both values (one row per tie)."""
+    keep = np.zeros(len(group), dtype=bool)
+    if len(group):
+        order = np.lexsort((second, first, group))
+        keep[order[_pareto_sorted(group[order], second[order])]] = True
+    return keep
 
 
 def _prefix_sums(choices: dict[str, Choices], taus: np.ndarray, lam: float, layers: int) -> np.ndarray:
