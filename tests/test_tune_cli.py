@@ -156,7 +156,8 @@ def test_real_model_has_the_properties_the_intra_stage_shortcuts_use(cost_model)
 
     import numpy as np
 
-    from mist_compiler.tuner.intra_stage import _trade_families, enumerate_bases
+    from mist_compiler.tuner.knobs import _trade_families
+    from mist_compiler.tuner.stage_configs import enumerate_bases
     from mist_compiler.tuner.space import Cluster, SearchSpace, Workload
 
     rng = np.random.default_rng(0)

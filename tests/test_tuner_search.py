@@ -260,7 +260,7 @@ def test_partition_certifies_its_gap():
 
 
 def _enumerate_table(table, stages, work, cluster):
-    from mist_compiler.tuner.intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE
+    from mist_compiler.tuner.stage_configs import PP_BOTH, PP_NONE, PP_POST, PP_PRE
 
     g = table.grad_accum
     best = math.inf

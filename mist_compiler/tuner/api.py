@@ -21,7 +21,8 @@ import numpy as np
 from ..cost.stage_api import StageCandidates, StageCostModel, pipeline_iteration_time
 from ..ir.plan import Offload, Plan, StagePlan
 from .inter_stage import StageSolution, solve_partition, uniform_solution
-from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable, build_frontiers, probe_work_bound
+from .intra_stage import FrontierTable, build_frontiers
+from .stage_configs import PP_BOTH, PP_NONE, PP_POST, PP_PRE
 from .space import Cluster, SearchSpace, TuneError, Workload
 
 Progress = Callable[[str], None]
@@ -269,32 +270,30 @@ class _Search:
 
     def run(self):
         work, cluster, space = self.work, self.cluster, self.space
-        g_options = space.grad_accum_options(work.global_batch)
-        g_bounds = sorted((probe_work_bound(self.cost_model, work, cluster, space, g, self.max_stages), g)
-                          for g in g_options)
-        self.stats["probe_s"] = time.perf_counter() - self.started
-        # phase 1: evenly split plans (equal devices, layers within one of L/S) for every G
+        # phase 1: evenly split plans (equal devices, layers within one of L/S) for every G; their
+        # times order phase 2, so the G likely to hold the best plan comes first and prunes the rest
         even = space.restrict(uniform_devices=True, layer_slack=0)
-        for g_bound, g in g_bounds:
-            if g_bound >= self.incumbent:
-                continue
+        quick: dict[int, float] = {}
+        for g in space.grad_accum_options(work.global_batch):
             table = self.frontiers(g, even)
+            quick[g] = math.inf
             for stages in self.stage_options:
-                self.consider(uniform_solution(table, stages, work, cluster, space), table)
+                solution = uniform_solution(table, stages, work, cluster, space)
+                if solution is not None:
+                    quick[g] = min(quick[g], solution.objective)
+                self.consider(solution, table)
         self.stats["incumbent_s"] = time.perf_counter() - self.started
-        # phase 2: per G the full frontiers and the exact partition
+        # phase 2: per G the full frontiers and the exact partition; a G whose work bound cannot beat
+        # the best plan is cut short inside build_frontiers (every base dropped)
         lower = math.inf
-        for g_bound, g in g_bounds:
-            if g_bound >= self.incumbent:
-                self.stats["grad_accum_skipped"] += 1
-                lower = min(lower, g_bound)
-                continue
+        for g in sorted(quick, key=lambda g: (quick[g], g)):
             table = self.frontiers(g, space)
             self.stats["grad_accum_tried"] += 1
             self.stats["frontier_points"] += table.stats.get("frontier_points", 0)
             self.say(f"G={g}: {table.stats.get('bases', 0)} base configs, {table.stats.get('frontier_points', 0)} "
                      f"Pareto points ({time.perf_counter() - self.started:.1f}s)")
             if not table.cells:
+                self.stats["grad_accum_skipped"] += 1
                 lower = min(lower, self.incumbent)  # nothing of this G fits or beats the incumbent
                 continue
             for stages in self.stage_options:

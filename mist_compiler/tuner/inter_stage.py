@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cost.stage_api import pipeline_iteration_time
-from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable
+from .intra_stage import FrontierTable
+from .stage_configs import PP_BOTH, PP_NONE, PP_POST, PP_PRE
 from .partition import Choices, DPRun, GridDP, LagrangeDP, repair_devices, role_choices
 from .space import Cluster, SearchSpace, Workload
 
@@ -40,7 +41,7 @@ BUCKETS = 16  # lanes of one DP pass
 FIRST_BUCKETS = 4  # lanes of a grid DP's first pass
 GRID_STATES = 40_000  # (layers + 1) x device units up to which the exact grid DP is used
 LAMBDA_STEPS = 8  # device prices tried per bucket and round (Lagrangian mode)
-QUICK_PLAN_STATES = 1_500  # grids larger than this first get a plan from the Lagrangian DP
+QUICK_PLAN_STATES = 3_000  # grids larger than this first get a plan from the Lagrangian DP
 LAMBDA_BUCKETS = 8  # threshold buckets per pass in Lagrangian mode (lanes: buckets x prices)
 MAX_PASSES = 40
 

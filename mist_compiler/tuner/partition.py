@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable, _pareto_sorted
+from .intra_stage import FrontierTable, _pareto_sorted
+from .stage_configs import PP_BOTH, PP_NONE, PP_POST, PP_PRE
 
 ROLES = {"only": PP_BOTH, "first": PP_PRE, "middle": PP_NONE, "last": PP_POST}
 WITH_DELTA = ("first", "only")  # the first stage's delta is counted in the bound
