@@ -58,6 +58,7 @@ def test_quick_profile_writes_a_loadable_profile(tmp_path, capfd):
                                                    "default"))
     assert profile.peak_flops["float32"] > 1e8  # any CPU core does 0.1 GFLOP/s
     assert 0 < profile.op_overhead < 1e-3
+    assert len(profile.matmul_points) >= 3 and profile.matmul_model is not None  # the GEMM shape table and its fit
     assert {a for a, _ in profile.slowdown} == set(CHANNELS) and len(profile.slowdown) == 12
     assert float(collective_time(profile, "all_reduce", 1e6, 1, 2)) > 0
     captured = capfd.readouterr()

@@ -3,7 +3,8 @@
 What is measured, on one "device" (a GPU, or on CPU one rank = one core, ``torch`` limited to one
 thread as the CPU backend runs its ranks):
 
-* compute: matmul throughput per dtype (fp32 and bf16 on CPU, bf16/fp16/fp32 on GPU), attention
+* compute: matmul throughput per dtype (fp32 and bf16 on CPU, bf16/fp16/fp32 on GPU), GEMM rates
+  over a table of shapes in the main dtype (fitted to the profile's ``matmul_shape_model``), attention
   (``scaled_dot_product_attention`` forward+backward), elementwise add, row reduction, and the
   device-memory copy rate;
 * host<->device copies (pinned, on GPU; on CPU a host-to-host copy stands in and the profile says so);
@@ -31,7 +32,9 @@ from typing import Callable
 
 import numpy as np
 
+from mist_compiler.cost import matmul_shapes
 from mist_compiler.cost.hardware import CHANNELS, HardwareProfile, ProfileError, load_profile
+from mist_compiler.cost.op_time import ELEMENT_BYTES
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
@@ -121,6 +124,7 @@ class ComputeMeasurements:
     op_overhead_s: float
     adam_params_per_s: float = 0.0  # the backend's AdamW kernel on the device (0: not measured)
     host_adam_params_per_s: float = 0.0  # the same on host tensors, with the worker's threads
+    matmul_points: list = field(default_factory=list)  # (m, n, k, fraction of the main dtype's peak)
 
 
 def _dtypes(device: str) -> list[str]:
@@ -151,6 +155,10 @@ def measure_compute(device: str, options: ProfilerOptions) -> ComputeMeasurement
     x, w = torch.randn(tokens, hidden, device=device, dtype=dtype), torch.randn(hidden, 4 * hidden, device=device, dtype=dtype)
     model_rate = 2 * tokens * hidden * 4 * hidden / seconds_per_call(lambda: x @ w, sync, target)
     log(f"matmul {main_dtype} {tokens}x{hidden}x{4 * hidden} (transformer MLP shape): {model_rate / 1e9:.1f} GFLOP/s")
+    shape_peak = _peaks(device, None)[0].get(main_dtype, matmul[main_dtype]) if on_gpu else matmul[main_dtype]
+    shape_points = matmul_shapes.measure_shapes(device, main_dtype, shape_peak,
+                                                lambda fn: seconds_per_call(fn, sync, target / 2),
+                                                matmul_shapes.shapes_for(device, options.quick), log)
 
     batch, heads, seq, head_dim = (4, 16, 2048, 128) if on_gpu else ((1, 4, 128, 64) if options.quick else (1, 4, 256, 64))
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -188,7 +196,7 @@ def measure_compute(device: str, options: ProfilerOptions) -> ComputeMeasurement
     adam_rate, host_adam_rate = measure_adamw(device, options)
     return ComputeMeasurements(matmul, model_rate, attention_rate, copy_rate, add_rate, reduce_rate,
                                h2d_rate, d2h_rate, main_dtype, norm_rate, softmax_rate, overhead,
-                               adam_rate, host_adam_rate)
+                               adam_rate, host_adam_rate, shape_points)
 
 
 def adamw_params_per_s(device: str, numel: int, target_s: float, timer: Callable = seconds_per_call) -> float:
@@ -613,7 +621,8 @@ def _device_memory(device: str, per_node: int) -> float:
     return total_kb * 1024 / per_node
 
 
-def _peaks(device: str, measured: ComputeMeasurements) -> tuple[dict[str, float], str]:
+def _peaks(device: str, measured: ComputeMeasurements | None) -> tuple[dict[str, float], str]:
+    """Dense peaks: datasheet values of a known GPU, else the measured large-matmul rates (None: not yet measured)."""
     import torch
 
     if device == "cuda":
@@ -621,6 +630,8 @@ def _peaks(device: str, measured: ComputeMeasurements) -> tuple[dict[str, float]
         for pattern, peaks in GPU_PEAK_TFLOPS:
             if re.search(pattern, name):
                 return {k: v * 1e12 for k, v in peaks.items()}, f"datasheet peaks of {name}"
+        if measured is None:
+            return {}, f"{name} is not in the datasheet table"
         return dict(measured.matmul_flops), f"{name} is not in the datasheet table: peaks are measured large-matmul rates"
     return dict(measured.matmul_flops), "peaks are measured single-thread large-matmul rates (no datasheet for a CPU core)"
 
@@ -717,10 +728,23 @@ def _assemble(options: ProfilerOptions, device: str, per_node: int, measured: Co
         "op_overhead_s": float(f"{measured.op_overhead_s:.3g}"),
         "reduce_scatter_copies": reduce_scatter_copies,
         **_optimizer_rates(measured),
+        **_shape_fields(measured, peaks),
     }
     profile = HardwareProfile.from_dict(data, source="measured profile")
     options.log(f"done in {time.perf_counter() - started:.1f} s")
     return profile
+
+
+def _shape_fields(measured: ComputeMeasurements, peaks: dict[str, float]) -> dict:
+    """The measured GEMM table (fractions of the profile's peak) and the shape model fitted to it."""
+    if not measured.matmul_points:
+        return {}
+    peak = peaks.get(measured.main_dtype, measured.matmul_flops[measured.main_dtype])
+    model = matmul_shapes.fit_shape_model(measured.matmul_points, peak, measured.copy_bytes_per_s,
+                                          ELEMENT_BYTES.get(measured.main_dtype, 2.0))
+    return {"matmul_shapes": [list(point) for point in measured.matmul_points],
+            "matmul_shape_model": {"peak_efficiency": model.peak_efficiency, "half_intensity": model.half_intensity,
+                                   "tail_s": model.tail_s}}
 
 
 def _optimizer_rates(measured: ComputeMeasurements) -> dict[str, float]:
@@ -783,8 +807,11 @@ def recalibrate_compute(base: HardwareProfile, options: ProfilerOptions | None =
     with _as_one_rank(device):
         measured = measure_compute(device, options)
     peaks, peak_note = _peaks(device, measured)
+    shape = _shape_fields(measured, peaks)
     profile = dataclasses.replace(
         base, peak_flops={**base.peak_flops, **peaks}, efficiency=_efficiencies(measured, peaks),
+        matmul_model=HardwareProfile.from_dict({**base.to_dict(), **shape}).matmul_model if shape else base.matmul_model,
+        matmul_points=tuple(tuple(p) for p in shape.get("matmul_shapes", ())) or base.matmul_points,
         memory_bandwidth=measured.copy_bytes_per_s, op_overhead=measured.op_overhead_s,
         optimizer_params_per_s=measured.adam_params_per_s or base.optimizer_params_per_s,
         host_optimizer_params_per_s=measured.host_adam_params_per_s or base.host_optimizer_params_per_s,

@@ -7,9 +7,10 @@ passes on each block class (pre, layer, post), lambdifies their sympy expression
 :class:`~mist_compiler.cost.stage_api.StageCandidates` with numpy.
 
 Per candidate (one pipeline stage, one device's view):
-- compute: per op class roofline (``op_time``) of the stage's blocks, forward and backward, plus
-  the profile's fixed ``op_overhead`` per executed op (dispatch / kernel launch), plus the
-  forward of the checkpointed layers again (recompute) during the backward;
+- compute: per op class roofline (``op_time``) of the stage's blocks, forward and backward (GEMMs
+  one by one at their shape's rate when the profile has a ``matmul_shape_model``), plus the
+  profile's fixed ``op_overhead`` per executed op (dispatch / kernel launch), plus the forward of
+  the checkpointed layers again (recompute) during the backward;
 - tensor-parallel all-reduces (from the annotation pass) on the critical path, exposed;
 - ZeRO traffic over the ``dp`` group: levels 2-3 reduce-scatter gradients every micro-batch and
   level 3 all-gathers weights in forward and backward, overlapped with compute; levels 0-1
@@ -45,7 +46,7 @@ from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
 from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .memory import BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory, state_bytes_per_param
-from .op_time import op_class_time
+from .op_time import matmul_time, op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
 
@@ -110,6 +111,7 @@ class _BlockFunctions:
     tp_supported: bool
     op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
     tp_granularity: int
+    gemms: dict[str, list[tuple[Callable, Callable]]] = field(default_factory=dict)  # phase -> (flops, bytes) per matmul
 
 
 # The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
@@ -146,6 +148,8 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         tp_supported=block.tp_supported,
         op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
         tp_granularity=block.tp_granularity,
+        gemms={p: [(_lambdify(c.flops), _lambdify(c.bytes)) for c in g.nodes if c.op_class == "matmul"]
+               for p, g in phases.items()},
     )
 
 
@@ -247,11 +251,17 @@ class StageCostModel:
         functions = self._functions[kind]
         s = np.full(b.shape, float(self.seq_len))
         terms: dict[str, np.ndarray] = {}
+        by_shape = self.hardware.matmul_model is not None  # GEMMs priced one by one, by their shape
         for phase in ("forward", "backward"):
             time = np.zeros(b.shape)
             for op_class, flops in functions.flops[phase].items():
+                if by_shape and op_class == "matmul":
+                    continue
                 time = time + op_class_time(self.hardware, self.dtype, op_class, flops(b, s, t),
                                             functions.nbytes[phase][op_class](b, s, t))
+            if by_shape:
+                for flops, nbytes in functions.gemms[phase]:
+                    time = time + matmul_time(self.hardware, self.dtype, flops(b, s, t), nbytes(b, s, t))
             terms[f"{phase}_compute"] = time + functions.op_count[phase] * self.hardware.op_overhead
             comm = np.zeros(b.shape)
             for payload in functions.collectives[phase]:

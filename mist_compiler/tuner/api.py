@@ -233,7 +233,21 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
     result = _result(cost_model, work, space, best_table, best, search.stats)
     result.model_config = config
     result.peak_flops = profile.peak_flops.get(dtype) if profile is not None else None
+    _flag_optimistic_mfu(result, profile)
     return result
+
+
+def _flag_optimistic_mfu(result: TuneResult, profile) -> None:
+    """Warn when the predicted MFU is above what the best published runs on this hardware reach."""
+    ceiling = getattr(profile, "mfu_ceiling", None)
+    utilisation = result.mfu
+    if ceiling is None or utilisation is None or utilisation <= ceiling:
+        return
+    note = (f"predicted MFU {utilisation:.1%} is above {ceiling:.0%}, the best published training runs on "
+            f"{profile.name}: the prices for this model's ops are likely optimistic (measure the target with "
+            f"`mistc profile`)")
+    result.stats["mfu_flag"] = note
+    result.stats["warning"] = f"{result.stats['warning']}; {note}" if result.stats.get("warning") else note
 
 
 class _Search:
