@@ -182,6 +182,14 @@ def test_real_model_has_the_properties_the_intra_stage_shortcuts_use(cost_model)
     more = cost_model.evaluate(dc.replace(base, inflight=base.inflight + 1))
     assert (more.peak_memory_bytes >= before.peak_memory_bytes * (1 - 1e-9)).all()
     assert np.allclose(more.stable_s, before.stable_s) and np.allclose(more.delta_s, before.delta_s)
+    # optimizer offload (knobs.py solves its ratio in closed form): it never changes stable, and
+    # memory is convex in it (a maximum of affine terms), so the line between none and all bounds it
+    no_opt, all_opt = dc.replace(base, offload_opt=np.zeros(len(base))), dc.replace(base, offload_opt=np.ones(len(base)))
+    half = cost_model.evaluate(dc.replace(base, offload_opt=np.full(len(base), 0.5)))
+    ends = cost_model.evaluate(no_opt), cost_model.evaluate(all_opt)
+    assert np.allclose(half.stable_s, ends[0].stable_s) and np.allclose(ends[1].stable_s, ends[0].stable_s)
+    midpoint = (ends[0].peak_memory_bytes + ends[1].peak_memory_bytes) / 2
+    assert (half.peak_memory_bytes <= midpoint * (1 + 1e-9)).all()
     space = SearchSpace()
     bases, shapes = enumerate_bases(Workload(4, 4, 16, SEQ), Cluster(1, 4), space, 2, 4)
     trade = _trade_families(cost_model, bases, shapes, space, space.offload_combos(), np.zeros(len(bases), int))

@@ -83,6 +83,28 @@ def brute_force_best(model, work: Workload, nodes: int, gpus: int, space: Search
     return best
 
 
+def _least_opt_rows(model, arr, layers, index, stages, shape, g):
+    """The search space's optimizer-offload ratios are continuous: per row the least ratio that fits
+    (memory is linear in it: the analytic model's optimizer states are static)."""
+    def memory(opt):
+        rows = arr.copy()
+        rows[:, 7] = opt
+        return model.evaluate(StageCandidates(
+            num_layers=layers, has_pre=index == 0, has_post=index == stages - 1, nodes=shape.nodes,
+            gpus_per_node=shape.gpus, micro_batch=rows[:, 2].astype(int), dp=rows[:, 1].astype(int),
+            tp=rows[:, 0].astype(int), zero=rows[:, 3].astype(int), ckpt_layers=rows[:, 4].astype(int),
+            offload_weights=rows[:, 5], offload_grads=rows[:, 6], offload_opt=rows[:, 7], offload_acts=rows[:, 8],
+            inflight=min(stages - index, g))).peak_memory_bytes
+
+    plain, offloaded = memory(0.0), memory(1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        least = (plain - model.device_memory_bytes) / (plain - offloaded)
+    useful = (least > 0) & (least < 1)
+    extra = arr[useful].copy()
+    extra[:, 7] = np.minimum(1.0, np.ceil(least[useful] * 1e6) / 1e6)
+    return extra
+
+
 def _stage_points(model, work, space, combos, layers, index, stages, shape, g):
     rows = []
     for tp in space.tp_options(shape, work.heads):
@@ -96,6 +118,7 @@ def _stage_points(model, work, space, combos, layers, index, stages, shape, g):
     if not rows:
         return []
     arr = np.array(rows, dtype=float)
+    arr = np.concatenate([arr, _least_opt_rows(model, arr, layers, index, stages, shape, g)])
     candidates = StageCandidates(
         num_layers=layers, has_pre=index == 0, has_post=index == stages - 1, nodes=shape.nodes,
         gpus_per_node=shape.gpus, micro_batch=arr[:, 2].astype(int), dp=arr[:, 1].astype(int), tp=arr[:, 0].astype(int),
