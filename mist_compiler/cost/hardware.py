@@ -161,6 +161,9 @@ class HardwareProfile:
     matmul_model: MatmulShapeModel | None = None  # GEMM rate by shape; None: efficiency['matmul'] for all
     matmul_points: tuple[tuple[int, int, int, float], ...] = ()  # measured (m, n, k, efficiency), for reference
     mfu_ceiling: float | None = None  # best MFU published runs on this hardware reach (sanity check)
+    # values derived from the fields above, memoised by their users (e.g. cost.comm's per-shape links);
+    # not an init field, so dataclasses.replace starts a fresh one
+    derived: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def device_adam_params_per_s(self) -> float:
