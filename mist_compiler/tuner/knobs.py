@@ -91,7 +91,7 @@ def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceSha
             ratios.append(np.tile(combos[combo], (len(easy_rows), 1)))
     if len(tight):
         picked_base, picked_ckpt, picked_ratios = _minimal_knobs(model, bases.take(tight), shapes, space, combos, limit,
-                                                                 trade)
+                                                                 trade, least_saving.peak_memory_bytes[tight])
         rows.append(tight[picked_base])
         ckpts.append(picked_ckpt)
         ratios.append(picked_ratios)
@@ -163,10 +163,12 @@ def _trade_families(model: StageCostModel, bases: Bases, shapes: list[DeviceShap
 
 
 def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape], space: SearchSpace,
-                   combos: np.ndarray, limit: float, trade: list[int] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   combos: np.ndarray, limit: float, trade: list[int] = (),
+                   deepest: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each tight base and in-flight count, the minimal (offload ratios, ckpt) settings that fit.
 
-    Returns (base index, ckpt layers, offload ratios [n, 4]).
+    Returns (base index, ckpt layers, offload ratios [n, 4]). ``deepest``: the bases' memory with no
+    knobs at their largest in-flight count, if already evaluated.
 
     - *Optimizer states* only cost delta and their memory is static (the same in every program
       point), so they are not gridded: memory is evaluated with none and with all of them offloaded
@@ -186,7 +188,8 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
     opt_top = float(opt_grid[-1])
     n = len(tight)
     low_base, high_base = _knob_limits(space, tight.layers)
-    deepest = evaluate(model, tight, shapes, low_base, np.zeros((n, 4)), tight.max_inflight).peak_memory_bytes
+    if deepest is None:
+        deepest = evaluate(model, tight, shapes, low_base, np.zeros((n, 4)), tight.max_inflight).peak_memory_bytes
     relevant = [_frees_memory(model, tight, shapes, low_base, family, float(grid[-1]), deepest)
                 for family, grid in zip((0, 1, 3), rest_grid)]
     rest = np.array(list(product(*rest_grid)), dtype=float).reshape(-1, 3)  # (w, g, a) grid points
@@ -207,8 +210,8 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
     # the most-saving corner first: pairs that do not fit even then need no other evaluation
     top_high1 = evaluate(model, sub, shapes, high, moved, 1).peak_memory_bytes.astype(float)
     alive = np.flatnonzero(_fits(top_high1, limit))
-    part = sub.take(alive)
     corners = {}  # (opt offloaded?, ckpt corner, k) -> memory
+    deep = alive[sub.max_inflight[alive] >= 2]  # stages that never hold two micro-batches need no k = 2 corner
     for opt_on, ratios in ((False, offload), (True, moved)):
         for corner, knob in (("low", low), ("high", high)):
             for k in (1, 2):
@@ -217,8 +220,9 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
                     continue
                 if not opt_on and opt_top <= 0:
                     continue
-                values = np.full(len(sub), np.inf)
-                values[alive] = evaluate(model, part, shapes, knob[alive], ratios[alive], k).peak_memory_bytes
+                rows = alive if k == 1 else deep
+                values = corners[(opt_on, corner, 1)].copy() if k == 2 else np.full(len(sub), np.inf)
+                values[rows] = evaluate(model, sub.take(rows), shapes, knob[rows], ratios[rows], k).peak_memory_bytes
                 corners[(opt_on, corner, k)] = values
     if opt_top <= 0:  # no optimizer offload: the "offloaded" corners are the plain ones
         for key in list(corners):
