@@ -228,7 +228,7 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
         for key in list(corners):
             corners[(False,) + key[1:]] = corners[key]
     span = np.maximum(high - low, 1).astype(float)
-    picked_pair, picked_ckpt, picked_opt = [], [], []
+    picked_pair, picked_ckpt, picked_opt, picked_k = [], [], [], []
     samples = inflight_samples(int(sub.max_inflight.max()) if len(sub) else 1)
     for k in samples + [sub.max_inflight]:  # the sampled counts, then each base's own deepest
         active = sub.max_inflight >= k
@@ -252,13 +252,18 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
             index[base_of, point_of] = np.arange(len(pairs))
             chosen = index.ravel()[keep]
             chosen = chosen[chosen >= 0]
-            counts = ckpt[chosen]
             picked_pair.append(chosen)
-            picked_ckpt.append((low[chosen] + counts).astype(int))
-            picked_opt.append(_least_opt(at_k, chosen, counts, span, limit, opt_value, opt_top))
+            picked_ckpt.append((low[chosen] + ckpt[chosen]).astype(int))
+            picked_opt.append(np.full(len(chosen), float(opt_value)))
+            picked_k.append(np.broadcast_to(np.asarray(k), (len(sub),))[chosen])
     pair = np.concatenate(picked_pair) if picked_pair else np.zeros(0, dtype=int)
     ckpts = np.concatenate(picked_ckpt) if picked_ckpt else np.zeros(0, dtype=int)
     opts = np.concatenate(picked_opt) if picked_opt else np.zeros(0)
+    ks = np.concatenate(picked_k).astype(int) if picked_k else np.zeros(0, dtype=int)
+    key = np.column_stack([pair, ckpts, np.round(opts * 1e6).astype(np.int64), ks])
+    _, first = np.unique(key, axis=0, return_index=True)
+    pair, ckpts, opts, ks = pair[first], ckpts[first], opts[first], ks[first]
+    opts = _least_opt(model, sub, shapes, offload, pair, ckpts, opts, ks, opt_top, limit)
     if space.ckpt == "tune" and len(pair):
         # with activations offloaded, checkpointing more also means less to copy, so a stage can
         # get faster with more checkpointing: offer the midpoint and all-layers points as well
@@ -269,29 +274,34 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
         ckpts = np.concatenate([ckpts, middle, high[extra]])
         opts = np.concatenate([opts, opts[offloading], opts[offloading]])
     ratios = offload[pair].copy()
-    ratios[:, 2] = np.where(opts > 0, np.minimum(opt_top, np.ceil(opts * 1e6) / 1e6), 0.0)  # rounded up: still fits
+    ratios[:, 2] = opts
     key = np.column_stack([pair, ckpts, np.round(ratios[:, 2] * 1e6).astype(np.int64)])
     _, first = np.unique(key, axis=0, return_index=True)
     return base_of[pair[first]], ckpts[first], ratios[first]
 
 
-def _least_opt(at_k: dict, chosen: np.ndarray, counts: np.ndarray, span: np.ndarray, limit: float,
-               opt_value: float, opt_top: float) -> np.ndarray:
-    """The least optimizer-offload ratio (<= ``opt_value``) that fits at the chosen checkpoint
-    counts: memory is interpolated linearly between no and all optimizer states offloaded."""
-    if opt_top <= 0 or len(chosen) == 0:
-        return np.zeros(len(chosen))
-    fraction = counts / span[chosen]
-
-    def at_count(opt_on: bool) -> np.ndarray:
-        low, high = at_k[(opt_on, "low")][chosen], at_k[(opt_on, "high")][chosen]
-        return low - fraction * (low - high)
-
-    plain, offloaded = at_count(False), at_count(True)
+def _least_opt(model: StageCostModel, sub: Bases, shapes: list[DeviceShape], offload: np.ndarray, pair: np.ndarray,
+               ckpts: np.ndarray, opts: np.ndarray, ks: np.ndarray, opt_top: float, limit: float) -> np.ndarray:
+    """Per candidate (grid optimizer ratio ``opts``, chosen for ``ks`` in-flight micro-batches) the least
+    ratio that fits at its checkpoint count: memory evaluated there with none and with all optimizer
+    states offloaded, interpolated linearly in between (an upper bound: memory is a maximum of affine
+    terms). Where even all of them would not fit (a short checkpoint prediction) the grid value stays."""
+    result = opts.copy()
+    todo = np.flatnonzero(opts > 0)
+    if opt_top <= 0 or len(todo) == 0:
+        return result
+    rows = sub.take(pair[todo])
+    ratios = offload[pair[todo]].copy()
+    ratios[:, 2] = 0.0
+    plain = evaluate(model, rows, shapes, ckpts[todo], ratios, ks[todo]).peak_memory_bytes
+    ratios[:, 2] = opt_top
+    offloaded = evaluate(model, rows, shapes, ckpts[todo], ratios, ks[todo]).peak_memory_bytes
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.where(plain > offloaded, (plain - limit * (1 - 1e-7)) / (plain - offloaded), 0.0)
-    least = np.clip(np.where(np.isfinite(share), share, opt_value / opt_top), 0.0, 1.0) * opt_top
-    return np.minimum(least, opt_value)
+    least = np.clip(np.where(np.isfinite(share), share, 1.0), 0.0, 1.0) * opt_top
+    least = np.where(_fits(offloaded, limit), np.minimum(least, opts[todo]), opts[todo])
+    result[todo] = np.where(least > 0, np.minimum(opt_top, np.ceil(least * 1e6) / 1e6), 0.0)  # rounded up: fits
+    return result
 
 
 def axis_family(axis: int) -> int:
