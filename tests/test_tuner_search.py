@@ -325,3 +325,22 @@ def test_lagrangian_partition_bounds_the_exact_one():
         assert priced.bound <= exact.solution.objective * (1 + 1e-9)
         assert priced.solution.objective >= exact.solution.objective * (1 - 1e-9)
         assert priced.solution.objective <= exact.solution.objective * 1.10, g  # repairs find good plans
+
+
+def test_big_cluster_is_certified_within_the_gap():
+    """1,024 devices, 48 layers: the search reports a lower bound within the target gap of its plan,
+    and the plan is at least as fast as the best evenly split one."""
+    from mist_compiler.tuner.baselines import tune_baseline
+
+    model = AnalyticStageModel(hidden=1024, ffn=4096, vocab=8192, seq_len=512, device_memory_bytes=2e9,
+                               peak_flops=2e12, intra_bw=20e9, inter_bw=2e9, pcie_bw=8e9)
+    work = Workload(num_layers=48, heads=16, global_batch=1024, seq_len=512, model_name="toy")
+    space = SearchSpace(gap=0.01)
+    result = tune("toy", None, 128, 8, 1024, seq_len=512, space=space, cost_model=model, workload=work)
+    assert result.stats["gap"] <= 0.01 + 1e-12
+    assert result.stats["bound_s"] <= result.predicted_time_s * (1 + 1e-12)
+    even = tune("toy", None, 128, 8, 1024, seq_len=512, space=space.restrict(uniform_devices=True, layer_slack=0),
+                cost_model=model, workload=work)
+    assert result.predicted_time_s <= even.predicted_time_s * (1 + 1e-9)
+    megatron = tune_baseline("megatron", "toy", None, 128, 8, 1024, seq_len=512, cost_model=model, workload=work)
+    assert result.predicted_time_s <= megatron.predicted_time_s * (1 + 1e-9)
