@@ -94,6 +94,19 @@ def test_bad_offload_grid_flag_is_named(cost_model):
                                    "--global-batch", "8", "--offload-grid", "0,x"])
 
 
+def test_bad_gap_flag_is_named(cost_model):
+    with pytest.raises(ValueError, match="--gap"):
+        run_command(tune_command, [MODEL, "--hardware", HARDWARE, "--nodes", "1", "--gpus-per-node", "2",
+                                   "--global-batch", "8", "--gap", "1.5"])
+
+
+def test_tune_table_reports_the_certified_gap(cost_model, capsys):
+    run_command(tune_command, [MODEL, "--hardware", HARDWARE, "--nodes", "1", "--gpus-per-node", "2",
+                               "--global-batch", "8", "--seq", str(SEQ), "--gap", "0", "--quiet"])
+    out = capsys.readouterr().out
+    assert "OPTIMAL (lower bound" in out and "gap 0.00%" in out
+
+
 def test_explain_writes_trace_and_pictures(cost_model, tmp_path, capsys):
     plan_path = str(tmp_path / "plan.json")
     run_command(tune_command, [MODEL, "--hardware", HARDWARE, "--nodes", "1", "--gpus-per-node", "4",
