@@ -220,34 +220,52 @@ def _grid_search(dp: GridDP, table: FrontierTable, g: int, open_sets: list[np.nd
     stage's delta exposed) go to exposure passes: is there a plan at that threshold whose M beats
     the best plan by the gap (``mu`` just under it)? No: the threshold is settled. Yes: its plan is
     kept, and the threshold is asked again with a ladder of lower ``mu`` values, so a much better
-    plan is found in a few passes. Many thresholds share a pass."""
+    plan is found in a few passes. Many thresholds share a pass; the most promising buckets go
+    first, and exposure passes alternate with threshold passes (a better plan settles buckets)."""
     best, settled, passes = None, math.inf, 0
+    waiting = [(-math.inf, inside) for inside in open_sets]  # (bound, stage times) of open buckets
     exposed: dict[float, bool] = {}  # threshold -> whether a plan beating the target was found there
-    while (open_sets or exposed) and passes < MAX_PASSES:
+    last_was_threshold = False
+    while (waiting or exposed) and passes < MAX_PASSES:
         passes += 1
-        if open_sets:
-            tops, bottoms, members = _next_buckets(open_sets, BUCKETS if passes > 1 else FIRST_BUCKETS)
+        if waiting and not (exposed and last_was_threshold):
+            last_was_threshold = True
+            waiting.sort(key=lambda item: item[0])
+            lanes = BUCKETS if passes > 1 else FIRST_BUCKETS
+            taken, waiting = _take_sets(waiting, lanes)
+            tops, bottoms, members = _next_buckets(taken, lanes)
             run = dp.run(tops, bottoms, upper, gap)
             for rows in dp.plans(run, _promising(run, g, tops, bottoms, upper)):
                 best, upper = _keep_best(table, g, rows, best, upper)
             bounds = _lane_bounds(run, g, bottoms)
-            open_sets = []
             for k in range(len(tops)):
                 if bounds[k] * (1 + gap) >= upper:
                     settled = min(settled, bounds[k])
                 elif len(members[k]) > 1:
-                    open_sets.append(members[k])
+                    waiting.append((bounds[k], members[k]))
                 else:
                     exposed[float(tops[k])] = False
+            kept = [(bound, inside) for bound, inside in waiting if bound * (1 + gap) < upper]
+            for bound, _ in waiting:
+                if bound * (1 + gap) >= upper:
+                    settled = min(settled, bound)  # a better plan settled it
+            waiting = kept
             continue
+        last_was_threshold = False
         best, upper, closed = _exposure_pass(dp, table, g, exposed, best, upper, gap)
         settled = min(settled, closed)
-    for inside in open_sets:  # out of passes: the lower edge alone bounds them
-        settled = min(settled, (g - 1) * inside[0])
+    for bound, inside in waiting:  # out of passes: the better of the bound found and the lower edge
+        settled = min(settled, max(bound, (g - 1) * inside[0]))
     for tau in exposed:
         settled = min(settled, (g - 1) * tau)
     stats["passes"] += passes
     return best, min(settled, dp.dropped_bound, upper)
+
+
+def _take_sets(waiting: list[tuple[float, np.ndarray]], lanes: int) -> tuple[list[np.ndarray], list]:
+    """The open sets a pass of ``lanes`` lanes splits (lowest bound first, two lanes or more each)."""
+    count = max(1, min(len(waiting), lanes // 2))
+    return [inside for _, inside in waiting[:count]], waiting[count:]
 
 
 EXPOSURE_LADDER = (0.0, 0.005, 0.01, 0.02, 0.04)  # relative steps below the target once a threshold had a plan
