@@ -14,11 +14,6 @@ setup(
         "sympy>=1.13",
         "networkx>=3.0",
         "numpy>=1.26",
-        # mip 2 brings CBC (cbcbox). HiGHS comes from highsbox: mip loads its C library from there
-        # (highspy >= 1.16 no longer exports the C API mip needs). The tuner uses whichever solver
-        # mip can really build a model with, HiGHS first.
-        "mip>=2.0,<3",
-        "highsbox>=1.9,<2",
         "pyyaml>=6.0",
         "triton>=3.1",
     ],

@@ -13,7 +13,7 @@ Sections (each a printed table; ``--out DIR`` also writes them, with the device 
    step after warm-up: ``max_memory_allocated`` against the predicted peak, ``max_memory_reserved``
    beside it (what the headroom must cover);
 3. MFU of gpt2-1.3b and llama-1.3b at sequence 2048 on one device, each with the plan ``tune`` picks
-   for it (``tuner.report.model_flops_per_iteration`` / (step time x the profile's dense peak));
+   for it (``tuner.flops.model_flops_per_iteration`` / (step time x the profile's dense peak));
 4. several devices (when there are 2+): DP, TP, PP and mixed plans over NCCL, checked and timed the same way.
 
 ``--dry-run`` runs the same code on the CPU: gloo ranks instead of NCCL, the ``cpu`` profile, tiny
@@ -343,7 +343,7 @@ def mfu_section(settings: Settings, profile, log) -> list[dict]:
     from mist_compiler.ir.plan import Plan
     from mist_compiler.models import zoo_config
     from mist_compiler.tuner.api import tune
-    from mist_compiler.tuner.report import model_flops_per_iteration
+    from mist_compiler.tuner.flops import model_flops_per_iteration
 
     rows = []
     dtype = "bfloat16"

@@ -224,7 +224,8 @@ class LinkCalibration:
 def measure_links(worlds: list[int], log: Callable[[str], None] = print) -> LinkCalibration:
     """``mistc profile``'s full (not --quick: quick gloo fits on this shared machine swing 10x)
     collective and slowdown measurements, the slowdowns with as many ranks as a plan has."""
-    from mist_compiler.backends.profiler import ProfilerOptions, fit_collectives, run_collective_group
+    from mist_compiler.backends.profile_comm import fit_collectives, run_collective_group
+    from mist_compiler.backends.profile_timing import ProfilerOptions
 
     options = ProfilerOptions(quick=False, device="cpu", log=lambda message: None)
     results = {world: run_collective_group(world, "cpu", options, measure_concurrency=world in worlds, timeout_s=300.0)

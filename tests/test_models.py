@@ -81,3 +81,15 @@ def test_name_resolution_errors(tmp_path):
 def test_factory_spec_builds_a_module():
     spec = resolve_model("torch.nn:Identity")
     assert isinstance(spec.build(), torch.nn.Identity) and spec.config is None
+
+
+def test_cluster_scale_shapes_are_what_their_names_say():
+    """Llama 3 405B (FACTS.md: 126 layers, hidden 16384, ffn 53248, 128/8 heads, vocab 128256) and GPT-3 175B."""
+    llama = zoo_config("llama-405b")
+    assert (llama.layers, llama.hidden, llama.ffn, llama.heads, llama.num_kv_heads, llama.vocab) == \
+        (126, 16384, 53248, 128, 8, 128256)
+    assert round(parameter_count(llama) / 1e9) == 406
+    assert parameter_count(llama) == module_count(llama)
+    gpt = zoo_config("gpt3-175b")
+    assert (gpt.layers, gpt.hidden, gpt.heads) == (96, 12288, 96)
+    assert round(parameter_count(gpt) / 1e9) == 175

@@ -9,7 +9,9 @@ import pytest
 from mist_compiler.cost import profile_command
 from mist_compiler.cost.comm import collective_time
 from mist_compiler.cost.hardware import CHANNELS, ProfileError, load_profile
-from mist_compiler.backends.profiler import ProfilerOptions, fit_alpha_beta, fit_collectives, profile_machine
+from mist_compiler.backends.profile_comm import fit_alpha_beta, fit_collectives
+from mist_compiler.backends.profile_timing import ProfilerOptions
+from mist_compiler.backends.profiler import profile_machine
 
 
 def _run_command(argv: list[str]) -> int:
@@ -58,6 +60,7 @@ def test_quick_profile_writes_a_loadable_profile(tmp_path, capfd):
                                                    "default"))
     assert profile.peak_flops["float32"] > 1e8  # any CPU core does 0.1 GFLOP/s
     assert 0 < profile.op_overhead < 1e-3
+    assert len(profile.matmul_points) >= 3 and profile.matmul_model is not None  # the GEMM shape table and its fit
     assert {a for a, _ in profile.slowdown} == set(CHANNELS) and len(profile.slowdown) == 12
     assert float(collective_time(profile, "all_reduce", 1e6, 1, 2)) > 0
     captured = capfd.readouterr()
@@ -126,7 +129,7 @@ def _fake_compute(device, options):
 def test_overrunning_ranks_are_killed_with_a_clear_error(monkeypatch):
     import subprocess
 
-    from mist_compiler.backends import profiler
+    from mist_compiler.backends import profile_comm
 
     started: list[subprocess.Popen] = []
     real_popen = subprocess.Popen
@@ -138,7 +141,7 @@ def test_overrunning_ranks_are_killed_with_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(subprocess, "Popen", recording_popen)
     with pytest.raises(RuntimeError, match="did not finish within"):
-        profiler.run_collective_group(2, "cpu", ProfilerOptions(quick=True, log=lambda m: None),
+        profile_comm.run_collective_group(2, "cpu", ProfilerOptions(quick=True, log=lambda m: None),
                                       measure_concurrency=False, timeout_s=0.3)
     assert len(started) == 2 and all(process.poll() is not None for process in started)
 
@@ -150,7 +153,7 @@ def test_torchrun_over_two_simulated_nodes_measures_the_inter_node_shape(tmp_pat
     import subprocess
     import sys
 
-    from mist_compiler.backends.profiler import _free_port
+    from mist_compiler.backends.profile_timing import _free_port
 
     script = tmp_path / "profile_rank.py"
     script.write_text("import argparse, sys\n"
@@ -187,7 +190,7 @@ def test_overlap_model_predicts_three_cpu_channels_run_together():
 
     from mist_compiler.cost.hardware import HardwareProfile
     from mist_compiler.cost.overlap import overlap
-    from mist_compiler.backends.profiler import _Channel, measure_slowdowns
+    from mist_compiler.backends.profile_comm import _Channel, measure_slowdowns
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -221,7 +224,7 @@ def test_overlap_model_predicts_three_cpu_channels_run_together():
 def test_collective_slowdown_channel_uses_the_largest_timed_message(quick):
     """The collective that slowdowns are measured with is in the bandwidth regime of gradient buckets
     (a small gloo all-reduce is latency-bound and barely competes with compute for the cores)."""
-    from mist_compiler.backends.profiler import _Channel, _message_sizes
+    from mist_compiler.backends.profile_comm import _Channel, _message_sizes
 
     channel = _Channel("collective", "cpu", quick)
     assert channel.buffer.numel() * channel.buffer.element_size() == max(_message_sizes("cpu", quick))

@@ -94,6 +94,19 @@ def test_bad_offload_grid_flag_is_named(cost_model):
                                    "--global-batch", "8", "--offload-grid", "0,x"])
 
 
+def test_bad_gap_flag_is_named(cost_model):
+    with pytest.raises(ValueError, match="--gap"):
+        run_command(tune_command, [MODEL, "--hardware", HARDWARE, "--nodes", "1", "--gpus-per-node", "2",
+                                   "--global-batch", "8", "--gap", "1.5"])
+
+
+def test_tune_table_reports_the_certified_gap(cost_model, capsys):
+    run_command(tune_command, [MODEL, "--hardware", HARDWARE, "--nodes", "1", "--gpus-per-node", "2",
+                               "--global-batch", "8", "--seq", str(SEQ), "--gap", "0", "--quiet"])
+    out = capsys.readouterr().out
+    assert "OPTIMAL (lower bound" in out and "gap 0.00%" in out
+
+
 def test_explain_writes_trace_and_pictures(cost_model, tmp_path, capsys):
     plan_path = str(tmp_path / "plan.json")
     run_command(tune_command, [MODEL, "--hardware", HARDWARE, "--nodes", "1", "--gpus-per-node", "4",
@@ -156,7 +169,8 @@ def test_real_model_has_the_properties_the_intra_stage_shortcuts_use(cost_model)
 
     import numpy as np
 
-    from mist_compiler.tuner.intra_stage import _trade_families, enumerate_bases
+    from mist_compiler.tuner.knobs import _trade_families
+    from mist_compiler.tuner.stage_configs import enumerate_bases
     from mist_compiler.tuner.space import Cluster, SearchSpace, Workload
 
     rng = np.random.default_rng(0)
@@ -181,6 +195,14 @@ def test_real_model_has_the_properties_the_intra_stage_shortcuts_use(cost_model)
     more = cost_model.evaluate(dc.replace(base, inflight=base.inflight + 1))
     assert (more.peak_memory_bytes >= before.peak_memory_bytes * (1 - 1e-9)).all()
     assert np.allclose(more.stable_s, before.stable_s) and np.allclose(more.delta_s, before.delta_s)
+    # optimizer offload (knobs.py solves its ratio in closed form): it never changes stable, and
+    # memory is convex in it (a maximum of affine terms), so the line between none and all bounds it
+    no_opt, all_opt = dc.replace(base, offload_opt=np.zeros(len(base))), dc.replace(base, offload_opt=np.ones(len(base)))
+    half = cost_model.evaluate(dc.replace(base, offload_opt=np.full(len(base), 0.5)))
+    ends = cost_model.evaluate(no_opt), cost_model.evaluate(all_opt)
+    assert np.allclose(half.stable_s, ends[0].stable_s) and np.allclose(ends[1].stable_s, ends[0].stable_s)
+    midpoint = (ends[0].peak_memory_bytes + ends[1].peak_memory_bytes) / 2
+    assert (half.peak_memory_bytes <= midpoint * (1 + 1e-9)).all()
     space = SearchSpace()
     bases, shapes = enumerate_bases(Workload(4, 4, 16, SEQ), Cluster(1, 4), space, 2, 4)
     trade = _trade_families(cost_model, bases, shapes, space, space.offload_combos(), np.zeros(len(bases), int))

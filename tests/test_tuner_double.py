@@ -3,7 +3,7 @@
 It implements the ``StageCostModel`` protocol with a few closed-form GPT-like terms (compute from
 6*N*tokens FLOPs, TP all-reduces, DP gradient sync, ZeRO sharding, checkpoint recompute,
 overlappable offload traffic). It is NOT the project's cost model (that is
-``mist_compiler.cost.stage_model``): the tests that use it check the Pareto/MILP/search logic,
+``mist_compiler.cost.stage_model``): the tests that use it check the Pareto/partition/search logic,
 whose answers must be right for any cost model that keeps the protocol.
 """
 from __future__ import annotations

@@ -118,7 +118,15 @@ def group_link(profile: HardwareProfile, nodes: ArrayLike, gpus_per_node: ArrayL
     # Candidates share few distinct shapes: solve each shape once, then scatter back.
     width = float(gpus_a.max(initial=1.0)) + 1.0
     keys, inverse = np.unique(nodes_a * width + gpus_a, return_inverse=True)
-    bandwidth, latency = _link_of_shapes(profile, np.floor(keys / width), np.mod(keys, width))
+    nodes_u, gpus_u = np.floor(keys / width), np.mod(keys, width)
+    known = profile.derived.setdefault("group_links", {})  # per (nodes, gpus): a profile's links never change
+    missing = [i for i, pair in enumerate(zip(nodes_u, gpus_u)) if pair not in known]
+    if missing:
+        fresh = _link_of_shapes(profile, nodes_u[missing], gpus_u[missing])
+        for j, i in enumerate(missing):
+            known[(nodes_u[i], gpus_u[i])] = (fresh[0][j], fresh[1][j])
+    bandwidth = np.array([known[pair][0] for pair in zip(nodes_u, gpus_u)], dtype=float)
+    latency = np.array([known[pair][1] for pair in zip(nodes_u, gpus_u)], dtype=float)
     inverse = inverse.reshape(nodes_a.shape)
     return bandwidth[inverse], latency[inverse]
 

@@ -37,6 +37,15 @@ Meaning of the fields the cost model reads:
   (allocated bytes) to ``device_memory - memory_headroom`` (``usable_memory``), or to the
   ``--memory-limit`` given on the command line (:func:`with_memory_limit`). Shipped GPU profiles
   carry :func:`default_memory_headroom` of their card; ``mistc profile`` measures the context.
+* ``matmul_shape_model`` (optional): GEMMs do not all run at one rate. An M x N x K GEMM with
+  intensity ``I = MNK / (MK + KN + MN)`` (FLOPs per element moved, halved) runs at
+  ``peak * peak_efficiency * I / (I + half_intensity)`` FLOP/s, at least as long as its bytes take at
+  ``memory_bandwidth``, plus ``tail_s`` (launch, the last partial wave of tiles). Absent: every
+  matmul runs at ``efficiency['matmul']``. ``mistc profile`` fits it to the GEMMs it times and keeps
+  those in ``matmul_shapes`` (``[m, n, k, achieved fraction of peak]``, for reference and refits).
+* ``mfu_ceiling`` (optional): the model-FLOPs utilisation the best published training runs on this
+  hardware reach; a predicted MFU above it is flagged (``tune`` adds a warning) because a cost model
+  that optimistic for a shape will pick plans that disappoint.
 """
 from __future__ import annotations
 
@@ -62,7 +71,8 @@ FRAGMENTATION = 0.05  # reserved / allocated - 1 of the caching allocator in tra
 
 
 OPTIONAL_KEYS = {"description", "collective_factor", "slowdown", "op_overhead_s", "reduce_scatter_copies",
-                 "optimizer_gparams_per_s", "host_optimizer_gparams_per_s", "memory_headroom_gb"}
+                 "optimizer_gparams_per_s", "host_optimizer_gparams_per_s", "memory_headroom_gb",
+                 "matmul_shape_model", "matmul_shapes", "mfu_ceiling"}
 
 
 def default_memory_headroom(device_memory: float, context: float = CUDA_CONTEXT_BYTES) -> float:
@@ -125,6 +135,47 @@ class LinkFit:
 
 
 @dataclass(frozen=True)
+class MatmulShapeModel:
+    """Achieved GEMM rate by shape (see the module docstring): efficiency saturating in intensity, plus a tail."""
+
+    peak_efficiency: float  # fraction of peak FLOP/s a large, square GEMM approaches
+    half_intensity: float  # intensity at which half of peak_efficiency is reached
+    tail_s: float  # fixed seconds per GEMM
+
+    def efficiency(self, intensity):
+        return self.peak_efficiency * intensity / (intensity + self.half_intensity)
+
+
+def _matmul_model(data: Any) -> MatmulShapeModel | None:
+    if data is None:
+        return None
+    where = "matmul_shape_model"
+    _keys(data, where, {"peak_efficiency", "half_intensity", "tail_s"})
+    peak = data["peak_efficiency"]
+    _require(_number(peak) and 0 < peak <= 1, f"{where}.peak_efficiency", f"must be in (0, 1], got {peak!r}")
+    for key in ("half_intensity", "tail_s"):
+        value = data[key]
+        _require(_number(value) and 0 <= value < float("inf"), f"{where}.{key}", f"must be >= 0, got {value!r}")
+    _require(data["tail_s"] < 1.0, f"{where}.tail_s", f"seconds per GEMM, < 1, got {data['tail_s']!r}")
+    return MatmulShapeModel(float(peak), float(data["half_intensity"]), float(data["tail_s"]))
+
+
+def _matmul_points(data: Any) -> tuple[tuple[int, int, int, float], ...]:
+    if data is None:
+        return ()
+    _require(isinstance(data, list), "matmul_shapes", "expected a list of [m, n, k, efficiency]")
+    points = []
+    for index, point in enumerate(data):
+        where = f"matmul_shapes[{index}]"
+        _require(isinstance(point, (list, tuple)) and len(point) == 4, where, f"expected [m, n, k, efficiency], got {point!r}")
+        _require(all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in point[:3]), where,
+                 f"m, n, k must be positive integers, got {point[:3]!r}")
+        _require(_number(point[3]) and 0 < point[3] <= 1.5, where, f"efficiency must be in (0, 1.5], got {point[3]!r}")
+        points.append((int(point[0]), int(point[1]), int(point[2]), float(point[3])))
+    return tuple(points)
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """One device kind and its node: rates, links, copies, interference (see the module docstring)."""
 
@@ -147,6 +198,12 @@ class HardwareProfile:
     host_optimizer_params_per_s: float = 0.0  # measured AdamW rate on the host; 0: the default
     memory_headroom: float = 0.0  # bytes of device_memory a plan leaves free (context, NCCL, workspaces, fragmentation)
     memory_limit: float = 0.0  # bytes a plan may use when set on the command line (replaces the two above)
+    matmul_model: MatmulShapeModel | None = None  # GEMM rate by shape; None: efficiency['matmul'] for all
+    matmul_points: tuple[tuple[int, int, int, float], ...] = ()  # measured (m, n, k, efficiency), for reference
+    mfu_ceiling: float | None = None  # best MFU published runs on this hardware reach (sanity check)
+    # values derived from the fields above, memoised by their users (e.g. cost.comm's per-shape links);
+    # not an init field, so dataclasses.replace starts a fresh one
+    derived: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def usable_memory(self) -> float:
@@ -227,8 +284,14 @@ class HardwareProfile:
         headroom = data.get("memory_headroom_gb", 0.0)
         _require(_number(headroom) and 0 <= headroom < device_memory_gb, "memory_headroom_gb",
                  f"GB kept free, >= 0 and below device_memory_gb={device_memory_gb}, got {headroom!r}")
+        ceiling = data.get("mfu_ceiling")
+        _require(ceiling is None or (_number(ceiling) and 0 < ceiling <= 1), "mfu_ceiling",
+                 f"a fraction in (0, 1], got {ceiling!r}")
         return cls(
             memory_headroom=float(headroom) * 1e9,
+            matmul_model=_matmul_model(data.get("matmul_shape_model")),
+            matmul_points=_matmul_points(data.get("matmul_shapes")),
+            mfu_ceiling=None if ceiling is None else float(ceiling),
             optimizer_params_per_s=rates["optimizer_gparams_per_s"],
             host_optimizer_params_per_s=rates["host_optimizer_gparams_per_s"],
             op_overhead=float(op_overhead),
@@ -268,6 +331,11 @@ class HardwareProfile:
             **({"host_optimizer_gparams_per_s": self.host_optimizer_params_per_s / 1e9}
                if self.host_optimizer_params_per_s else {}),
             **({"memory_headroom_gb": self.memory_headroom / 1e9} if self.memory_headroom else {}),
+            **({"matmul_shape_model": {"peak_efficiency": self.matmul_model.peak_efficiency,
+                                       "half_intensity": self.matmul_model.half_intensity,
+                                       "tail_s": self.matmul_model.tail_s}} if self.matmul_model else {}),
+            **({"matmul_shapes": [list(point) for point in self.matmul_points]} if self.matmul_points else {}),
+            **({"mfu_ceiling": self.mfu_ceiling} if self.mfu_ceiling is not None else {}),
         }
 
 

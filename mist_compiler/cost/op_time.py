@@ -7,6 +7,9 @@ at least as long as their bytes take at the memory bandwidth; memory-bound class
 Efficiencies come from the profile's table (measured by ``mistc profile``); a class the
 profile does not list falls back to its family (``norm``/``softmax`` -> ``reduction``,
 ``embedding`` -> ``elementwise``) and then to ``default``. Everything is numpy-vectorised.
+
+GEMMs are priced one by one where the profile has a ``matmul_shape_model`` (:func:`matmul_time`):
+small and skinny GEMMs run well below the rate of a large square one, and each pays a fixed tail.
 """
 from __future__ import annotations
 
@@ -49,3 +52,29 @@ def op_class_time(profile: HardwareProfile, dtype: str, op_class: str, flops, nb
     if op_class in COMPUTE_BOUND:
         return np.maximum(flops / (peak * efficiency), nbytes / profile.memory_bandwidth)
     return np.maximum(flops / peak, nbytes / (profile.memory_bandwidth * efficiency))
+
+
+ELEMENT_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
+
+
+def gemm_intensity(flops, nbytes, element_bytes: float) -> np.ndarray:
+    """``MNK / (MK + KN + MN)`` of a GEMM from its FLOPs (2MNK) and bytes moved (elements x size)."""
+    flops = np.asarray(flops, dtype=float)
+    nbytes = np.asarray(nbytes, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(nbytes > 0, flops * element_bytes / (2.0 * nbytes), np.inf)
+
+
+def matmul_time(profile: HardwareProfile, dtype: str, flops, nbytes) -> np.ndarray:
+    """Seconds of one GEMM (arrays broadcast): by the profile's shape model, else the class efficiency."""
+    model = profile.matmul_model
+    if model is None:
+        return op_class_time(profile, dtype, "matmul", flops, nbytes)
+    flops = np.asarray(flops, dtype=float)
+    nbytes = np.asarray(nbytes, dtype=float)
+    intensity = gemm_intensity(flops, nbytes, ELEMENT_BYTES.get(dtype, 2.0))
+    rate = peak_flops(profile, dtype) * np.where(np.isfinite(intensity), model.efficiency(intensity),
+                                                 model.peak_efficiency)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        busy = np.maximum(np.where(flops > 0, flops / rate, 0.0), nbytes / profile.memory_bandwidth)
+    return np.where(flops > 0, busy + model.tail_s, busy)

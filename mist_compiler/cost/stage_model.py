@@ -7,9 +7,10 @@ passes on each block class (pre, layer, post), lambdifies their sympy expression
 :class:`~mist_compiler.cost.stage_api.StageCandidates` with numpy.
 
 Per candidate (one pipeline stage, one device's view):
-- compute: per op class roofline (``op_time``) of the stage's blocks, forward and backward, plus
-  the profile's fixed ``op_overhead`` per executed op (dispatch / kernel launch), plus the
-  forward of the checkpointed layers again (recompute) during the backward;
+- compute: per op class roofline (``op_time``) of the stage's blocks, forward and backward (GEMMs
+  one by one at their shape's rate when the profile has a ``matmul_shape_model``), plus the
+  profile's fixed ``op_overhead`` per executed op (dispatch / kernel launch), plus the forward of
+  the checkpointed layers again (recompute) during the backward;
 - tensor-parallel all-reduces (from the annotation pass) on the critical path, exposed;
 - ZeRO traffic over the ``dp`` group: levels 2-3 reduce-scatter gradients every micro-batch and
   level 3 all-gathers weights in forward and backward, overlapped with compute; levels 0-1
@@ -48,7 +49,7 @@ from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .memory import BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory, state_bytes_per_param
-from .op_time import op_class_time
+from .op_time import matmul_time, op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
 
@@ -87,6 +88,7 @@ class _BlockFunctions:
     op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
     tp_granularity: int
     tp_optional: bool = False
+    gemms: dict[str, list[tuple[Callable, Callable]]] = field(default_factory=dict)  # phase -> (flops, bytes) per matmul
 
 
 # The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
@@ -124,6 +126,8 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
         tp_granularity=block.tp_granularity,
         tp_optional=block.tp_optional,
+        gemms={p: [(_lambdify(c.flops), _lambdify(c.bytes)) for c in g.nodes if c.op_class == "matmul"]
+               for p, g in phases.items()},
     )
 
 
@@ -190,6 +194,7 @@ class StageCostModel:
     model_name: str = ""
     num_layers: int = 0
     _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
+    _terms_cache: dict[int, dict] = field(default_factory=dict, repr=False)  # (b, t, TP group) key -> block terms
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -235,11 +240,17 @@ class StageCostModel:
             t = np.where(functions.tp_granularity % t == 0, t, 1.0)
         s = np.full(b.shape, float(self.seq_len))
         terms: dict[str, np.ndarray] = {}
+        by_shape = self.hardware.matmul_model is not None  # GEMMs priced one by one, by their shape
         for phase in ("forward", "backward"):
             time = np.zeros(b.shape)
             for op_class, flops in functions.flops[phase].items():
+                if by_shape and op_class == "matmul":
+                    continue
                 time = time + op_class_time(self.hardware, self.dtype, op_class, flops(b, s, t),
                                             functions.nbytes[phase][op_class](b, s, t))
+            if by_shape:
+                for flops, nbytes in functions.gemms[phase]:
+                    time = time + matmul_time(self.hardware, self.dtype, flops(b, s, t), nbytes(b, s, t))
             terms[f"{phase}_compute"] = time + functions.op_count[phase] * self.hardware.op_overhead
             comm = np.zeros(b.shape)
             for payload in functions.collectives[phase]:
@@ -270,12 +281,23 @@ class StageCostModel:
         if len(c) and (b.max() >= 1 << 20 or tp.max() >= 1 << 14 or tp_nodes.max() >= 1 << 14 or tp_gpus.max() >= 1 << 14):
             raise StageModelError("micro_batch must be < 2^20 and tp, nodes, gpus_per_node < 2^14")
         keys = ((b << 42) | (tp << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
-        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        unique_keys, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
-        unique_b, unique_t = b[first].astype(float), tp[first].astype(float)
-        shape = (tp_nodes[first], tp_gpus[first])
-        per_kind = {kind: {name: value[inverse] for name, value in self._block_terms(kind, unique_b, unique_t, shape).items()}
-                    for kind in BLOCK_KINDS}
+        missing = np.array([int(key) not in self._terms_cache for key in unique_keys], dtype=bool)
+        if missing.any():  # block terms depend only on the key: computed once per model, then reused
+            pick = first[missing]
+            shape = (tp_nodes[pick], tp_gpus[pick])
+            fresh = {kind: self._block_terms(kind, b[pick].astype(float), tp[pick].astype(float), shape)
+                     for kind in BLOCK_KINDS}
+            for i, key in enumerate(unique_keys[missing]):
+                self._terms_cache[int(key)] = {kind: {name: value[i] for name, value in terms.items()}
+                                               for kind, terms in fresh.items()}
+        cached = [self._terms_cache[int(key)] for key in unique_keys]
+        per_kind = {kind: {name: np.array([entry[kind][name] for entry in cached])[inverse] for name in cached[0][kind]}
+                    for kind in BLOCK_KINDS} if len(cached) else \
+            {kind: {name: np.zeros(0) for name in self._block_terms(kind, np.zeros(0), np.zeros(0),
+                                                                    (np.zeros(0, int), np.zeros(0, int)))}
+             for kind in BLOCK_KINDS}
         return per_kind, dp_shape
 
     def _infeasible(self, tp: np.ndarray, present: dict[str, np.ndarray]) -> np.ndarray:

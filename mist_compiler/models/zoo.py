@@ -52,6 +52,11 @@ ZOO: dict[str, TransformerConfig] = {
     "llama-13b": _llama(5120, 13824, 40, 40),
     "llama-22b": _llama(6144, 16384, 48, 64),
     "llama-70b": _llama(8192, 28672, 80, 64, kv_heads=8),
+    # what people plan at cluster scale (FACTS.md): Llama 3 405B (GQA, 128K vocabulary, rope base 500000,
+    # trained at sequence 8192) and the GPT-3 175B shape (96 layers, hidden 12288, 96 heads) in the
+    # zoo's GPT flavour (vocab 50304, sequence 2048)
+    "llama-405b": _llama(16384, 53248, 126, 128, kv_heads=8, vocab=128256, max_seq=8192, rope_theta=500000.0),
+    "gpt3-175b": _gpt(12288, 49152, 96, 96),
     # small models for tests, examples and CPU benchmarks
     "gpt-tiny": _gpt(64, 256, 4, 4, vocab=512, max_seq=128),
     "llama-tiny": _llama(64, 176, 4, 4, vocab=512, kv_heads=2, max_seq=128),

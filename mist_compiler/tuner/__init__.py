@@ -1,4 +1,4 @@
-"""Tuner: search space, intra-stage Pareto frontiers, inter-stage MILP, baselines."""
+"""Tuner: search space, intra-stage Pareto frontiers, inter-stage partition DP, baselines."""
 from .api import TuneResult, tune
 from .baselines import BASELINE_SPACES, tune_baseline
 from .space import SearchSpace, TuneError

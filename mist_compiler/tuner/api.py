@@ -1,10 +1,11 @@
 """``mist_compiler.tune``: model + cluster + global batch -> the fastest Plan the cost model predicts.
 
-The search: for every gradient-accumulation count G, build each stage cell's Pareto frontier
-(intra_stage), then for every stage count S a lower bound; (S, G) pairs are solved in order of
-their bound by the inter-stage MILP, skipping those whose bound cannot beat the best plan found
-so far. The result carries the plan, its predicted time, per-stage estimates, the breakdown and
-search statistics (and the frontiers it chose from, for ``mistc explain``).
+The search: gradient-accumulation counts G in order of a cheap bound; first evenly split plans for
+every G (an incumbent that prunes everything after), then per G each stage cell's Pareto frontier
+(intra_stage) and the stage partition (inter_stage: a DP over layer counts, exact up to a
+certified gap). A G whose bound cannot beat the best plan is skipped. The result carries the plan,
+its predicted time, per-stage estimates, the breakdown and search statistics with the lower bound
+and gap (and the frontiers it chose from, for ``mistc explain``).
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import numpy as np
 
 from ..cost.stage_api import StageCandidates, StageCostModel, pipeline_iteration_time
 from ..ir.plan import Offload, Plan, StagePlan
-from .inter_stage import (StageSumBounds, lower_bound, role_pools, solve_stages, solver_name, uniform_solution,
-                          work_slowest_bound)
-from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable, build_frontiers, probe_work_bound
+from .inter_stage import StageSolution, solve_partition, uniform_solution
+from .intra_stage import FrontierTable, build_frontiers
+from .stage_configs import PP_BOTH, PP_NONE, PP_POST, PP_PRE
 from .space import Cluster, SearchSpace, TuneError, Workload
 
 Progress = Callable[[str], None]
@@ -53,7 +54,7 @@ class TuneResult:
 
     @property
     def mfu(self) -> float | None:
-        from .report import mfu
+        from .flops import mfu
 
         return mfu(self, self.model_config, self.peak_flops)
 
@@ -203,7 +204,6 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
     """
     space = space or SearchSpace()
     say = progress or (lambda message: None)
-    solver = solver_name()  # fails now, in one line, rather than after the whole search
     started = time.perf_counter()
     cluster = Cluster(nodes, gpus_per_node)
     profile = None
@@ -225,78 +225,103 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
         workload, config = workload_of(model, seq_len, global_batch, dtype)
     work = workload
     check_request(work, cluster, space, profile.gpus_per_node if profile is not None else None)
-    stage_options = space.stage_count_options(work.num_layers, cluster.world)
-    max_stages = max(stage_options)
-    g_options = [g for g in space.grad_accum_options(work.global_batch)]
-    stats: dict = {"solver": solver, "space": space.describe(), "grad_accum_tried": 0, "milps": 0,
-                   "milps_skipped": 0, "analysis_s": stats_analysis_s, "evaluated": 0, "frontier_points": 0, "max_gap": 0.0, "statuses": {}}
-    # order G values by a cheap bound so a good plan is found early and prunes the rest
-    g_bounds = sorted((probe_work_bound(cost_model, work, cluster, space, g, max_stages), g) for g in g_options)
-    stats["probe_s"] = time.perf_counter() - started
-    tables: dict[int, FrontierTable] = {}
-    best = None
-    best_table: FrontierTable | None = None
-    incumbent = math.inf
-
-    def consider(solution, table: FrontierTable) -> None:
-        nonlocal best, best_table, incumbent
-        if solution is not None and solution.objective < incumbent:
-            incumbent, best, best_table = solution.objective, solution, table
-            say(f"S={len(solution.rows)} G={table.grad_accum}: {solution.objective * 1e3:.1f} ms per iteration "
-                f"({solution.status}, {time.perf_counter() - started:.1f}s)")
-
-    # phase 1: frontiers per G, each followed by quick even-split plans that set the incumbent
-    for g_bound, g in g_bounds:
-        if g_bound >= incumbent:
-            stats["grad_accum_skipped"] = stats.get("grad_accum_skipped", 0) + 1
-            continue
-        table = build_frontiers(cost_model, work, cluster, space, g, max_stages, incumbent)
-        stats["grad_accum_tried"] += 1
-        stats["evaluated"] += table.stats.get("evaluated", 0)
-        stats["frontier_points"] += table.stats.get("frontier_points", 0)
-        say(f"G={g}: {table.stats.get('bases', 0)} base configs, {table.stats.get('frontier_points', 0)} "
-            f"Pareto points ({time.perf_counter() - started:.1f}s)")
-        if not table.cells:
-            continue
-        tables[g] = table
-        for stages in stage_options:
-            consider(uniform_solution(table, stages, work, cluster, space), table)
-    stats["frontier_s"] = time.perf_counter() - started
-    # phase 2: MILPs in order of their lower bound, skipping those that cannot beat the incumbent
-    bounds = []
-    sum_bounds = {}
-    for g, table in tables.items():
-        sum_bounds[g] = StageSumBounds.for_table(table, work, cluster, space)
-        for stages in stage_options:
-            pools = role_pools(table, stages, work, cluster, space)
-            bound = lower_bound(pools, stages, g, work.num_layers, cluster.world, sum_bounds[g].total(stages),
-                                sum_bounds[g].slowest(stages))
-            if math.isfinite(bound):
-                bounds.append((bound, stages, g, pools))
-    for bound, stages, g, pools in sorted(bounds, key=lambda item: (item[0], item[1], item[2])):
-        if bound >= incumbent * (1 - 1e-9):
-            stats["milps_skipped"] += 1
-            continue
-        slowest = max(work_slowest_bound(pools, work.num_layers, cluster.world), sum_bounds[g].slowest(stages))
-        pools = sum_bounds[g].prune(pools, stages, incumbent, slowest)
-        clock = time.perf_counter()
-        solution = solve_stages(tables[g], stages, work, cluster, space, incumbent, pools)
-        stats["milps"] += 1
-        stats.setdefault("milp_log", []).append(
-            (stages, g, {role: len(pool) for role, pool in pools.items()}, round(time.perf_counter() - clock, 3),
-             None if solution is None else solution.status))
-        if solution is None:
-            continue
-        stats["max_gap"] = max(stats["max_gap"], solution.gap)
-        stats["statuses"][solution.status] = stats["statuses"].get(solution.status, 0) + 1
-        consider(solution, tables[g])
-    stats["search_s"] = time.perf_counter() - started
+    search = _Search(cost_model, work, cluster, space, say, started)
+    search.stats["analysis_s"] = stats_analysis_s
+    best, best_table = search.run()
     if best is None:
         raise TuneError(_memory_diagnosis(cost_model, work, cluster, space))
-    result = _result(cost_model, work, space, best_table, best, stats)
+    result = _result(cost_model, work, space, best_table, best, search.stats)
     result.model_config = config
     result.peak_flops = profile.peak_flops.get(dtype) if profile is not None else None
+    _flag_optimistic_mfu(result, profile)
     return result
+
+
+def _flag_optimistic_mfu(result: TuneResult, profile) -> None:
+    """Warn when the predicted MFU is above what the best published runs on this hardware reach."""
+    ceiling = getattr(profile, "mfu_ceiling", None)
+    utilisation = result.mfu
+    if ceiling is None or utilisation is None or utilisation <= ceiling:
+        return
+    note = (f"predicted MFU {utilisation:.1%} is above {ceiling:.0%}, the best published training runs on "
+            f"{profile.name}: the prices for this model's ops are likely optimistic (measure the target with "
+            f"`mistc profile`)")
+    result.stats["mfu_flag"] = note
+    result.stats["warning"] = f"{result.stats['warning']}; {note}" if result.stats.get("warning") else note
+
+
+class _Search:
+    """The search loop: G values in order of a cheap bound; per G the frontiers, then the stage
+    partition (DP). A quick pass over evenly split plans first sets an incumbent that prunes
+    configurations in every later frontier. Keeps a lower bound on every plan to report the gap."""
+
+    def __init__(self, cost_model: StageCostModel, work: Workload, cluster: Cluster, space: SearchSpace,
+                 say: Progress, started: float) -> None:
+        self.cost_model, self.work, self.cluster, self.space = cost_model, work, cluster, space
+        self.say, self.started = say, started
+        self.stage_options = space.stage_count_options(work.num_layers, cluster.world)
+        self.max_stages = max(self.stage_options)
+        self.incumbent = math.inf
+        self.trade: list[int] | None = None
+        self.best = None
+        self.best_table: FrontierTable | None = None
+        self.stats: dict = {"space": space.describe(), "grad_accum_tried": 0, "partitions": 0,
+                            "grad_accum_skipped": 0, "evaluated": 0, "frontier_points": 0, "dp_passes": 0}
+
+    def consider(self, solution: StageSolution | None, table: FrontierTable) -> None:
+        if solution is not None and solution.objective < self.incumbent:
+            self.incumbent, self.best, self.best_table = solution.objective, solution, table
+            self.say(f"S={len(solution.rows)} G={table.grad_accum}: {solution.objective * 1e3:.1f} ms per iteration "
+                     f"({solution.status}, {time.perf_counter() - self.started:.1f}s)")
+
+    def frontiers(self, g: int, space: SearchSpace) -> FrontierTable:
+        table = build_frontiers(self.cost_model, self.work, self.cluster, space, g, self.max_stages, self.incumbent,
+                                self.trade)
+        if self.trade is None and "trade_families" in table.stats:
+            self.trade = table.stats["trade_families"]  # a property of the cost model: probed once
+        self.stats["evaluated"] += table.stats.get("evaluated", 0)
+        return table
+
+    def run(self):
+        work, cluster, space = self.work, self.cluster, self.space
+        # phase 1: evenly split plans (equal devices, layers within one of L/S) for every G; their
+        # times order phase 2, so the G likely to hold the best plan comes first and prunes the rest
+        even = space.restrict(uniform_devices=True, layer_slack=0)
+        quick: dict[int, float] = {}
+        for g in space.grad_accum_options(work.global_batch):
+            table = self.frontiers(g, even)
+            quick[g] = math.inf
+            for stages in self.stage_options:
+                solution = uniform_solution(table, stages, work, cluster, space)
+                if solution is not None:
+                    quick[g] = min(quick[g], solution.objective)
+                self.consider(solution, table)
+        self.stats["incumbent_s"] = time.perf_counter() - self.started
+        # phase 2: per G the full frontiers and the exact partition; a G whose work bound cannot beat
+        # the best plan is cut short inside build_frontiers (every base dropped)
+        lower = math.inf
+        for g in sorted(quick, key=lambda g: (quick[g], g)):
+            table = self.frontiers(g, space)
+            self.stats["grad_accum_tried"] += 1
+            self.stats["frontier_points"] += table.stats.get("frontier_points", 0)
+            self.say(f"G={g}: {table.stats.get('bases', 0)} base configs, {table.stats.get('frontier_points', 0)} "
+                     f"Pareto points ({time.perf_counter() - self.started:.1f}s)")
+            if not table.cells:
+                self.stats["grad_accum_skipped"] += 1
+                lower = min(lower, self.incumbent)  # nothing of this G fits or beats the incumbent
+                continue
+            for stages in self.stage_options:
+                self.consider(uniform_solution(table, stages, work, cluster, space), table)
+            outcome = solve_partition(table, work, cluster, space, self.incumbent)
+            self.stats["partitions"] += 1
+            self.stats["dp_passes"] += outcome.stats.get("passes", 0)
+            lower = min(lower, outcome.bound)
+            self.consider(outcome.solution, table)
+        self.stats["search_s"] = time.perf_counter() - self.started
+        if self.best is not None:
+            self.stats["bound_s"] = min(lower, self.incumbent)
+            self.stats["gap"] = max(0.0, 1.0 - self.stats["bound_s"] / self.incumbent)
+        return self.best, self.best_table
 
 
 def _result(cost_model: StageCostModel, work: Workload, space: SearchSpace, table: FrontierTable, solution,
@@ -337,9 +362,8 @@ def _result(cost_model: StageCostModel, work: Workload, space: SearchSpace, tabl
     over = [i for i, report in enumerate(reports) if report.peak_memory_bytes > limit * (1 + 1e-9)]
     if over:  # only if the cost model broke a property the intra-stage shortcuts rely on
         stats["warning"] = f"stage(s) {over} exceed device memory when re-evaluated exactly"
-    stats["milp_objective_s"] = solution.milp_objective
-    stats["milp_bound_s"] = solution.bound
-    stats["final_status"] = solution.status
+    gap = stats.get("gap", 0.0)
+    stats["final_status"] = "OPTIMAL" if gap <= 1e-9 else f"within {gap:.2%} of optimal"
     return TuneResult(plan, predicted, reports, breakdown, stats, float(cost_model.device_memory_bytes),
                       frontiers=_frontier_summary(table, solution))
 

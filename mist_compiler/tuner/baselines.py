@@ -75,5 +75,5 @@ def tune_baseline(name: str, model: str, hardware, nodes: int, gpus_per_node: in
 
 
 def _merge(space: SearchSpace, override: SearchSpace) -> SearchSpace:
-    """Apply the solver settings of ``override`` (time limit, stage cap) to a baseline space."""
-    return space.restrict(milp_seconds=override.milp_seconds, max_stages=override.max_stages or space.max_stages)
+    """Apply the search settings of ``override`` (target gap, stage cap) to a baseline space."""
+    return space.restrict(gap=override.gap, max_stages=override.max_stages or space.max_stages)

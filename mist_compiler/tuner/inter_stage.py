@@ -1,337 +1,384 @@
-"""Inter-stage tuning: a MILP that picks the layer split and one Pareto point per stage.
+"""Inter-stage tuning: the layer split and one frontier point per stage, by dynamic programming.
 
-For S stages and G micro-batches it minimises
-``(G-1) * max_i T_i + sum_i T_i + max_i (D_i - sum_{j<i} T_j)`` (DESIGN.md 2.3), where ``T_i`` and
-``D_i`` are the chosen point's stable and delta times. Stage 0 holds the embedding (in-flight
-``min(S, G)``), stage S-1 the head (in-flight 1), stages 1..S-2 neither.
+The layers are identical, so a stage is its layer *count*, its device count and a point of its
+cell's frontier; stage order matters only through the in-flight micro-batches a stage must fit
+(position i of S holds ``min(S - i, G)``) and which stages hold the embedding (first) and the head
+(last). With ``T_i``/``D_i`` the chosen points' stable and delta times, the iteration time
+(DESIGN.md 2.3, ``pipeline_iteration_time``) is
 
-The middle stages share one pool of choices (cell x Pareto point, each with the largest in-flight
-count it fits): an integer ``n_c`` says how many middle stages use choice ``c`` and a binary
-``y_c`` whether any does, so the program's size does not grow with S. Middle position i needs a
-choice that fits ``min(S - i, G)`` in-flight micro-batches; since those needs are nested, Hall's
-condition "at least as many chosen middle stages fit >= j as positions need >= j" (for every j)
-is exact, and the stages are then ordered by what they fit. The bubble term of a middle stage is
-bounded using only the first stage's time before it (conservative; the reported time is
-recomputed exactly for the final order).
+    F = (G-1) max_i T_i + sum_i T_i + max(0, max_i (D_i - sum_{j<i} T_j))
+      = (G-1) max_i T_i + M,    M = max_i (D_i + Q_i),   Q_i = T_i + ... + T_{S-1}
 
-Solved with HiGHS when python-mip can build a model with it, else CBC (:func:`solver_name`), always under a time limit; the gap is
-reported. Choices that cannot beat the incumbent (``G * T_c + sum of the other stages' minimum
-times >= incumbent``) are dropped before the program is built.
+(``D_i >= 0``). As in Alpa and Metis, a *bottleneck threshold* tau (every ``T_i <= tau``) leaves a
+min-sum problem that a DP over layer counts solves (``partition``). The distinct stage times are
+cut into buckets; a pass evaluates many buckets at once, and a bucket whose lower bound
+``(G-1) tau_low + DP value`` is within the target gap of the best plan is settled, otherwise split,
+down to single stage times. Plans come from the DP's argmins and are timed exactly.
+
+- Where (layers x device units) is small, the exact grid DP runs; at a single threshold the last
+  gap (a later stage's delta exposed) is closed by bisecting an exposure bound ``mu``.
+- On big clusters the device dimension is priced instead (Lagrangian relaxation, lambda searched
+  per bucket), and each layer split the DP finds gets its device counts from a DP over devices.
+  The bound stays valid; the reported gap says how tight it is.
+
+Every bound is relative to the frontier tables; stages with ``G T >= best`` never enter and DP
+states that cannot beat the best plan by the gap are dropped (their bound is kept).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..cost.stage_api import pipeline_iteration_time
-from .intra_stage import PP_BOTH, PP_NONE, PP_POST, PP_PRE, FrontierTable
-from .space import Cluster, SearchSpace, TuneError, Workload
+from .intra_stage import FrontierTable
+from .stage_configs import PP_BOTH, PP_NONE, PP_POST, PP_PRE
+from .partition import Choices, DPRun, GridDP, LagrangeDP, repair_devices, role_choices
+from .space import Cluster, SearchSpace, Workload
 
-MAX_BINARIES = 2000
-
-
-SOLVERS = ("HIGHS", "CBC")  # preference order
-_working: dict[str, bool] = {}
-
-
-def solver_works(name: str) -> bool:
-    """Whether python-mip can build and solve a one-variable MILP with ``name`` (cached per process).
-
-    Importing a solver's Python package proves nothing (TORCH-NOTES section 9: highspy 1.16
-    imports but no longer exports the C API mip loads); building a model is the only real test.
-    """
-    if name not in _working:
-        import mip
-
-        try:
-            model = mip.Model(sense=mip.MINIMIZE, solver_name=name)
-            model.verbose = 0
-            x = model.add_var(var_type=mip.BINARY)
-            model.objective = mip.minimize(x)
-            model.add_constr(x >= 1)
-            _working[name] = model.optimize(max_seconds=10) == mip.OptimizationStatus.OPTIMAL and round(x.x) == 1
-        except Exception:  # mip raises FileNotFoundError, OSError, ImportError ... for a missing library
-            _working[name] = False
-    return _working[name]
-
-
-def solver_name() -> str:
-    """The first solver of ``SOLVERS`` that python-mip can really use (HiGHS, else CBC)."""
-    for name in SOLVERS:
-        if solver_works(name):
-            return name
-    raise TuneError("no MILP solver works: python-mip can use neither HiGHS (pip install highsbox) nor CBC "
-                    "(pip install cbcbox); reinstall mist-compiler to get both")
-
-
-@dataclass
-class ChoicePool:
-    """Candidate choices of one stage role: frontier rows with their layers, devices and fit."""
-
-    rows: np.ndarray
-    layers: np.ndarray
-    devices: np.ndarray
-    stable: np.ndarray
-    delta: np.ndarray
-    fit_k: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def take(self, mask: np.ndarray) -> "ChoicePool":
-        return ChoicePool(*(getattr(self, name)[mask] for name in self.__dataclass_fields__))
-
-    def min_stable(self) -> float:
-        return float(self.stable.min()) if len(self) else math.inf
+BUCKETS = 16  # lanes of one DP pass
+FIRST_BUCKETS = 4  # lanes of a grid DP's first pass
+GRID_STATES = 40_000  # (layers + 1) x device units up to which the exact grid DP is used
+LAMBDA_STEPS = 8  # device prices tried per bucket and round (Lagrangian mode)
+QUICK_PLAN_STATES = 3_000  # grids larger than this first get a plan from the Lagrangian DP
+LAMBDA_BUCKETS = 8  # threshold buckets per pass in Lagrangian mode (lanes: buckets x prices)
+MAX_PASSES = 40
 
 
 @dataclass
 class StageSolution:
-    """The chosen stages in pipeline order, with the solver's verdict."""
+    """Chosen stages in pipeline order (frontier-table rows) and how good they are known to be."""
 
-    rows: list[int]  # frontier-table rows, stage order
+    rows: list[int]
     layers: list[int]
     inflight: list[int]
-    objective: float  # exact iteration time of this order
-    milp_objective: float
+    objective: float  # exact iteration time
+    bound: float = 0.0  # lower bound on every plan of the problem it was solved for
+    status: str = "OPTIMAL"
+
+    @property
+    def gap(self) -> float:
+        return max(0.0, 1.0 - self.bound / self.objective) if self.objective > 0 else 0.0
+
+
+@dataclass
+class PartitionResult:
+    """Outcome of one G: the best plan found (None: nothing beats the incumbent) and a lower bound
+    on every plan of this G (at least the incumbent where nothing can beat it)."""
+
+    solution: StageSolution | None
     bound: float
-    gap: float
-    status: str
-    binaries: int
+    stats: dict = field(default_factory=dict)
 
 
-def _pool(table: FrontierTable, pp: int, inflight_needed: int, stages: int, work: Workload,
-          cluster: Cluster, space: SearchSpace) -> ChoicePool:
-    """Union of the frontier points of every allowed cell of one role, fitting >= inflight_needed."""
-    max_layers = work.num_layers - (stages - 1)
-    entries = table.entries()
-    counts = np.array([shape.count for shape in table.shapes], dtype=int)[entries["shape"]] if len(entries["row"]) else np.zeros(0, int)
-    mask = (entries["pp"] == pp) & (entries["k"] >= inflight_needed) & (entries["layers"] <= max_layers)
-    mask &= counts <= cluster.world - (stages - 1)
-    if space.uniform_devices:
-        mask &= counts == cluster.world // stages
-    if space.layer_slack is not None:
-        allowed = np.array([space.layers_allowed(l, stages, work.num_layers) for l in range(work.num_layers + 1)])
-        mask &= allowed[entries["layers"]]
-    if not mask.any():
-        empty = np.zeros(0, dtype=int)
-        return ChoicePool(empty, empty, empty, np.zeros(0), np.zeros(0), empty)
-    rows_all = entries["row"][mask]
-    fit_all = entries["k"][mask]
-    # a row appears in the cells of every k it is on the frontier of; keep it once with its largest k
-    order = np.lexsort((-fit_all, rows_all))
-    rows_all, fit_all = rows_all[order], fit_all[order]
-    first = np.ones(len(rows_all), dtype=bool)
-    first[1:] = rows_all[1:] != rows_all[:-1]
-    rows_all, fit_all = rows_all[first], fit_all[first]
-    configs = table.configs
-    return ChoicePool(
-        rows=rows_all, layers=configs.num_layers[rows_all],
-        devices=(configs.nodes * configs.gpus_per_node)[rows_all],
-        stable=table.stable[rows_all], delta=table.delta[rows_all], fit_k=fit_all,
-    )
+def solve_partition(table: FrontierTable, work: Workload, cluster: Cluster, space: SearchSpace,
+                    incumbent: float = math.inf, method: str | None = None) -> PartitionResult:
+    """The best plan of this G (if it beats ``incumbent``) and a lower bound on every plan of this G.
+
+    ``method``: ``"grid"`` or ``"lagrange"`` to force a DP (default: by the grid's size)."""
+    stats = {"passes": 0, "method": set()}
+    choices = role_choices(table)
+    s_options = space.stage_count_options(work.num_layers, cluster.world)
+    if space.uniform_devices or space.layer_slack is not None:
+        groups = [([s], _stage_filter(choices, s, work, cluster, space)) for s in s_options]
+    else:
+        groups = [(s_options, choices)]
+    best, upper, bound = None, incumbent, math.inf
+    for s_list, pool in groups:
+        solution, group_bound = _solve_group(table, work, cluster, s_list, pool, upper, space.gap, stats, method)
+        bound = min(bound, group_bound)
+        if solution is not None and solution.objective < upper:
+            best, upper = solution, solution.objective
+    if best is not None:
+        best.bound = min(bound, best.objective)
+    stats["method"] = "+".join(sorted(stats["method"]))
+    return PartitionResult(best, min(bound, upper), stats)
 
 
-def role_pools(table: FrontierTable, stages: int, work: Workload, cluster: Cluster,
-               space: SearchSpace) -> dict[str, ChoicePool]:
+def _stage_filter(choices: dict[str, Choices], stages: int, work: Workload, cluster: Cluster,
+                  space: SearchSpace) -> dict[str, Choices]:
+    """Choices allowed in an S-stage plan by the space's per-S rules (equal devices, layer slack)."""
+    allowed = np.array([space.layers_allowed(l, stages, work.num_layers) for l in range(work.num_layers + 1)])
+    result = {}
+    for role, pool in choices.items():
+        mask = allowed[np.minimum(pool.layers, work.num_layers)]
+        if space.uniform_devices:
+            mask &= pool.devices * stages == cluster.world
+        result[role] = pool.take(mask)
+    return result
+
+
+def _prune_choices(choices: dict[str, Choices], g: int, upper: float) -> dict[str, Choices]:
+    """A stage with ``G T >= best`` (first stage: ``G T + D``) is in no better plan."""
+    if not math.isfinite(upper):
+        return choices
+    result = {}
+    for role, pool in choices.items():
+        least = g * pool.stable + (pool.delta if role in ("first", "only") else 0.0)
+        result[role] = pool.take(least < upper)
+    return result
+
+
+def _solve_group(table: FrontierTable, work: Workload, cluster: Cluster, s_list: list[int],
+                 choices: dict[str, Choices], upper: float, gap: float, stats: dict,
+                 method: str | None) -> tuple[StageSolution | None, float]:
     g = table.grad_accum
-    if stages == 1:
-        return {"only": _pool(table, PP_BOTH, 1, 1, work, cluster, space)}
-    pools = {
-        "first": _pool(table, PP_PRE, min(stages, g), stages, work, cluster, space),
-        "last": _pool(table, PP_POST, 1, stages, work, cluster, space),
-    }
-    if stages > 2:
-        pools["middle"] = _pool(table, PP_NONE, min(2, g), stages, work, cluster, space)
-    return pools
+    choices = _prune_choices(choices, g, upper)
+    stable = np.unique(np.concatenate([pool.stable for pool in choices.values()]))
+    if not s_list or len(stable) == 0:
+        return None, math.inf
+    devices = np.concatenate([pool.devices for pool in choices.values()] + [np.array([cluster.world])])
+    unit = int(np.gcd.reduce(devices.astype(np.int64)))
+    states = (work.num_layers + 1) * (cluster.world // unit + 1)
+    method = method or ("grid" if states <= GRID_STATES else "lagrange")
+    stats["method"].add(method)
+    open_sets = [(np.array([stable[-1]]) if g == 1 else stable)]  # G = 1: no bottleneck term
+    if method == "grid":
+        best = None
+        if states > QUICK_PLAN_STATES and len(s_list) > 1:  # a good plan first makes the exact DP prune far more
+            best, upper = _quick_plan(table, work, cluster, s_list, choices, stable, upper)
+        dp = GridDP(g, work.num_layers, cluster.world, s_list, choices, unit)
+        found, bound = _grid_search(dp, table, g, open_sets, upper, gap, stats)
+        return (found or best), bound
+    dp = LagrangeDP(g, work.num_layers, cluster.world, s_list, choices)
+    return _lagrange_search(dp, choices, table, g, cluster.world, open_sets, upper, gap, stats)
 
 
-def lower_bound(pools: dict[str, ChoicePool], stages: int, grad_accum: int, total_layers: int, world: int,
-                least_sum: float = 0.0, least_slowest: float = 0.0) -> float:
-    """A bound no plan of this (S, G) beats: stage minima, work over the cluster, the stage with >= L/S
-    layers, and ``least_sum`` (a bound on sum_i T_i, see :func:`sum_time_bounds`)."""
-    if any(len(pool) == 0 for pool in pools.values()):
-        return math.inf
-    minima = [pools[role].min_stable() for role in ("first", "last", "only") if role in pools]
-    if "middle" in pools:
-        minima += [pools["middle"].min_stable()] * (stages - 2)
-    per_layer = min(float((p.stable * p.devices / np.maximum(p.layers, 1)).min()) for p in pools.values())
-    slowest = max(max(minima), total_layers * per_layer / world, least_sum / stages, least_slowest)
-    bound = (grad_accum - 1) * slowest + max(sum(minima), least_sum)
-    big = math.ceil(total_layers / stages)
-    heaviest = min((float(p.stable[p.layers >= big].min()) for p in pools.values() if (p.layers >= big).any()),
-                   default=math.inf)
-    return max(bound, grad_accum * heaviest)
+def _quick_plan(table: FrontierTable, work: Workload, cluster: Cluster, s_list: list[int],
+                choices: dict[str, Choices], stable: np.ndarray, upper: float) -> tuple[StageSolution | None, float]:
+    """A plan from the Lagrangian DP (layer splits, devices repaired) at a few thresholds: cheap, and
+    usually close to the optimum, so the exact DP that follows drops most states at once."""
+    dp = LagrangeDP(table.grad_accum, work.num_layers, cluster.world, s_list, choices)
+    picks = np.unique(np.round(np.linspace(0, len(stable) - 1, 4)).astype(int))
+    tops = stable[picks]
+    pooled = [pool for pool in choices.values() if len(pool)]
+    price = float(np.median(np.concatenate([p.stable / p.devices for p in pooled])))
+    _, best, upper, _ = _dual_bounds(dp, choices, table, table.grad_accum, cluster.world, tops, tops, price, None,
+                                     upper, rounds=2)
+    return best, upper
 
 
-def prune_pools(pools: dict[str, ChoicePool], stages: int, grad_accum: int, incumbent: float) -> dict[str, ChoicePool]:
-    """Drop choices with ``G * T_c + (other stages' minimum times) >= incumbent``."""
-    if not math.isfinite(incumbent):
-        return pools
-    minima = {role: pool.min_stable() for role, pool in pools.items()}
-    counts = {"first": 1, "last": 1, "only": 1, "middle": stages - 2}
-    total_min = sum(minima[role] * counts[role] for role in pools)
-    pruned = {}
-    for role, pool in pools.items():
-        others = total_min - minima[role]
-        pruned[role] = pool.take(grad_accum * pool.stable + others < incumbent * (1 + 1e-12))
-    return pruned
+def _next_buckets(open_sets: list[np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Cut the open sets of stage times into at most ``count`` buckets: (top, bottom, members) each;
+    a plan whose slowest stage lies in a bucket has one of its times."""
+    per_set = max(2, count // max(1, len(open_sets)))  # every open set is split: progress each pass
+    tops, bottoms, members = [], [], []
+    for inside in open_sets:
+        cuts = np.unique(np.round(np.linspace(0, len(inside), min(per_set, len(inside)) + 1)).astype(int))
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if b > a:
+                tops.append(inside[b - 1])
+                bottoms.append(inside[a])
+                members.append(inside[a:b])
+    order = np.argsort(tops)
+    return np.array(tops)[order], np.array(bottoms)[order], [members[i] for i in order]
 
 
-def _cap_size(pools: dict[str, ChoicePool], budget: int) -> tuple[dict[str, ChoicePool], int]:
-    """Keep at most ``budget`` choices in total: the fastest per (role, layers, devices) first."""
-    size = sum(len(p) for p in pools.values())
-    if size <= budget:
-        return pools, 0
-    dropped = 0
-    per_cell = max(1, max(len(p) for p in pools.values()))
-    while size > budget and per_cell > 1:
-        per_cell = max(1, per_cell // 2)
-        capped = {}
-        for role, pool in pools.items():
-            key = pool.layers.astype(np.int64) * 100_003 + pool.devices
-            order = np.lexsort((pool.delta, pool.stable, key))
-            sorted_key = key[order]
-            starts = np.r_[0, np.flatnonzero(np.diff(sorted_key)) + 1]
-            rank = np.arange(len(order)) - np.repeat(starts, np.diff(np.r_[starts, len(order)]))
-            mask = np.zeros(len(pool), dtype=bool)
-            mask[order[rank < per_cell]] = True
-            capped[role] = pool.take(mask)
-        size = sum(len(p) for p in capped.values())
-        dropped = sum(len(p) for p in pools.values()) - size
-        result = capped
-    return (result if dropped else pools), dropped
+def _solution(table: FrontierTable, rows: list[int], g: int) -> StageSolution:
+    stages = len(rows)
+    layers = [int(table.configs.num_layers[r]) for r in rows]
+    value = pipeline_iteration_time(table.stable[rows], table.delta[rows], g)
+    return StageSolution(rows, layers, [min(stages - i, g) for i in range(stages)], value)
 
 
-def solve_stages(table: FrontierTable, stages: int, work: Workload, cluster: Cluster, space: SearchSpace,
-                 incumbent: float = math.inf, pools: dict[str, ChoicePool] | None = None) -> StageSolution | None:
-    """Best split for (S, G) better than ``incumbent``; None if none exists (or none was found in time)."""
-    g = table.grad_accum
-    pools = pools if pools is not None else role_pools(table, stages, work, cluster, space)
-    pools = prune_pools(pools, stages, g, incumbent)
-    if any(len(pool) == 0 for pool in pools.values()):
-        return None
-    if stages == 1:
-        return _solve_single(table, pools["only"], work, cluster, incumbent)
-    pools, dropped = _cap_size(pools, MAX_BINARIES)
-    return _solve_milp(table, pools, stages, work, cluster, space, incumbent, dropped)
-
-
-def _solve_single(table: FrontierTable, pool: ChoicePool, work: Workload, cluster: Cluster,
-                  incumbent: float) -> StageSolution | None:
-    usable = (pool.devices == cluster.world) & (pool.layers == work.num_layers)
-    if not usable.any():
-        return None
-    times = (table.grad_accum - 1) * pool.stable + pool.stable + pool.delta
-    times = np.where(usable, times, np.inf)
-    best = int(np.argmin(times))
-    if times[best] >= incumbent:
-        return None
-    value = float(times[best])
-    return StageSolution([int(pool.rows[best])], [work.num_layers], [1], value, value, value, 0.0, "OPTIMAL", 0)
-
-
-def _solve_milp(table: FrontierTable, pools: dict[str, ChoicePool], stages: int, work: Workload, cluster: Cluster,
-                space: SearchSpace, incumbent: float, dropped: int) -> StageSolution | None:
-    import mip
-
-    g = table.grad_accum
-    model = mip.Model(sense=mip.MINIMIZE, solver_name=solver_name())
-    model.verbose = 0
-    model.threads = 1
-    first, last = pools["first"], pools["last"]
-    x_first = [model.add_var(var_type=mip.BINARY) for _ in range(len(first))]
-    x_last = [model.add_var(var_type=mip.BINARY) for _ in range(len(last))]
-    model += mip.xsum(x_first) == 1
-    model += mip.xsum(x_last) == 1
-    t_first = mip.xsum(float(first.stable[c]) * x_first[c] for c in range(len(first)))
-    t_last = mip.xsum(float(last.stable[c]) * x_last[c] for c in range(len(last)))
-    d_first = mip.xsum(float(first.delta[c]) * x_first[c] for c in range(len(first)))
-    d_last = mip.xsum(float(last.delta[c]) * x_last[c] for c in range(len(last)))
-    layers = mip.xsum(int(first.layers[c]) * x_first[c] for c in range(len(first))) + \
-        mip.xsum(int(last.layers[c]) * x_last[c] for c in range(len(last)))
-    devices = mip.xsum(int(first.devices[c]) * x_first[c] for c in range(len(first))) + \
-        mip.xsum(int(last.devices[c]) * x_last[c] for c in range(len(last)))
-    t_max = model.add_var(lb=0.0)
-    bubble = model.add_var(lb=0.0)
-    model += t_max >= t_first
-    model += t_max >= t_last
-    model += bubble >= d_first
-    middle_count = stages - 2
-    t_middle_sum = 0
-    n_mid, y_mid = [], []
-    if middle_count > 0:
-        middle = pools["middle"]
-        n_mid = [model.add_var(var_type=mip.INTEGER, lb=0, ub=middle_count) for _ in range(len(middle))]
-        y_mid = [model.add_var(var_type=mip.BINARY) for _ in range(len(middle))]
-        model += mip.xsum(n_mid) == middle_count
-        for c in range(len(middle)):
-            model += n_mid[c] <= middle_count * y_mid[c]
-            model += n_mid[c] >= y_mid[c]
-            model += t_max >= float(middle.stable[c]) * y_mid[c]
-            model += bubble >= float(middle.delta[c]) * y_mid[c] - t_first
-        layers = layers + mip.xsum(int(middle.layers[c]) * n_mid[c] for c in range(len(middle)))
-        devices = devices + mip.xsum(int(middle.devices[c]) * n_mid[c] for c in range(len(middle)))
-        t_middle_sum = mip.xsum(float(middle.stable[c]) * n_mid[c] for c in range(len(middle)))
-        # Hall's condition for the nested in-flight needs of positions 1..S-2
-        for need in range(3, min(stages - 1, g) + 1):
-            positions = min(stages - 2, stages - need)
-            fitting = [n_mid[c] for c in range(len(middle)) if middle.fit_k[c] >= need]
-            model += mip.xsum(fitting) >= positions
-    t_sum = t_first + t_last + t_middle_sum
-    model += bubble >= d_last - t_sum + t_last
-    # redundant cuts that tighten the relaxation: the slowest stage is at least the average
-    # stage, and at least the device-weighted average (work conservation over the cluster)
-    model += stages * t_max >= t_sum
-    device_seconds = mip.xsum(float(first.stable[c] * first.devices[c]) * x_first[c] for c in range(len(first))) + \
-        mip.xsum(float(last.stable[c] * last.devices[c]) * x_last[c] for c in range(len(last)))
-    if middle_count > 0:
-        device_seconds = device_seconds + mip.xsum(float(middle.stable[c] * middle.devices[c]) * n_mid[c] for c in range(len(middle)))
-    model += cluster.world * t_max >= device_seconds
-    model += layers == work.num_layers
-    model += devices == cluster.world
-    model.objective = (g - 1) * t_max + t_sum + bubble
-    model.max_mip_gap = space.milp_gap
-    if math.isfinite(incumbent):
-        model.cutoff = incumbent
-    status = model.optimize(max_seconds=space.milp_seconds)
-    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) or model.num_solutions == 0:
-        return None
-    pick_first = int(np.argmax([v.x for v in x_first]))
-    pick_last = int(np.argmax([v.x for v in x_last]))
-    middle_rows: list[tuple[int, int]] = []
-    if middle_count > 0:
-        for c, var in enumerate(n_mid):
-            middle_rows += [(c, 0)] * int(round(var.x))
-    order = _order_middle(pools.get("middle"), [c for c, _ in middle_rows])
-    rows = [int(first.rows[pick_first])] + [int(pools["middle"].rows[c]) for c in order] + [int(last.rows[pick_last])]
-    stage_layers = [int(first.layers[pick_first])] + [int(pools["middle"].layers[c]) for c in order] + [int(last.layers[pick_last])]
-    inflight = [min(stages - i, g) for i in range(stages)]
+def _keep_best(table: FrontierTable, g: int, rows: list[int] | None, best: StageSolution | None,
+               upper: float) -> tuple[StageSolution | None, float]:
+    if rows is None:
+        return best, upper
     exact = pipeline_iteration_time(table.stable[rows], table.delta[rows], g)
-    value = float(model.objective_value)
-    bound = float(model.objective_bound)
-    gap = max(0.0, (value - bound) / value) if value > 0 else 0.0
-    status_name = "OPTIMAL" if status == mip.OptimizationStatus.OPTIMAL else "FEASIBLE"
-    if dropped:
-        status_name += f" (choices capped, {dropped} dropped)"
-    binaries = len(x_first) + len(x_last) + len(y_mid)
-    return StageSolution(rows, stage_layers, inflight, exact, value, bound, gap, status_name, binaries)
+    if exact < upper:
+        return _solution(table, rows, g), exact
+    return best, upper
 
 
-def _order_middle(pool: ChoicePool | None, chosen: list[int]) -> list[int]:
-    """Middle stages in pipeline order: those fitting more in-flight micro-batches first, larger delta later."""
-    if not chosen or pool is None:
-        return []
-    return sorted(chosen, key=lambda c: (-int(pool.fit_k[c]), float(pool.delta[c]), int(pool.rows[c])))
+def _promising(run: DPRun, g: int, tops: np.ndarray, bottoms: np.ndarray, upper: float,
+               limit: int = 8) -> list[tuple[int, int]]:
+    """(stages, lane) of the best-looking plans (by ``(G-1) top + value``) that may beat ``upper``."""
+    picks = []
+    for stages, values in run.values().items():
+        for lane in np.flatnonzero(np.isfinite(values)):
+            if (g - 1) * bottoms[lane] + values[lane] < upper:
+                picks.append(((g - 1) * tops[lane] + values[lane], stages, int(lane)))
+    return [(stages, lane) for _, stages, lane in sorted(picks)[:limit]]
+
+
+def _lane_bounds(run: DPRun, g: int, bottoms: np.ndarray) -> np.ndarray:
+    """Per lane: ``(G-1) * bottom + least DP value over stage counts``."""
+    values = list(run.values().values())
+    least = np.min(np.array(values), axis=0) if values else np.full(len(bottoms), np.inf)
+    return (g - 1) * bottoms + least
+
+
+# ------------------------------------------------------------------------------------------------
+# exact grid mode
+
+
+def _grid_search(dp: GridDP, table: FrontierTable, g: int, open_sets: list[np.ndarray], upper: float, gap: float,
+                 stats: dict) -> tuple[StageSolution | None, float]:
+    """Threshold passes until every bucket is settled or down to one stage time; those left (a later
+    stage's delta exposed) go to exposure passes: is there a plan at that threshold whose M beats
+    the best plan by the gap (``mu`` just under it)? No: the threshold is settled. Yes: its plan is
+    kept, and the threshold is asked again with a ladder of lower ``mu`` values, so a much better
+    plan is found in a few passes. Many thresholds share a pass; the most promising buckets go
+    first, and exposure passes alternate with threshold passes (a better plan settles buckets)."""
+    best, settled, passes = None, math.inf, 0
+    waiting = [(-math.inf, inside) for inside in open_sets]  # (bound, stage times) of open buckets
+    exposed: dict[float, bool] = {}  # threshold -> whether a plan beating the target was found there
+    last_was_threshold = False
+    while (waiting or exposed) and passes < MAX_PASSES:
+        passes += 1
+        if waiting and not (exposed and last_was_threshold):
+            last_was_threshold = True
+            waiting.sort(key=lambda item: item[0])
+            lanes = BUCKETS if passes > 1 else FIRST_BUCKETS
+            taken, waiting = _take_sets(waiting, lanes)
+            tops, bottoms, members = _next_buckets(taken, lanes)
+            run = dp.run(tops, bottoms, upper, gap)
+            for rows in dp.plans(run, _promising(run, g, tops, bottoms, upper)):
+                best, upper = _keep_best(table, g, rows, best, upper)
+            bounds = _lane_bounds(run, g, bottoms)
+            for k in range(len(tops)):
+                if bounds[k] * (1 + gap) >= upper:
+                    settled = min(settled, bounds[k])
+                elif len(members[k]) > 1:
+                    waiting.append((bounds[k], members[k]))
+                else:
+                    exposed[float(tops[k])] = False
+            kept = [(bound, inside) for bound, inside in waiting if bound * (1 + gap) < upper]
+            for bound, _ in waiting:
+                if bound * (1 + gap) >= upper:
+                    settled = min(settled, bound)  # a better plan settled it
+            waiting = kept
+            continue
+        last_was_threshold = False
+        best, upper, closed = _exposure_pass(dp, table, g, exposed, best, upper, gap)
+        settled = min(settled, closed)
+    for bound, inside in waiting:  # out of passes: the better of the bound found and the lower edge
+        settled = min(settled, max(bound, (g - 1) * inside[0]))
+    for tau in exposed:
+        settled = min(settled, (g - 1) * tau)
+    stats["passes"] += passes
+    return best, min(settled, dp.dropped_bound, upper)
+
+
+def _take_sets(waiting: list[tuple[float, np.ndarray]], lanes: int) -> tuple[list[np.ndarray], list]:
+    """The open sets a pass of ``lanes`` lanes splits (lowest bound first, two lanes or more each)."""
+    count = max(1, min(len(waiting), lanes // 2))
+    return [inside for _, inside in waiting[:count]], waiting[count:]
+
+
+EXPOSURE_LADDER = (0.0, 0.005, 0.01, 0.02, 0.04)  # relative steps below the target once a threshold had a plan
+
+
+def _exposure_pass(dp: GridDP, table: FrontierTable, g: int, exposed: dict[float, bool], best: StageSolution | None,
+                   upper: float, gap: float) -> tuple[StageSolution | None, float, float]:
+    """One pass of exposure checks; returns the best plan, its time and the least bound of the
+    thresholds it settled (removed from ``exposed``)."""
+    target = upper / (1 + gap) * (1 - 1e-12)  # strictly better than the best plan by the gap
+    taus, mus, owners = [], [], []
+    for tau, had_plan in sorted(exposed.items()):
+        for step in (EXPOSURE_LADDER if had_plan else (0.0,)):
+            if len(taus) < BUCKETS:
+                taus.append(tau)
+                mus.append(target * (1 - step) - (g - 1) * tau)
+                owners.append(step)
+    taus, mus, owners = np.array(taus), np.array(mus), np.array(owners)
+    run = dp.run(taus, taus, upper, gap, mu=mus)
+    feasible = np.zeros(len(mus), dtype=bool)
+    for values in run.values().values():
+        feasible |= np.isfinite(values)
+    for rows in dp.plans(run, _promising(run, g, taus, taus, math.inf)):
+        best, upper = _keep_best(table, g, rows, best, upper)
+    closed = math.inf
+    for tau in np.unique(taus):
+        at_target = (taus == tau) & (owners == 0.0)
+        if at_target.any() and not feasible[at_target].any():
+            closed = min(closed, target)  # no plan at this threshold beats the best by the gap
+            del exposed[float(tau)]
+        else:
+            exposed[float(tau)] = True
+    return best, upper, closed
+
+
+# ------------------------------------------------------------------------------------------------
+# Lagrangian mode (big clusters)
+
+
+def _lagrange_search(dp: LagrangeDP, choices: dict[str, Choices], table: FrontierTable, g: int, world: int,
+                     open_sets: list[np.ndarray], upper: float, gap: float, stats: dict) -> tuple[StageSolution | None, float]:
+    best, settled, passes = None, math.inf, 0
+    pooled = [pool for pool in choices.values() if len(pool)]
+    price = float(np.median(np.concatenate([p.stable / p.devices for p in pooled])))  # seconds per device
+    while open_sets and passes < MAX_PASSES:
+        tops, bottoms, members = _next_buckets(open_sets, LAMBDA_BUCKETS)
+        bounds, best, upper, rounds = _dual_bounds(dp, choices, table, g, world, tops, bottoms, price, best, upper)
+        passes += rounds
+        open_sets = []
+        for k in range(len(tops)):
+            if bounds[k] * (1 + gap) >= upper:
+                settled = min(settled, bounds[k])
+            elif len(members[k]) > 1:
+                open_sets.append(members[k])
+            else:  # the relaxation's own gap: nothing finer to try here
+                settled = min(settled, bounds[k])
+    for inside in open_sets:
+        settled = min(settled, (g - 1) * inside[0])
+    stats["passes"] += passes
+    return best, min(settled, upper)
+
+
+def _dual_bounds(dp: LagrangeDP, choices: dict[str, Choices], table: FrontierTable, g: int, world: int,
+                 tops: np.ndarray, bottoms: np.ndarray, price: float, best: StageSolution | None,
+                 upper: float, rounds: int = 4) -> tuple[np.ndarray, StageSolution | None, float, int]:
+    """Per bucket the best Lagrangian bound over device prices lambda >= 0 (the dual is concave in
+    lambda: log-spaced grids, each narrowed to the neighbours of its best point, widened when the
+    best is at the top end), and plans repaired from the most promising splits."""
+    count = len(tops)
+    bounds = np.full(count, -np.inf)
+    low, high = np.full(count, price * 1e-4), np.full(count, price * 1e4)
+    for round_ in range(rounds):
+        lams = np.exp(np.linspace(np.log(low), np.log(high), LAMBDA_STEPS)).T
+        if round_ == 0:
+            lams[:, 0] = 0.0
+        lane_tops, lane_bottoms = np.repeat(tops, LAMBDA_STEPS), np.repeat(bottoms, LAMBDA_STEPS)
+        run = dp.run(lane_tops, lams.ravel(), lane_bottoms, upper)
+        lane_bounds = _lane_bounds(run, g, lane_bottoms).reshape(lams.shape)
+        pick = np.argmax(lane_bounds, axis=1)
+        everyone = np.arange(count)
+        bounds = np.maximum(bounds, lane_bounds[everyone, pick])
+        at_top = pick == LAMBDA_STEPS - 1
+        low = np.where(at_top, lams[everyone, pick], np.maximum(lams[everyone, np.maximum(pick - 1, 0)], price * 1e-9))
+        high = np.where(at_top, lams[everyone, pick] * 1e4, lams[everyone, np.minimum(pick + 1, LAMBDA_STEPS - 1)])
+        best, upper = _repair_plans(dp, run, choices, table, g, world, lane_tops,
+                                    everyone * LAMBDA_STEPS + pick, best, upper)
+    return bounds, best, upper, rounds
+
+
+def _repair_plans(dp: LagrangeDP, run: DPRun, choices: dict[str, Choices], table: FrontierTable, g: int, world: int,
+                  tops: np.ndarray, lanes: np.ndarray, best: StageSolution | None,
+                  upper: float, per_lane: int = 3) -> tuple[StageSolution | None, float]:
+    """Plans from the splits of the given lanes (their best few stage counts), with device counts
+    chosen by a DP over devices to add up exactly."""
+    values = run.values()
+    for lane in lanes:
+        ranked = sorted((float(v[lane]), stages) for stages, v in values.items() if np.isfinite(v[lane]))
+        for _, stages in ranked[:per_lane]:
+            split = dp.split(run, stages, int(lane))
+            if split is not None:
+                rows = repair_devices(choices, split, world, tops[lane])
+                best, upper = _keep_best(table, g, rows, best, upper)
+    return best, upper
+
+
+# ------------------------------------------------------------------------------------------------
+# a quick incumbent
 
 
 def uniform_solution(table: FrontierTable, stages: int, work: Workload, cluster: Cluster,
                      space: SearchSpace) -> StageSolution | None:
     """A quick incumbent: equal devices per stage, layers split as evenly as possible, and per stage
-    the point that minimises ``G * stable + delta``. Exact time; used to prune before any MILP."""
+    the point that minimises ``G * stable + delta``. Exact time; used to prune before the DP."""
     if cluster.world % stages or work.num_layers < stages:
         return None
     per_stage = cluster.world // stages
@@ -358,8 +405,8 @@ def uniform_solution(table: FrontierTable, stages: int, work: Workload, cluster:
                 continue
             value = pipeline_iteration_time(table.stable[rows], table.delta[rows], g)
             if best is None or value < best.objective:
-                inflight = [min(stages - i, g) for i in range(stages)]
-                best = StageSolution(rows, list(arrangement), inflight, value, value, value, 0.0, "HEURISTIC", 0)
+                best = StageSolution(rows, list(arrangement), [min(stages - i, g) for i in range(stages)], value,
+                                     0.0, "HEURISTIC")
     return best
 
 
@@ -373,153 +420,3 @@ def _even_splits(stages: int, base: int, extra: int) -> list[tuple[int, ...]]:
     middle_set = set(middle_order[:extra])
     middle = tuple(base + (i in middle_set) for i in range(stages))
     return sorted({front, back, middle})
-
-
-def _min_table(pool: ChoicePool, total_layers: int, world: int) -> np.ndarray:
-    """table[l, d] = the fastest stable time of a choice with l layers on d devices (inf: none)."""
-    table = np.full((total_layers + 1, world + 1), np.inf)
-    if len(pool):
-        np.minimum.at(table, (pool.layers, pool.devices), pool.stable)
-    return table
-
-
-def _min_plus(left: np.ndarray, right: np.ndarray, combine=np.add) -> np.ndarray:
-    """(left (+) right)[l, d] = min over splits of combine(left[l1, d1], right[l - l1, d - d1]).
-
-    ``combine=np.add`` gives the least sum, ``np.maximum`` the least bottleneck."""
-    result = np.full_like(left, np.inf)
-    layers, devices = left.shape
-    for l, d in zip(*np.nonzero(np.isfinite(right))):
-        np.minimum(result[l:, d:], combine(left[:layers - l, :devices - d], right[l, d]), out=result[l:, d:])
-    return result
-
-
-class StageSumBounds:
-    """Lower bounds on ``sum_i T_i`` by a DP over (layers, devices) with relaxed filters.
-
-    ``total(S)`` bounds the sum over all S stages; ``prune(pools, S, ...)`` drops a choice when even
-    the fastest way to cover the remaining layers and devices with the other S-1 stages cannot
-    beat the incumbent. Disabled (no pruning, bound 0) when the table would be too large.
-    """
-
-    def __init__(self, total_layers: int, cluster: Cluster, grad_accum: int, middle: ChoicePool, last: ChoicePool,
-                 only: ChoicePool, first_pool: Callable[[int], ChoicePool]) -> None:
-        self.total_layers, self.world = total_layers, cluster.world
-        self.grad_accum = grad_accum
-        # big clusters: count devices in whole nodes (rounded down), a relaxation that keeps it a bound
-        self.unit = cluster.gpus_per_node if (total_layers + 1) * (cluster.world + 1) > 30_000 else 1
-        self.width = cluster.world // self.unit
-        self.enabled = (self.total_layers + 1) * (self.width + 1) <= 200_000
-        self._first_pool = first_pool
-        self._firsts: dict[int, np.ndarray] = {}
-        self._rests: dict[tuple[str, int], np.ndarray] = {}
-        if not self.enabled:
-            return
-        self.middle, self.last, self.only = self._min(middle), self._min(last), self._min(only)
-        start = np.full_like(self.middle, np.inf)
-        start[0, 0] = 0.0
-        self._chains = {0: start}
-        self._bottleneck_chains = {0: start}
-
-    @classmethod
-    def for_table(cls, table: FrontierTable, work: Workload, cluster: Cluster, space: SearchSpace) -> "StageSumBounds":
-        """Bounds over a frontier table's choices (filters relaxed: any split, any devices)."""
-        relaxed = space.restrict(layer_slack=None, uniform_devices=False)
-        g = table.grad_accum
-
-        def first_pool(stages: int) -> ChoicePool:
-            return _pool(table, PP_PRE, min(stages, g), stages, work, cluster, relaxed)
-
-        return cls(work.num_layers, cluster, g, _pool(table, PP_NONE, min(2, g), 3, work, cluster, relaxed),
-                   _pool(table, PP_POST, 1, 2, work, cluster, relaxed), _pool(table, PP_BOTH, 1, 1, work, cluster, relaxed),
-                   first_pool)
-
-    def least_iteration(self, stages: int) -> float:
-        """``(G-1) * least slowest stage + least sum``: no plan of S stages is faster."""
-        total = self.total(stages)
-        return (self.grad_accum - 1) * max(self.slowest(stages), total / stages) + total
-
-    def _min(self, pool: ChoicePool) -> np.ndarray:
-        table = np.full((self.total_layers + 1, self.width + 1), np.inf)
-        if len(pool):
-            np.minimum.at(table, (pool.layers, pool.devices // self.unit), pool.stable)
-        return table
-
-    def _relax(self, table: np.ndarray) -> np.ndarray:
-        """With rounded device counts, 'uses exactly d units' becomes 'at most d units'."""
-        return np.minimum.accumulate(table, axis=1) if self.unit > 1 else table
-
-    def chain(self, count: int) -> np.ndarray:
-        """Fastest sum of ``count`` middle stages per (layers, devices)."""
-        while max(self._chains) < count:
-            top = max(self._chains)
-            self._chains[top + 1] = _min_plus(self._chains[top], self.middle)
-        return self._chains[count]
-
-    def bottleneck_chain(self, count: int) -> np.ndarray:
-        """Least possible slowest-stage time of ``count`` middle stages per (layers, devices)."""
-        while max(self._bottleneck_chains) < count:
-            top = max(self._bottleneck_chains)
-            self._bottleneck_chains[top + 1] = _min_plus(self._bottleneck_chains[top], self.middle, np.maximum)
-        return self._bottleneck_chains[count]
-
-    def slowest(self, stages: int) -> float:
-        """Least possible ``max_i T_i`` of any S stages covering all layers and devices."""
-        if not self.enabled:
-            return 0.0
-        if stages == 1:
-            return float(self._relax(self.only)[self.total_layers, self.width])
-        head = self.first(stages)
-        if stages > 2:
-            head = _min_plus(self.bottleneck_chain(stages - 2), head, np.maximum)
-        return float(np.min(np.maximum(head[::-1, ::-1], self._relax(self.last))))
-
-    def first(self, stages: int) -> np.ndarray:
-        if stages not in self._firsts:
-            self._firsts[stages] = self._min(self._first_pool(stages))
-        return self._firsts[stages]
-
-    def rest(self, role: str, stages: int) -> np.ndarray:
-        """Fastest sum of the other S-1 stages per (layers, devices) they cover, for a choice of ``role``."""
-        key = (role, stages)
-        if key not in self._rests:
-            self._rests[key] = self._relax(self._rest(role, stages))
-        return self._rests[key]
-
-    def _rest(self, role: str, stages: int) -> np.ndarray:
-        if role == "first":
-            return _min_plus(self.chain(stages - 2), self.last)
-        if role == "last":
-            return _min_plus(self.chain(stages - 2), self.first(stages))
-        return _min_plus(_min_plus(self.chain(stages - 3), self.first(stages)), self.last)
-
-    def total(self, stages: int) -> float:
-        if not self.enabled:
-            return 0.0
-        if stages == 1:
-            return float(self._relax(self.only)[self.total_layers, self.width])
-        rest = self.rest("first", stages)
-        return float(np.min(self.first(stages)[::-1, ::-1] + rest))
-
-    def prune(self, pools: dict[str, ChoicePool], stages: int, incumbent: float, work_slowest: float) -> dict[str, ChoicePool]:
-        if not self.enabled or stages == 1 or not math.isfinite(incumbent):
-            return pools
-        g = self.grad_accum
-        pruned = {}
-        for role, pool in pools.items():
-            rest = self.rest(role, stages)
-            other = rest[self.total_layers - pool.layers, self.width - pool.devices // self.unit]
-            total = pool.stable + other
-            slowest = np.maximum(np.maximum(pool.stable, total / stages), work_slowest)
-            with np.errstate(invalid="ignore"):
-                bound = np.where(np.isfinite(total), (g - 1) * slowest + total, np.inf)
-            pruned[role] = pool.take(bound < incumbent * (1 + 1e-12))
-        return pruned
-
-
-def work_slowest_bound(pools: dict[str, ChoicePool], total_layers: int, world: int) -> float:
-    """The slowest stage takes at least the cluster's best device-seconds per layer spread evenly."""
-    if any(len(pool) == 0 for pool in pools.values()):
-        return math.inf
-    per_layer = min(float((p.stable * p.devices / np.maximum(p.layers, 1)).min()) for p in pools.values())
-    return total_layers * per_layer / world

@@ -3,22 +3,14 @@
 A cell is (layers, pre/post kind, device shape, in-flight micro-batches) for one
 gradient-accumulation count ``G`` (which fixes each stage's micro-batch as
 ``global_batch / (dp * G)``). Inside a cell the free choices are TP (hence DP and micro-batch),
-ZeRO level, checkpointed layers and the four offload ratios; all are evaluated vectorised.
+ZeRO level, checkpointed layers and the four offload ratios (``knobs`` picks which settings to
+price). Candidates are then evaluated exactly: times and memory at one in-flight micro-batch, the
+memory slope at the stage's largest in-flight count, the capacity verified (bisected where memory
+is convex rather than affine in k), and the checkpoint count raised where a prediction fell short.
 
-Work is kept small by three exact-or-checked shortcuts, each relying on a property every sane
-cost model has (the tests check them on the real one):
-- *monotone knobs*: checkpointing or offloading more never makes a stage faster (exceptions are
-  handled: checkpointing more shrinks offloaded-activation traffic, so with activation offload
-  on the midpoint and all-layers checkpoint counts are candidates too; an offload family that
-  can lower stable or delta — offloaded gradients move work out of delta — is found by probing
-  and all its grid values stay candidates; weights offload needs a prefetch buffer, so
-  "fits at all" is also tried without it), so a base
-  configuration (layers, devices, TP, ZeRO) that fits with no checkpointing and no offload needs
-  nothing else, and one that does not fit with every knob at its maximum is dropped;
-- *affine in-flight memory*: peak memory is affine in the in-flight micro-batch count (one more
-  micro-batch of saved activations), so two evaluations (k = 1, 2) give every k;
-- *affine checkpoint memory*: the smallest checkpointed-layer count that fits is predicted from the
-  corners (0 and all layers, k = 1 and 2) and then verified exactly (and raised while it does not fit).
+Kept per G: every row on the frontier of a sampled in-flight count (``cells``, what the even-split
+heuristic and ``mistc explain`` read) and every row no other row of its cell beats in stable, delta
+and capacity at once (what the partition DP needs for in-flight counts between the samples).
 """
 from __future__ import annotations
 
@@ -27,36 +19,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cost.stage_api import StageCandidates, StageCostModel, StageEstimates
+from ..cost.stage_api import StageCandidates, StageCostModel
+from .knobs import IncumbentBound, _candidate_knobs
 from .space import Cluster, DeviceShape, SearchSpace, Workload
-
-PP_NONE, PP_PRE, PP_POST, PP_BOTH = 0, 1, 2, 3
-PP_NAMES = {PP_NONE: "middle", PP_PRE: "first", PP_POST: "last", PP_BOTH: "only"}
-EVAL_CHUNK = 250_000
-OFFLOAD_NAMES = ("weights", "grads", "opt", "acts")
-MEMORY_TOLERANCE = 1e-9  # relative slack against float rounding in the memory comparisons
-
-
-@dataclass
-class Bases:
-    """Base configurations (no knobs yet) as parallel int arrays."""
-
-    layers: np.ndarray
-    pp: np.ndarray
-    shape: np.ndarray
-    tp: np.ndarray
-    dp: np.ndarray
-    micro_batch: np.ndarray
-    zero: np.ndarray
-    max_inflight: np.ndarray
-    grad_accum: np.ndarray  # micro-batches per iteration (accumulators live between them)
-
-    def take(self, index: np.ndarray) -> "Bases":
-        return Bases(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
+from .stage_configs import (MEMORY_TOLERANCE, PP_POST, Bases, CountingModel, _fits, _knob_limits, enumerate_bases,
+                            evaluate, inflight_samples)
 
 @dataclass
 class FrontierTable:
@@ -97,297 +64,6 @@ class FrontierTable:
         return np.zeros(0, dtype=int)
 
 
-def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
-             offload: np.ndarray, inflight: np.ndarray | int) -> StageEstimates:
-    """Evaluate bases with knobs (``offload`` is [n, 4]) in chunks; returns concatenated estimates."""
-    n = len(bases)
-    if n == 0:
-        empty = np.zeros(0)
-        return StageEstimates(empty, empty, empty, {})
-    nodes = np.array([s.nodes for s in shapes])[bases.shape]
-    gpus = np.array([s.gpus for s in shapes])[bases.shape]
-    inflight_arr = np.broadcast_to(np.asarray(inflight), (n,))
-    parts = []
-    for start in range(0, n, EVAL_CHUNK):
-        window = slice(start, min(n, start + EVAL_CHUNK))
-        candidates = StageCandidates(
-            num_layers=bases.layers[window], has_pre=(bases.pp[window] & 1).astype(bool),
-            has_post=(bases.pp[window] >= PP_POST), nodes=nodes[window], gpus_per_node=gpus[window],
-            micro_batch=bases.micro_batch[window], dp=bases.dp[window], tp=bases.tp[window],
-            zero=bases.zero[window], ckpt_layers=ckpt[window],
-            offload_weights=offload[window, 0], offload_grads=offload[window, 1],
-            offload_opt=offload[window, 2], offload_acts=offload[window, 3], inflight=inflight_arr[window],
-            grad_accum=bases.grad_accum[window],
-        )
-        parts.append(model.evaluate(candidates))
-    if len(parts) == 1:
-        return parts[0]
-    return StageEstimates(
-        np.concatenate([p.stable_s for p in parts]), np.concatenate([p.delta_s for p in parts]),
-        np.concatenate([p.peak_memory_bytes for p in parts]), {},
-    )
-
-
-def enumerate_bases(work: Workload, cluster: Cluster, space: SearchSpace, grad_accum: int,
-                    max_stages: int) -> tuple[Bases, list[DeviceShape]]:
-    """All (layers, pp kind, shape, tp, zero) with a whole micro-batch for this G."""
-    shapes = space.device_shapes(cluster.nodes, cluster.gpus_per_node)
-    total = work.num_layers
-    layer_kinds = []
-    for pp in (PP_NONE, PP_PRE, PP_POST, PP_BOTH):
-        if pp == PP_BOTH:
-            layers = np.array([total])
-        elif pp == PP_NONE:
-            layers = np.arange(1, total - 1) if max_stages >= 3 else np.zeros(0, dtype=int)
-        else:
-            layers = np.arange(1, total) if max_stages >= 2 else np.zeros(0, dtype=int)
-        layer_kinds.append((pp, layers))
-    columns: dict[str, list[np.ndarray]] = {name: [] for name in Bases.__dataclass_fields__}
-    zeros = np.array(sorted(space.zero_levels))
-    for shape_index, shape in enumerate(shapes):
-        if shape.count > cluster.world:
-            continue
-        for tp in space.tp_options(shape, work.heads):
-            dp = shape.count // tp
-            if work.global_batch % (dp * grad_accum):
-                continue
-            micro = work.global_batch // (dp * grad_accum)
-            if not space.micro_batch_allowed(np.array([micro]))[0]:
-                continue
-            for pp, layers in layer_kinds:
-                if len(layers) == 0:
-                    continue
-                grid_layers, grid_zero = np.meshgrid(layers, zeros, indexing="ij")
-                count = grid_layers.size
-                inflight_cap = 1 if pp in (PP_POST, PP_BOTH) else max(1, min(max_stages - (pp == PP_NONE), grad_accum))
-                columns["layers"].append(grid_layers.ravel())
-                columns["zero"].append(grid_zero.ravel())
-                columns["pp"].append(np.full(count, pp))
-                columns["shape"].append(np.full(count, shape_index))
-                columns["tp"].append(np.full(count, tp))
-                columns["dp"].append(np.full(count, dp))
-                columns["micro_batch"].append(np.full(count, micro))
-                columns["max_inflight"].append(np.full(count, inflight_cap))
-                columns["grad_accum"].append(np.full(count, grad_accum))
-    if not columns["layers"]:
-        empty = np.zeros(0, dtype=int)
-        return Bases(*(empty for _ in Bases.__dataclass_fields__)), shapes
-    bases = Bases(**{name: np.concatenate(parts).astype(int) for name, parts in columns.items()})
-    return bases, shapes
-
-
-def _fits(memory: np.ndarray, limit: float) -> np.ndarray:
-    return memory <= limit * (1 + MEMORY_TOLERANCE)
-
-
-def inflight_samples(largest: int) -> list[int]:
-    """In-flight counts that get their own frontier: every k up to 8, then about 25% apart.
-
-    A stage that needs an unsampled k uses the points of the sampled k below it that fit k
-    (each point's exact capacity is known), so this costs optimality at most, never validity."""
-    samples = set(range(1, min(8, largest) + 1))
-    value = 8.0
-    while value < largest:
-        value *= 1.25
-        samples.add(min(largest, int(round(value))))
-    samples.add(largest)
-    return sorted(k for k in samples if k >= 1)
-
-
-def _knob_limits(space: SearchSpace, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    low = layers if space.ckpt == "all" else np.zeros_like(layers)
-    high = np.zeros_like(layers) if space.ckpt == "none" else layers
-    return low, high
-
-
-def _candidate_knobs(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], space: SearchSpace,
-                     limit: float, stats: dict, bound: "IncumbentBound") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of (base index, ckpt layers, offload combo index) worth evaluating exactly.
-
-    A base whose fastest form (no knobs) already gives ``G * stable >= incumbent`` is dropped: no
-    plan using it can beat the best plan found so far.
-    """
-    combos = space.offload_combos()
-    n = len(bases)
-    low, high = _knob_limits(space, bases.layers)
-    no_offload = np.zeros((n, 4))
-    max_offload = np.tile(combos.max(axis=0), (n, 1))
-    alive = _fits_most_saving(model, bases, shapes, high, combos, limit)
-    trade = _trade_families(model, bases, shapes, space, combos, low)
-    stats["trade_families"] = [OFFLOAD_NAMES[f] for f in trade]
-    least_saving = evaluate(model, bases, shapes, low, no_offload, bases.max_inflight)
-    fastest = least_saving.stable_s.astype(float)
-    stats["work_bound"] = bound.work_bound(bases, fastest, alive, shapes)
-    if stats["work_bound"] >= bound.incumbent:
-        alive[:] = False
-    alive &= bound.grad_accum * fastest < bound.incumbent
-    alive &= _useful_bases(bases, fastest, alive, shapes, bound, stats)
-    easy = alive & _fits(least_saving.peak_memory_bytes, limit)
-    tight = np.flatnonzero(alive & ~easy)
-    stats["bases"] = stats.get("bases", 0) + n
-    stats["bases_fit"] = stats.get("bases_fit", 0) + int(alive.sum())
-    stats["bases_tight"] = stats.get("bases_tight", 0) + len(tight)
-    easy_rows = np.flatnonzero(easy)
-    rows = [easy_rows]
-    ckpts = [low[easy_rows]]
-    offload_ids = [np.zeros(len(easy_rows), dtype=int)]
-    for family in trade:  # a knob that can lower stable or delta: its grid values are candidates too
-        for combo in np.flatnonzero((combos[:, family] > 0) & (np.delete(combos, family, axis=1) == 0).all(axis=1)):
-            rows.append(easy_rows)
-            ckpts.append(low[easy_rows])
-            offload_ids.append(np.full(len(easy_rows), combo))
-    if len(tight):
-        picked_base, picked_ckpt, picked_combo = _minimal_knobs(model, bases.take(tight), shapes, space, combos, limit,
-                                                                trade)
-        rows.append(tight[picked_base])
-        ckpts.append(picked_ckpt)
-        offload_ids.append(picked_combo)
-    return np.concatenate(rows), np.concatenate(ckpts), np.concatenate(offload_ids)
-
-
-def _useful_bases(bases: Bases, fastest: np.ndarray, alive: np.ndarray, shapes: list[DeviceShape],
-                  bound: IncumbentBound, stats: dict) -> np.ndarray:
-    """Bases that can be part of a plan beating the incumbent, judged by each base's fastest time
-    (no knobs, memory ignored): a DP over (layers, devices) bounds the other stages (exact pruning)."""
-    from .inter_stage import ChoicePool, StageSumBounds
-
-    if not math.isfinite(bound.incumbent) or bound.cluster is None or not alive.any():
-        return np.ones(len(bases), dtype=bool)
-    counts = np.array([s.count for s in shapes])[bases.shape]
-    pools = {}
-    for pp in (PP_NONE, PP_PRE, PP_POST, PP_BOTH):
-        index = np.flatnonzero(alive & (bases.pp == pp))
-        pools[pp] = ChoicePool(index, bases.layers[index], counts[index], fastest[index], np.zeros(len(index)),
-                               np.full(len(index), 1 << 30))
-    sums = StageSumBounds(bound.total_layers, bound.cluster, bound.grad_accum, pools[PP_NONE], pools[PP_POST],
-                          pools[PP_BOTH], lambda stages: pools[PP_PRE])
-    if not sums.enabled:
-        return np.ones(len(bases), dtype=bool)
-    useful = np.zeros(len(bases), dtype=bool)
-    live_stages = 0
-    for stages in bound.stage_options:
-        if sums.least_iteration(stages) >= bound.incumbent:
-            continue
-        live_stages += 1
-        if stages == 1:
-            useful[pools[PP_BOTH].rows] = True
-            continue
-        roles = {"first": pools[PP_PRE], "last": pools[PP_POST]}
-        if stages > 2:
-            roles["middle"] = pools[PP_NONE]
-        for pool in sums.prune(roles, stages, bound.incumbent, sums.slowest(stages)).values():
-            useful[pool.rows] = True
-    stats["live_stage_counts"] = live_stages
-    return useful
-
-
-def _fits_most_saving(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], high: np.ndarray,
-                      combos: np.ndarray, limit: float) -> np.ndarray:
-    """Fits one micro-batch with every knob at its maximum (weights offload also tried at 0: its
-    prefetch buffer can cost more than it frees on a small stage)."""
-    most = combos.max(axis=0)
-    alive = _fits(evaluate(model, bases, shapes, high, np.tile(most, (len(bases), 1)), 1).peak_memory_bytes, limit)
-    if most[0] > 0:
-        no_weights = most.copy()
-        no_weights[0] = 0.0
-        rest = np.flatnonzero(~alive)
-        if len(rest):
-            other = evaluate(model, bases.take(rest), shapes, high[rest], np.tile(no_weights, (len(rest), 1)), 1)
-            alive[rest[_fits(other.peak_memory_bytes, limit)]] = True
-    return alive
-
-
-def _trade_families(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], space: SearchSpace,
-                    combos: np.ndarray, low: np.ndarray, sample: int = 256) -> list[int]:
-    """Offload families that can make stable or delta *smaller* (e.g. offloaded gradients move
-    optimizer traffic out of delta), found by probing a sample of bases with each family at its
-    largest ratio. Such a knob is a time trade-off, not only a memory saving, so no shortcut may
-    assume its zero setting dominates."""
-    if len(bases) == 0:
-        return []
-    pick = np.unique(np.linspace(0, len(bases) - 1, min(sample, len(bases))).astype(int))
-    probe = bases.take(pick)
-    plain = evaluate(model, probe, shapes, low[pick], np.zeros((len(pick), 4)), 1)
-    trade = []
-    for family in range(4):
-        top = combos[:, family].max()
-        if top <= 0:
-            continue
-        ratios = np.zeros((len(pick), 4))
-        ratios[:, family] = top
-        moved = evaluate(model, probe, shapes, low[pick], ratios, 1)
-        if (moved.stable_s < plain.stable_s * (1 - 1e-9)).any() or (moved.delta_s < plain.delta_s * (1 - 1e-9)).any():
-            trade.append(family)
-    return trade
-
-
-def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape], space: SearchSpace,
-                   combos: np.ndarray, limit: float, trade: list[int] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For each tight base and in-flight count, the minimal (offload combo, ckpt) pairs that fit.
-
-    Combos form a grid over the four families. For every combo the smallest fitting checkpoint
-    count is predicted from four corner evaluations (ckpt none/max x k = 1, 2); a combo is kept
-    only if lowering any one offload ratio by a grid step would need strictly more checkpointing
-    (otherwise that lower combo fits with no more recompute and dominates it, knobs being monotone).
-    """
-    grid_shape = tuple(len(set(combos[:, f])) for f in range(4))
-    n, c = len(tight), len(combos)
-    sub = tight.take(np.repeat(np.arange(n), c))
-    offload = np.tile(combos, (n, 1))
-    low, high = _knob_limits(space, sub.layers)
-    # the most-saving corner first: rows that do not fit even then need no other evaluation
-    m_high1 = evaluate(model, sub, shapes, high, offload, 1).peak_memory_bytes.astype(float)
-    alive = np.flatnonzero(_fits(m_high1, limit))
-    part = sub.take(alive)
-    corners = []
-    for knob, k in ((low, 1), (low, 2), (high, 2)):
-        values = np.full(len(sub), np.inf)
-        values[alive] = evaluate(model, part, shapes, knob[alive], offload[alive], k).peak_memory_bytes
-        corners.append(values)
-    m_low1, m_low2, m_high2 = corners
-    span = np.maximum(high - low, 1).astype(float)
-    picked_rows, picked_ckpt = [], []
-    for k in inflight_samples(int(sub.max_inflight.max())):
-        active = sub.max_inflight >= k
-        with np.errstate(invalid="ignore"):  # dead rows hold inf
-            m_low = np.where(np.isfinite(m_low2), m_low1 + (k - 1) * (m_low2 - m_low1), np.inf)
-            m_high = np.where(np.isfinite(m_high2), m_high1 + (k - 1) * (m_high2 - m_high1), np.inf)
-        if space.ckpt == "tune":
-            with np.errstate(divide="ignore", invalid="ignore"):
-                saving_per_layer = (m_low - m_high) / span
-                needed = np.where(saving_per_layer > 0, (m_low - limit) / saving_per_layer, np.inf)
-            ckpt = np.where(_fits(m_low, limit), 0.0, np.ceil(needed - 1e-9))
-        else:
-            ckpt = np.where(_fits(m_low, limit), 0.0, np.where(_fits(m_high, limit), (high - low).astype(float), np.inf))
-        ok = active & np.isfinite(ckpt) & (ckpt <= high - low) & _fits(m_high, limit)
-        cost = np.where(ok, ckpt, np.inf).reshape((n,) + grid_shape)
-        minimal = np.isfinite(cost)
-        for axis in range(1, 5):
-            if cost.shape[axis] < 2 or axis - 1 in trade:
-                continue
-            lower = np.take(cost, np.arange(cost.shape[axis] - 1), axis=axis)
-            upper = np.take(cost, np.arange(1, cost.shape[axis]), axis=axis)
-            beaten = np.concatenate([np.zeros_like(np.take(minimal, [0], axis=axis)), lower <= upper], axis=axis)
-            minimal &= ~beaten
-        keep = np.flatnonzero(minimal.ravel())
-        picked_rows.append(keep)
-        picked_ckpt.append((low[keep] + ckpt[keep]).astype(int))
-    rows = np.concatenate(picked_rows)
-    ckpts = np.concatenate(picked_ckpt)
-    if space.ckpt == "tune":
-        # with activations offloaded, checkpointing more also means less to copy, so a stage can
-        # get faster with more checkpointing: offer the midpoint and all-layers points as well
-        offloading = (offload[rows, 3] > 0) & (ckpts < high[rows])
-        extra_rows = rows[offloading]
-        middle = (ckpts[offloading] + high[extra_rows] + 1) // 2
-        rows = np.concatenate([rows, extra_rows, extra_rows])
-        ckpts = np.concatenate([ckpts, middle, high[extra_rows]])
-    key = rows.astype(np.int64) * (int(sub.layers.max()) + 2) + ckpts
-    _, first = np.unique(key, return_index=True)
-    rows, ckpts = rows[first], ckpts[first]
-    return rows // c, ckpts, rows % c
-
-
 def pareto_mask(group: np.ndarray, stable: np.ndarray, delta: np.ndarray, tiebreak: np.ndarray) -> np.ndarray:
     """Vectorised per-group Pareto filter on (stable, delta), lower is better; one point per tie."""
     if len(group) == 0:
@@ -423,53 +99,22 @@ def _thin(indices: np.ndarray, stable: np.ndarray, limit: int) -> np.ndarray:
     return ordered[picks]
 
 
-class CountingModel:
-    """Passes evaluations through to a cost model, counting the candidates priced."""
-
-    def __init__(self, model: StageCostModel) -> None:
-        self.model = model
-        self.device_memory_bytes = model.device_memory_bytes
-        self.rows = 0
-
-    def evaluate(self, candidates: StageCandidates) -> StageEstimates:
-        self.rows += len(candidates)
-        return self.model.evaluate(candidates)
-
-
-@dataclass
-class IncumbentBound:
-    """The best iteration time found so far, used to drop configurations that cannot beat it."""
-
-    grad_accum: int
-    incumbent: float
-    total_layers: int
-    world: int
-    cluster: Cluster | None = None
-    stage_options: tuple[int, ...] = ()
-
-    def work_bound(self, bases: Bases, fastest: np.ndarray, alive: np.ndarray, shapes: list[DeviceShape]) -> float:
-        """``G * L * min(device-seconds per layer) / world``: every plan of this G takes at least this."""
-        if not alive.any():
-            return math.inf
-        counts = np.array([s.count for s in shapes])[bases.shape]
-        per_layer = fastest * counts / np.maximum(bases.layers, 1)
-        return float(self.grad_accum * self.total_layers * per_layer[alive].min() / self.world)
-
-
 def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, space: SearchSpace,
-                    grad_accum: int, max_stages: int, incumbent: float = math.inf) -> FrontierTable:
-    """Evaluate every stage configuration for this G and keep each cell's Pareto frontier."""
+                    grad_accum: int, max_stages: int, incumbent: float = math.inf,
+                    trade: list[int] | None = None) -> FrontierTable:
+    """Evaluate every stage configuration for this G and keep each cell's Pareto frontier.
+
+    ``trade``: the offload families found to lower stable or delta (``stats['trade_families']`` of
+    an earlier table of the same model), to skip probing again."""
     stats: dict = {"grad_accum": grad_accum}
     model = CountingModel(model)
     options = tuple(space.stage_count_options(work.num_layers, cluster.world))
     bound = IncumbentBound(grad_accum, incumbent, work.num_layers, cluster.world, cluster, options)
     limit = float(model.device_memory_bytes)
     bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
-    combos = space.offload_combos()
-    rows, ckpt, combo = _candidate_knobs(model, bases, shapes, space, limit, stats, bound) if len(bases) else (
-        np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros(0, dtype=int))
+    rows, ckpt, offload = _candidate_knobs(model, bases, shapes, space, limit, stats, bound, trade) if len(bases) else (
+        np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros((0, 4)))
     table_bases = bases.take(rows)
-    offload = combos[combo] if len(combo) else np.zeros((0, 4))
     ckpt = ckpt.copy()
     # exact evaluation at k = 1 (times, memory) and, for stages that can hold more than one
     # micro-batch, at their largest k (memory slope); raise the checkpoint count where a
@@ -496,7 +141,9 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     stable, delta = first.stable_s.astype(float), first.delta_s.astype(float)
     stats["candidates_exact"] = len(rows)
     cells = _frontier_cells(table_bases, fit_k, stable, delta, mem1, space.max_frontier_points, stats)
-    keep = np.unique(np.concatenate(list(cells.values()))) if cells else np.zeros(0, dtype=int)
+    keep = np.unique(np.concatenate(list(cells.values()) + [np.flatnonzero(_capacity_pareto(table_bases, fit_k, stable, delta))]))
+    if not cells:
+        keep = np.zeros(0, dtype=int)
     remap = np.full(len(rows), -1)
     remap[keep] = np.arange(len(keep))
     cells = {key: remap[value] for key, value in cells.items()}
@@ -556,6 +203,24 @@ def _verify_fit(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], 
     return fit_k
 
 
+def _capacity_pareto(bases: Bases, fit_k: np.ndarray, stable: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """Rows no other row of their (layers, pp, shape) beats in stable, delta and in-flight capacity at
+    once: every row some in-flight need can use (the partition DP takes any need, not only the
+    sampled ones, so none of these may be lost between samples)."""
+    keep = np.zeros(len(fit_k), dtype=bool)
+    if len(fit_k) == 0:
+        return keep
+    shape_span = int(bases.shape.max()) + 1
+    group = (bases.layers.astype(np.int64) * 4 + bases.pp) * shape_span + bases.shape
+    order = np.lexsort((delta, stable, group))  # sorted once; each level keeps a subsequence
+    ordered_fit = fit_k[order]
+    for level in np.unique(fit_k[fit_k >= 1])[::-1]:
+        members = order[ordered_fit >= level]
+        front = members[_pareto_sorted(group[members], delta[members])]
+        keep[front[fit_k[front] == level]] = True
+    return keep
+
+
 def _frontier_cells(bases: Bases, fit_k: np.ndarray, stable: np.ndarray, delta: np.ndarray,
                     memory: np.ndarray, max_points: int, stats: dict) -> dict[tuple[int, int, int, int], np.ndarray]:
     cells: dict[tuple[int, int, int, int], np.ndarray] = {}
@@ -581,15 +246,3 @@ def _frontier_cells(bases: Bases, fit_k: np.ndarray, stable: np.ndarray, delta: 
     return cells
 
 
-def probe_work_bound(model: StageCostModel, work: Workload, cluster: Cluster, space: SearchSpace,
-                     grad_accum: int, max_stages: int) -> float:
-    """A cheap lower bound on any plan of this G (two evaluations per base), to order and skip G values."""
-    bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
-    if len(bases) == 0:
-        return math.inf
-    combos = space.offload_combos()
-    low, high = _knob_limits(space, bases.layers)
-    alive = _fits_most_saving(model, bases, shapes, high, combos, float(model.device_memory_bytes))
-    fastest = evaluate(model, bases, shapes, low, np.zeros((len(bases), 4)), 1).stable_s.astype(float)
-    bound = IncumbentBound(grad_accum, math.inf, work.num_layers, cluster.world)
-    return bound.work_bound(bases, fastest, alive, shapes)

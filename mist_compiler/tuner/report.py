@@ -5,29 +5,8 @@ import json
 import os
 
 from ..ir.files import write_atomic
-from ..ir.plan import Plan
 from .api import TuneResult
-
-
-def model_flops_per_iteration(config, plan: Plan) -> float | None:
-    """6 * N * tokens + attention (12 * layers * hidden * seq per token, forward and backward)."""
-    if config is None or not getattr(config, "hidden", None):
-        return None
-    if isinstance(getattr(config, "params", None), int):  # sizes read from the captured IR
-        params = config.params
-    else:
-        from ..models import parameter_count
-
-        params = parameter_count(config)
-    tokens = plan.global_batch * plan.seq_len
-    return float(tokens * (6 * params + 12 * config.layers * config.hidden * plan.seq_len))
-
-
-def mfu(result: TuneResult, config, peak_flops_per_device: float | None) -> float | None:
-    flops = model_flops_per_iteration(config, result.plan)
-    if flops is None or not peak_flops_per_device:
-        return None
-    return flops / (result.predicted_time_s * result.plan.world_size * peak_flops_per_device)
+from .flops import mfu
 
 
 def describe_stage(index: int, stage, grad_accum: int) -> str:
@@ -67,8 +46,8 @@ def format_result(result: TuneResult, config=None, peak_flops: float | None = No
         "",
         f"search: {stats.get('search_s', 0):.1f} s, {stats.get('grad_accum_tried', 0)} G values, "
         f"{stats.get('evaluated', 0):,} stage configs evaluated, {stats.get('frontier_points', 0):,} Pareto points, "
-        f"{stats.get('milps', 0)} MILPs ({stats.get('milps_skipped', 0)} skipped by bound), solver {stats.get('solver')}, "
-        f"final {stats.get('final_status')}, gap {_gap(stats):.2%}",
+        f"{stats.get('grad_accum_skipped', 0)} skipped by bound, {stats.get('dp_passes', 0)} partition DP passes, "
+        f"{stats.get('final_status')} (lower bound {stats.get('bound_s', 0):.4f} s, gap {stats.get('gap', 0):.2%})",
         f"space: {stats.get('space')}",
     ]
     if stats.get("warning"):
@@ -76,15 +55,8 @@ def format_result(result: TuneResult, config=None, peak_flops: float | None = No
     return "\n".join(lines)
 
 
-def _gap(stats: dict) -> float:
-    value, bound = stats.get("milp_objective_s"), stats.get("milp_bound_s")
-    if not value or bound is None:
-        return 0.0
-    return max(0.0, (value - bound) / value)
-
-
 def result_to_dict(result: TuneResult, config=None, peak_flops: float | None = None) -> dict:
-    stats = {k: v for k, v in result.stats.items() if not k.startswith("_") and k != "milp_log"}
+    stats = {k: v for k, v in result.stats.items() if not k.startswith("_") and k != "partition_log"}
     return {
         "plan": result.plan.to_dict(),
         "predicted_time_s": result.predicted_time_s,

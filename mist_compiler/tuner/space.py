@@ -5,7 +5,9 @@ Per stage: the layer range (any contiguous split), the devices (``(1, g)`` insid
 tensor-parallel degrees (``dp * tp`` = the stage's devices; TP a power of two that divides the
 attention heads and fits in one node), the micro-batch (``global_batch / (dp * G)``, which must be a
 whole number), the ZeRO level 0-3, the number of checkpointed layers (0..layers) and the offload
-ratios of weights, gradients, optimizer states and activations on a grid (default 0, 0.5, 1).
+ratios of weights, gradients and activations on a grid (default 0, 0.5, 1); the optimizer-state
+ratio is continuous up to the grid's largest value (the least that fits is found in closed form,
+``knobs``).
 Globally: the number of pipeline stages ``S`` and gradient-accumulation steps ``G``.
 
 A :class:`SearchSpace` turns families off or restricts them; the baselines are such restrictions,
@@ -46,13 +48,14 @@ class SearchSpace:
     - ``micro_batches``: allowed micro-batch sizes (None: any whole ``global_batch / (dp * G)``).
     - ``tp_degrees`` / ``zero_levels``: allowed values (None TP: every power of two that fits).
     - ``ckpt``: ``"tune"`` (any count 0..layers), ``"all_or_none"``, ``"none"`` or ``"all"``.
-    - ``offload_grid``: ratios tried for each enabled offload family; ``offload_*`` switch a family.
+    - ``offload_grid``: ratios tried for each enabled offload family (the optimizer's: its largest value
+      bounds a continuous ratio); ``offload_*`` switch a family.
     - ``stage_counts`` / ``max_stages`` / ``grad_accum``: allowed pipeline depths and G values.
     - ``uniform_devices``: every stage gets ``world / S`` devices (no heterogeneous stages).
     - ``layer_slack``: each stage holds within this many layers of ``L / S`` (None: any split).
     - ``partial_node_stages``: allow stages smaller than a node.
-    - ``max_frontier_points``: cap on Pareto points kept per stage cell (keeps the MILP small).
-    - ``milp_seconds`` / ``milp_gap``: time limit and relative optimality gap of each MILP solve.
+    - ``max_frontier_points``: cap on Pareto points kept per stage cell and in-flight count.
+    - ``gap``: relative optimality gap the stage-partition search must certify (0: exact).
     """
 
     micro_batches: tuple[int, ...] | None = None
@@ -70,9 +73,8 @@ class SearchSpace:
     uniform_devices: bool = False
     layer_slack: int | None = None
     partial_node_stages: bool = True
-    max_frontier_points: int = 12
-    milp_seconds: float = 5.0
-    milp_gap: float = 1e-4
+    max_frontier_points: int = 32
+    gap: float = 1e-4
     name: str = "full"
 
     def __post_init__(self) -> None:
@@ -91,8 +93,8 @@ class SearchSpace:
             raise ValueError(f"SearchSpace.layer_slack must be >= 0, got {self.layer_slack}")
         if self.max_frontier_points < 1:
             raise ValueError(f"SearchSpace.max_frontier_points must be >= 1, got {self.max_frontier_points}")
-        if self.milp_seconds <= 0:
-            raise ValueError(f"SearchSpace.milp_seconds must be positive, got {self.milp_seconds}")
+        if not 0.0 <= self.gap < 1.0:
+            raise ValueError(f"SearchSpace.gap must be in [0, 1), got {self.gap}")
 
     def restrict(self, **changes) -> "SearchSpace":
         return replace(self, **changes)
