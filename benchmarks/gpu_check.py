@@ -5,8 +5,9 @@ Sections (each a printed table; ``--out DIR`` also writes them, with the device 
 
 1. environment: device, torch / CUDA / NCCL versions, the attention kernel runs use (flash-attn or SDPA);
 2. one device, every plan kind (bf16, fp16 with loss scaling, fp32, ZeRO 1-3, checkpointing, each
-   offload kind): ``check`` trains a small model 3 steps on the device and compares with one-process
-   CPU fp32 training (fp32 plans: losses and weights; bf16/fp16: losses, a looser bound);
+   offload kind): ``check`` trains a small model 3 steps on the device and compares losses, first
+   gradients and final weights as ``mistc run --check`` does (one-process CPU runs in float64 and in
+   the plan's dtype; the column is the largest difference over the allowed one, ok at <= 1);
    ``predicted``/``measured`` price the kind on the performance model (``analyze`` with the hardware
    profile, its compute side re-measured here first: ``recalibrate_compute``) and time it (median of
    the timed steps after warm-up, the device synchronised around each step); memory is the peak of one
@@ -40,7 +41,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 LR = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1}
-CHECK_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}  # CPU fp32 vs the device's run
 TIME_TARGET, MEMORY_TARGET, MFU_TARGET = 0.10, 0.03, 0.41
 GPU_PROFILES = [("H200", "h200"), ("H100", "h100-80gb"), ("A100.*80", "a100-80gb"), ("A100", "a100-40gb"),
                 ("L4", "l4"), ("V100", "v100-32gb")]
@@ -152,8 +152,9 @@ class Outcome:
     step_s: float = float("nan")
     allocated: list[float] = field(default_factory=list)  # per stage, the largest over its ranks
     reserved: list[float] = field(default_factory=list)
-    worst: float = float("nan")
+    worst: float = float("nan")  # the check's largest difference / its allowed difference (ok: <= 1)
     where: str = ""
+    ok: bool | None = None
     kernel: str = ""
 
 
@@ -172,28 +173,31 @@ def _attention_kernel(engine, plan) -> str:
 
 
 def run_job(rank: int, world: int, job: Job) -> dict:
-    """Compile and train ``job.plan`` on this rank; measure what the job asks for."""
+    """Compile and train ``job.plan`` on this rank as ``mistc run`` does; measure what the job asks for."""
     import torch.distributed as dist
 
-    from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.optimizer import AdamWConfig
-    from mist_compiler.backends.worker import compare, model_vocab, reference_training, synthetic_batch
+    from mist_compiler import driver
+    from mist_compiler.backends.check import Run, check_run, synthetic_batch, vocab_size
     from mist_compiler.backends.live_memory import DevicePeakMemory
+    from mist_compiler.backends.optimizer import AdamWConfig
     from mist_compiler.ir.plan import Plan
-    from mist_compiler.models import build_model
 
     plan = Plan.from_dict(job.plan)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if job.device == "cuda" else torch.device("cpu")
     result: dict = {"losses": [], "times": [], "allocated": float("nan"), "reserved": float("nan")}
+    gradients = None
     with DevicePeakMemory(device) as probe:  # entered before the model exists (CPU counts what it sees)
-        model = build_model(plan.model, seq_len=plan.seq_len)
-        engine = compile_plan(model, plan, optimizer=AdamWConfig(**LR), device=device, timeout_s=600.0)
-        vocab = model_vocab(model)
-        del model
+        compiled = driver.compile_model(plan.model, plan=plan, optimizer=AdamWConfig(**LR), device=device,
+                                        timeout_s=600.0)
+        engine = compiled.engine
+        vocab = vocab_size(compiled.program)
         gc.collect()
         batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, step) for step in range(job.warmup + 1)]
         for step in range(job.warmup):
-            result["losses"].append(engine.step(batches[step]))
+            result["losses"].append(engine.forward_backward(batches[step]))
+            if step == 0 and job.check:
+                gradients = engine.gather_full_gradients()
+            engine.optimizer_step()
         if job.memory:
             probe.reset_peak()
             engine.step(batches[-1])
@@ -209,15 +213,11 @@ def run_job(rank: int, world: int, job: Job) -> dict:
         _sync(device)
         result["times"].append(time.perf_counter() - start)
     result["stage"], result["kernel"] = engine.coord.stage, _attention_kernel(engine, plan)
-    state = engine.gather_full_state() if job.check else None
+    weights = engine.gather_full_state() if job.check else None
     engine.close()
-    if job.check and rank == 0:
-        reference = build_model(plan.model, seq_len=plan.seq_len)
-        ref_losses, ref_state = reference_training(reference, plan, job.warmup, LR)
-        if plan.dtype == "float32":
-            result["worst"], result["where"] = compare(result["losses"], state, ref_losses, ref_state)
-        else:  # low precision: the losses, against fp32 training
-            result["worst"], result["where"] = compare(result["losses"], {}, ref_losses, {})
+    if job.check and rank == 0:  # --check's comparison: one-process runs on the CPU, float64 and the plan's dtype
+        verdict = check_run(plan.model, plan, batches[:job.warmup], Run(result["losses"], gradients, weights), LR)
+        result["worst"], result["where"], result["ok"] = verdict.worst_ratio, verdict.where, verdict.ok
     return result
 
 
@@ -229,7 +229,8 @@ def run(job: Job, world: int, settings: Settings) -> Outcome:
                         backend=settings.backend if world > 1 else "gloo")
     stages = Plan.from_dict(job.plan).pp
     outcome = Outcome(losses=results[0]["losses"], kernel=results[0]["kernel"],
-                      worst=results[0].get("worst", float("nan")), where=results[0].get("where", ""))
+                      worst=results[0].get("worst", float("nan")), where=results[0].get("where", ""),
+                      ok=results[0].get("ok"))
     if job.timed:
         outcome.step_s = statistics.median(max(r["times"][i] for r in results) for i in range(job.timed))
     for key in ("allocated", "reserved"):
@@ -276,8 +277,8 @@ def accuracy_row(kind: str, plan_data: dict, outcome: Outcome, check: Outcome | 
     worst = max(range(len(predicted_mem)), key=lambda s: abs(_error(predicted_mem[s], outcome.allocated[s]))
                 if outcome.allocated[s] == outcome.allocated[s] else -1)
     row = {"kind": kind, "dtype": plan_data["dtype"],
-           "check": "-" if check is None else f"{check.worst:.1e}",
-           "check ok": None if check is None else check.worst <= CHECK_TOLERANCE[plan_data["dtype"]],
+           "check": "-" if check is None else f"{check.worst:.2f}",
+           "check ok": None if check is None else check.ok,
            "predicted s": predicted_s, "measured s": outcome.step_s, "time err": _error(predicted_s, outcome.step_s),
            "predicted MB": predicted_mem[worst] / 1e6, "allocated MB": outcome.allocated[worst] / 1e6,
            "memory err": _error(predicted_mem[worst], outcome.allocated[worst]),
