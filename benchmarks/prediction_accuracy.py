@@ -248,12 +248,19 @@ def multi_rank_profile(base: HardwareProfile, world: int, calibration: LinkCalib
                                host_optimizer_params_per_s=fitted.host_optimizer_params_per_s * share)
 
 
+# The backend still runs plans through the fx re-trace of the model (the unfused head + loss); until
+# it runs the captured graph, the programs priced here are captured the same way (no loss fusion).
+RUNTIME_FUSES_LOSS = False
+
+
 @lru_cache(maxsize=None)
 def _analysed(model_name: str):
     from mist_compiler import capture
     from mist_compiler.cost.analysis import analyse_program
+    from mist_compiler.frontend.joint import loss_fusion
 
-    program = capture(FACTORIES.get(model_name, model_name), dtype="float32")  # b and s stay symbolic
+    with loss_fusion(RUNTIME_FUSES_LOSS):
+        program = capture(FACTORIES.get(model_name, model_name), dtype="float32")  # b and s stay symbolic
     return analyse_program(program)
 
 

@@ -6,11 +6,17 @@
 reports a :class:`JointCapture`. The compiled forward/backward are boxed callables running the
 partitioned graphs, so the same backend also trains (``mist_backend``).
 
+Before handing it on, the backend fuses the LM head with its cross-entropy loss in the torch-level
+graph (``mist_compiler.ops.fuse_linear_cross_entropy``), so the joint graph, the cost model and a
+runtime that runs that graph all see ``mist::linear_cross_entropy``; ``fuse_loss=False`` (or the
+``loss_fusion(False)`` context, for callers further up) keeps the graph as traced.
+
 ``trace_joint(model, input_ids, labels)`` runs that backend once on a model whose weights are
 FakeTensors, compiled with ``dynamic=True`` so the batch and sequence sizes are symbols.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,7 +29,20 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
 
 from ..ir.program import B, S
+from ..ops import fuse_linear_cross_entropy
 from ..passes.block_discovery import module_paths
+
+_FUSE_LOSS = [True]  # the default of joint_backend(fuse_loss=None); see loss_fusion
+
+
+@contextlib.contextmanager
+def loss_fusion(enabled: bool):
+    """Within the block, joint backends built without an explicit ``fuse_loss`` fuse (or not)."""
+    _FUSE_LOSS.append(bool(enabled))
+    try:
+        yield
+    finally:
+        _FUSE_LOSS.pop()
 
 
 @dataclass
@@ -70,10 +89,14 @@ def batch_seq_symbols(gm: torch.fx.GraphModule) -> dict:
     return mapping
 
 
-def joint_backend(on_capture: Callable[[JointCapture], None]):
-    """A dynamo backend that records the joint graph and runs the partitioned graphs."""
+def joint_backend(on_capture: Callable[[JointCapture], None], fuse_loss: bool | None = None):
+    """A dynamo backend that records the joint graph and runs the partitioned graphs (the LM head and
+    its loss fused first unless ``fuse_loss`` is False; None: the ``loss_fusion`` default)."""
+    fuse = _FUSE_LOSS[-1] if fuse_loss is None else fuse_loss
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list, **_kwargs):
+        if fuse:
+            fuse_linear_cross_entropy(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
         def partition(joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):

@@ -22,7 +22,9 @@ Tensor-parallel sharding is recognised by data flow (Megatron-style rules):
    ``silu(gate) * up``). Anything else (a norm, a reduction, the block input) on the way
    disqualifies it;
 4. in the post block the weight matmul whose output reaches a log-softmax is the
-   **vocab-parallel head** (column-parallel + parallel cross-entropy); in the pre block the
+   **vocab-parallel head** (column-parallel + parallel cross-entropy), and so is the weight of a
+   fused head + loss (``mist::linear_cross_entropy``: ``ops.vocab_parallel`` runs it, with the
+   same small all-reduces and one all-reduce of the hidden gradient); in the pre block the
    embedding indexed by a graph input (token ids) is **vocab-parallel**; other embeddings
    (learned positions) stay replicated.
 Sharded weights are seeded ``S`` and the state propagates: ``mm(S, S) -> P`` (the contraction
@@ -61,7 +63,9 @@ ATTENTION_FORWARD = {
 ATTENTION_BACKWARD = {f"{name}_backward" for name in ATTENTION_FORWARD} | {
     "_flash_attention_backward", "_efficient_attention_backward",
 }
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
+# the LM head fused with its loss (mist_compiler.ops): its FLOPs are the head's matmuls
+FUSED_LOSS, FUSED_LOSS_BACKWARD = "linear_cross_entropy", "linear_cross_entropy_backward"
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", FUSED_LOSS, FUSED_LOSS_BACKWARD}
 NORMS = {"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward"}
 SOFTMAX_LOSS = {"_log_softmax", "_log_softmax_backward_data", "_softmax", "_softmax_backward_data",
                 "nll_loss_forward", "nll_loss_backward", "logsumexp"}
@@ -323,6 +327,7 @@ def recognise_sharding(graph: fx.Graph, params: set[str]) -> Sharding:
     for mm in weight_mms:
         if mm not in column and mm not in row and _reaches(mm, {"_log_softmax", "logsumexp"}):
             sharding.vocab_head.append(mm.name)
+    sharding.vocab_head += [n.name for n in nodes if op_name(n) == FUSED_LOSS and _weight_param(n, params) is not None]
     placeholders = {n for n in nodes if n.op == "placeholder"}
     for node in nodes:
         if op_name(node) == "embedding" and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
@@ -461,6 +466,15 @@ def propagate_costs(graph: fx.Graph, initial: dict[str, str], symbols: dict[str,
             state = "P" if matrices.count("S") == 2 else ("S" if "S" in matrices else "R")
         elif name == "embedding" and in_states and in_states[0] == "S":
             state = "P"  # vocab-parallel lookup: rows outside this rank's range are zero
+        elif name == FUSED_LOSS and "S" in in_states:
+            rows = tensor_shape(inputs[0].meta["val"], symbols)[0]
+            for what, payload in (("max of the log-sum-exps", 4), ("sums of exponentials and target logits", 8)):
+                collectives.append(Collective("all_reduce", rows * payload, node.name,
+                                              f"{phase}: vocab-parallel fused loss ({what})"))
+            state = "R"
+        elif node.target is operator.getitem and op_name(node.args[0]) == FUSED_LOSS_BACKWARD \
+                and "S" in in_states:
+            state = "P" if node.args[1] == 0 else "S"  # this shard's part of grad_hidden; the weight shard's gradient
         elif name in VOCAB_REDUCTIONS and in_states and in_states[0] == "S":
             rows = sympy.Mul(*tensor_shape(inputs[0].meta["val"], symbols)[:-1]) if inputs[0].meta["val"].dim() > 1 else sympy.Integer(1)
             collectives.append(Collective("all_reduce", rows * 4 * VOCAB_REDUCTIONS[name], node.name,
