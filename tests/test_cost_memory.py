@@ -156,3 +156,57 @@ def test_roofline_per_op_class():
     fp32_only = dataclasses.replace(profile, peak_flops={"float32": 1e12})
     with pytest.raises(ValueError, match="peak_tflops"):
         op_class_time(fp32_only, "float16", "matmul", 1.0, 1.0)
+
+
+def low_memory(**kwargs):
+    """``memory`` with the plan's grad_dtype = its (fp16) dtype."""
+    layout = StageLayout(np.array([PRE]), np.array([LAYER]), np.array([POST]), np.array([float(N)]),
+                         np.array([kwargs.pop("has_pre", True)]), np.array([kwargs.pop("has_post", True)]))
+    layer = kwargs.pop("layer", None) or acts()
+    zero, dp, accum = kwargs.pop("zero"), kwargs.pop("dp", 4), kwargs.pop("accum", 1)
+    config = StageConfig("float16", np.array([zero]), np.array([dp]), np.array([accum]), np.array([1]), np.array([0]),
+                         np.array([0.0]), np.array([0.0]), np.array([0.0]), np.array([0.0]), kwargs.pop("copies", 0.0),
+                         low_precision_grads=np.array([True]))
+    assert not kwargs
+    return stage_memory(layout, config, acts(), layer, acts())
+
+
+def test_low_precision_gradients_accumulate_in_the_param_dtype():
+    big = 50 * P
+    # between micro-batches: every block's fp16 buffer (ZeRO 0 and 1), not an fp32 accumulator
+    for zero in (0, 1):
+        assert float(low_memory(zero=zero, accum=4, layer=acts(saved=1.0, fwd=big)).grads[0]) == pytest.approx(2 * P)
+    # ZeRO-2 keeps its fp32 shard either way
+    assert float(low_memory(zero=2, accum=4, layer=acts(saved=1.0, fwd=big)).grads[0]) == pytest.approx(4 * P / 4)
+
+
+def test_low_precision_zero1_reduces_the_last_micro_batch_in_fp32():
+    # no activations: the largest point is the post block's reduction in the last micro-batch: every
+    # block's fp16 buffer and the post block's transient fp32 copy (its buffer goes, for a 1/dp fp32
+    # shard, once the copy exists); pre's reduction at the end has the other blocks' shards instead
+    static = 2 * P + 12 * P / 4
+    post_reduction = 2 * P + ACCUMULATOR_BYTES * POST
+    pre_reduction = 2 * P + (P - PRE) * (ACCUMULATOR_BYTES / 4 - 2) + ACCUMULATOR_BYTES * PRE
+    assert post_reduction > pre_reduction
+    assert float(low_memory(zero=1, accum=4).peak[0]) == pytest.approx(static + post_reduction)
+
+
+def test_low_precision_zero0_keeps_the_buffer_until_the_step():
+    static = 2 * P + 12 * P
+    # one rank: nothing to reduce; the optimizer reads the fp16 buffer (its torch fallback upcasts a chunk)
+    assert float(low_memory(zero=0, dp=1, accum=2).peak[0]) == pytest.approx(static + 2 * P + 2 * adam_temporary(PRE))
+    # 4 ranks: the all-reduce runs on an fp32 copy of the unit; the mean goes back into the buffer
+    assert float(low_memory(zero=0, dp=4, accum=2).peak[0]) == pytest.approx(
+        static + max(2 * P + ACCUMULATOR_BYTES * PRE, 2 * P + 2 * adam_temporary(PRE)))
+
+
+def test_micro_batches_between_the_first_and_the_last_keep_full_accumulators():
+    # fp32 ZeRO-1 first stage (no post block), no activations: the second of three backwards runs pre's
+    # backward next to every full fp32 accumulator; the last one has traded the layers' for shards
+    p = PRE + N * LAYER
+    static = 2 * p + 12 * p / 4
+    running_pre = (2 + ACCUMULATOR_BYTES) * PRE
+    middle = ACCUMULATOR_BYTES * p + running_pre
+    last = ACCUMULATOR_BYTES * p + N * LAYER * (ACCUMULATOR_BYTES / 4 - ACCUMULATOR_BYTES) + running_pre + PRE
+    assert float(memory(zero=1, accum=3, has_post=False).peak[0]) == pytest.approx(static + middle)
+    assert float(memory(zero=1, accum=2, has_post=False).peak[0]) == pytest.approx(static + last)

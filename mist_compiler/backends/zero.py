@@ -12,6 +12,15 @@ Per unit (``UnitBucket``), with N = the padded flat size and S = N / dp the loca
 
 (with grad_accum == 1, ZeRO 0/1 reduce the micro-batch buffer itself and hold no accumulator)
 
+Low-precision gradients (``grad_dtype`` = the param dtype, the plan's ``grad_dtype``), ZeRO 0/1
+only: the per-micro-batch buffer *is* the accumulator. It is zeroed once per step, autograd adds
+every micro-batch into it in place (fp32 arithmetic, one rounding per micro-batch), and no fp32
+copy exists until the last micro-batch's reduction, which casts the unit (scaled by 1/dp) into a
+transient fp32 buffer and reduces in fp32: ZeRO-1 reduce-scatters it into the fp32 shard S and
+frees the buffer; ZeRO-0 all-reduces it and casts the mean back into the buffer, which the
+optimizer reads (upcast per chunk) until the step. Gradient memory between micro-batches: N in
+the param dtype instead of N in fp32. ZeRO 2/3 are unchanged (their accumulator is the fp32 shard).
+
 Weights offload (fraction w) keeps the weight source split device/host; the compute buffer then
 becomes transient for ZeRO 0-2 as well and is refilled (host part copied in) before each use.
 Grads / opt offload split the accumulator / master+moments the same way (``SplitBuffer``).
@@ -70,6 +79,7 @@ class BucketContext:
     host_memory: HostMemory
     timeout_s: float
     trace: list | None = None  # when a list: ("fetch" | "free" | "reduce", unit) events, for tests and debugging
+    grad_dtype: torch.dtype = torch.float32  # ZeRO 0/1: dtype of the gradients kept between micro-batches
 
     def record(self, event: str, unit: str) -> None:
         if self.trace is not None:
@@ -109,6 +119,8 @@ class UnitBucket:
 
         self.grads = FreeableBuffer(n, ctx.param_dtype, ctx.device, allocated=False)
         self.grad_views = bind_grads(self.params, self.grads, self.layout)
+        # low-precision ZeRO 0/1: the micro-batch buffer accumulates the step's gradients itself
+        self.keeps_grads = zero <= 1 and ctx.grad_dtype != torch.float32
         acc_numel = n if zero <= 1 else s
         self.grad_acc = SplitBuffer(acc_numel, torch.float32, ctx.device, offload.grads, ctx.host_memory, "grads")
         # the accumulator's device part only exists from a step's first gradient to its optimizer update
@@ -202,7 +214,8 @@ class UnitBucket:
         if not self.in_backward:
             # the previous micro-batch's reduction may still read (and then free) this buffer
             self.drain(block=True)
-            self.grads.allocate(zero=True)
+            # an accumulating buffer is zeroed when the step's first micro-batch allocates it
+            self.grads.allocate(zero=not (self.keeps_grads and self.grads.allocated))
             self.grads_ready = 0
             self.in_backward = True
 
@@ -235,6 +248,9 @@ class UnitBucket:
             view = self.params[index].grad
             for fn in functions:
                 fn(view)
+        if self.keeps_grads:
+            self._reduce_kept(last)
+            return
         scale = 1.0 / ctx.world
         reuse = grads.dtype == torch.float32
         comm = grads if reuse else torch.empty_like(grads, dtype=torch.float32)
@@ -270,6 +286,30 @@ class UnitBucket:
             pending = reduce_scatter_flat(out, comm, ctx.group, f"reduce_scatter of unit {self.unit!r} grads")
             pending.then.append(lambda: self._accumulate(out, adoptable=True))
             pending.then.append(release_grads)
+        pending.keep_alive = comm
+        self.pending.append(pending)
+
+    def _reduce_kept(self, last: bool) -> None:
+        """Low-precision ZeRO 0/1: nothing to do before the last micro-batch (the buffer accumulates);
+        then the unit is reduced in fp32 (module docstring)."""
+        ctx, grads = self.ctx, self.grads.tensor
+        self.in_backward = False
+        if not last:
+            return
+        if ctx.zero == 0 and ctx.world == 1:
+            self.reduced = grads  # nothing to reduce: the optimizer reads the buffer
+            return
+        comm = torch.empty_like(grads, dtype=torch.float32)
+        kernels.scale_accumulate(comm, grads, 1.0 / ctx.world, accumulate=False)
+        if ctx.zero == 0:
+            pending = all_reduce_flat(comm, ctx.group, f"all_reduce of unit {self.unit!r} grads")
+            pending.then.append(lambda: kernels.cast_copy(grads, comm))
+            self.reduced = grads  # the mean, back in the param dtype, until the optimizer step
+        else:
+            self.grads.free()
+            out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=ctx.device)
+            pending = reduce_scatter_flat(out, comm, ctx.group, f"reduce_scatter of unit {self.unit!r} grads")
+            self.reduced = out
         pending.keep_alive = comm
         self.pending.append(pending)
 
@@ -311,7 +351,7 @@ class UnitBucket:
         ctx = self.ctx
         self.reduced = None
         self._release_acc_device()
-        if self.grads.tensor.dtype == torch.float32:
+        if self.grads.tensor.dtype == torch.float32 or self.keeps_grads:
             self.grads.free()
         if (self.master_aliases_weights and ctx.zero in (0, 3)) or self.master.numel == 0:
             return None

@@ -89,6 +89,7 @@ def plan_candidates(plan: Plan) -> StageCandidates:
         offload_acts=column(lambda st: st.offload.acts),
         inflight=np.minimum(count - np.arange(count), plan.grad_accum),
         grad_accum=plan.grad_accum,
+        low_precision_grads=plan.low_precision_grads,
     )
 
 

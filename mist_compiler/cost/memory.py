@@ -17,7 +17,11 @@ backend (``backends/zero.py``, one flat bucket per unit) holds at each point of 
   the reduced gradient each finished block keeps until the step (ZeRO-0: all of it; ZeRO-1: the
   ``1/dp`` shard; ZeRO-2/3: the ``1/dp`` accumulator); with gradient accumulation an fp32
   accumulator per block between micro-batches (ZeRO-0/1: full, ZeRO-2/3: ``1/dp``; a ``grads``
-  offload fraction of it on the host), present in the forwards that follow a backward;
+  offload fraction of it on the host), present in the forwards that follow a backward, and the
+  backwards between the first and the last keep every accumulator as it is. With
+  ``low_precision_grads`` (plan ``grad_dtype`` = the param dtype) ZeRO-0/1 keep the micro-batch
+  buffer itself between micro-batches (param dtype, no fp32 copy until the last micro-batch's
+  reduction; ZeRO-1 then trades it for the fp32 shard, ZeRO-0 keeps it until the step);
 - **activations** under 1F1B: ``inflight`` micro-batches are alive at once (stage i of S holds
   S-i). A checkpointed layer keeps only its input ``I``; its activations come back during its
   backward. Activation offload keeps ``1 - acts`` of the saved activations of every block other
@@ -94,6 +98,7 @@ class StageConfig:
     offload_opt: np.ndarray
     offload_acts: np.ndarray
     reduce_scatter_copies: float = 0.0  # transient input copies the library's reduce-scatter makes
+    low_precision_grads: np.ndarray | bool = False  # ZeRO 0/1 keep gradients in the param dtype (plan grad_dtype)
 
 
 @dataclass
@@ -114,27 +119,45 @@ def _arrays(*values) -> list[np.ndarray]:
 
 class _Gradients:
     """Gradient bytes of the backend at the points of a step, per candidate. Every quantity is linear
-    in a block's parameter count, so each is a per-element coefficient computed once."""
+    in a block's parameter count, so each is a per-element coefficient computed once.
 
-    def __init__(self, config: StageConfig, grad_bytes: float) -> None:
+    Two paths (``backends/zero.py``): the fp32 path (accumulators and reductions in fp32) and, for
+    ZeRO 0/1 with ``low_precision_grads``, the param-dtype micro-batch buffer that is the
+    accumulator itself until the last micro-batch's fp32 reduction."""
+
+    def __init__(self, config: StageConfig, grad_bytes: float, copies: float) -> None:
         zero, dp, accum, g = np.asarray(config.zero), *_arrays(config.dp, config.grad_accum, config.offload_grads)
+        low = np.asarray(config.low_precision_grads, dtype=bool) & (zero <= 1) & (grad_bytes < ACCUMULATOR_BYTES)
         self.accumulating = accum > 1
+        self.middle = accum > 2  # micro-batches that are neither the first nor the last
         full, shard = ACCUMULATOR_BYTES, ACCUMULATOR_BYTES / dp
-        # the fp32 accumulator a block keeps between micro-batches (ZeRO-2/3: its shard)
-        self._accumulator = np.where(self.accumulating, (1.0 - g) * np.where(zero >= 2, shard, full), 0.0)
-        # what a block adds once its backward of the iteration's last micro-batch is done. With
-        # accumulation the last micro-batch folds the accumulator's device part into what it reduces
-        # and releases it: in place without gradient offload (ZeRO-0 adds nothing), else the full
-        # micro-batch buffer is reduced and kept (ZeRO-0) or scattered to a shard (ZeRO-1)
-        zero0 = np.where(self.accumulating, g * full, full)
-        zero1 = np.where(self.accumulating, shard - (1.0 - g) * full, shard)
+        scattered = (zero >= 1) & (dp > 1)
+        # between micro-batches: the fp32 accumulator (ZeRO-2/3: its shard; a ``grads`` offload fraction
+        # of it on the host), or the param-dtype buffer on the low-precision path
+        self._accumulator = np.where(self.accumulating,
+                                     np.where(low, grad_bytes, (1.0 - g) * np.where(zero >= 2, shard, full)), 0.0)
+        # what a block adds once its backward of the iteration's last micro-batch is done. fp32 path, with
+        # accumulation: the last micro-batch folds the accumulator's device part into what it reduces and
+        # releases it: in place without gradient offload (ZeRO-0 adds nothing), else the full micro-batch
+        # buffer is reduced and kept (ZeRO-0) or scattered to a shard (ZeRO-1). Low precision: ZeRO-0 keeps
+        # the buffer (the mean cast back into it), ZeRO-1 trades it for the fp32 shard
+        zero0 = np.where(low, np.where(self.accumulating, 0.0, grad_bytes), np.where(self.accumulating, g * full, full))
+        zero1 = np.where(self.accumulating, shard - np.where(low, grad_bytes, (1.0 - g) * full), shard)
         zero23 = np.where(self.accumulating, 0.0, (1.0 - g) * shard)
         self._finished = np.select([zero == 0, zero == 1], [zero0, zero1], zero23)
-        # the micro-batch gradient buffer of the block whose backward runs (+ its fp32 reduction copy
-        # in mixed precision)
-        self._running = grad_bytes + (ACCUMULATOR_BYTES if grad_bytes < ACCUMULATOR_BYTES else 0.0)
-        self._scattered = (zero >= 1) & (dp > 1)
-        self._shard = shard
+        # the block whose backward runs. fp32 path: its micro-batch buffer (+ its fp32 reduction copy in
+        # mixed precision). Low precision: the buffer when the step's first micro-batch allocates it, nothing
+        # later (it is an accumulator already), the fp32 copy only when the last micro-batch reduces
+        fp32_running = grad_bytes + (ACCUMULATOR_BYTES if grad_bytes < ACCUMULATOR_BYTES else 0.0)
+        self._running_first = np.where(low, grad_bytes, fp32_running)
+        self._running_later = np.where(low, 0.0, fp32_running)
+        # on top of ``running`` while the last micro-batch's gradients are reduced: fp32 path, the fresh shard
+        # and the library's copies of the fp32 input when scattered; low precision, also the fp32 copy
+        # (none for ZeRO-0 on one rank: nothing to reduce), the buffer freed once the shard exists (ZeRO-1)
+        scatter = np.where(scattered, shard + copies * ACCUMULATOR_BYTES, 0.0)
+        low_reducing = np.where((zero == 0) & (dp == 1), 0.0,
+                                full + np.where(zero == 1, np.maximum(0.0, np.maximum(scatter, shard) - grad_bytes), 0.0))
+        self._reducing = np.where(low, low_reducing, scatter)
 
     def accumulator(self, numel: np.ndarray) -> np.ndarray:
         return numel * self._accumulator
@@ -142,13 +165,11 @@ class _Gradients:
     def finished(self, numel: np.ndarray) -> np.ndarray:
         return numel * self._finished
 
-    def running(self, numel: np.ndarray) -> np.ndarray:
-        return numel * self._running
+    def running(self, numel: np.ndarray, first: bool) -> np.ndarray:
+        return numel * (self._running_first if first else self._running_later)
 
-    def reducing(self, numel: np.ndarray, copies: float) -> np.ndarray:
-        """On top of ``running`` while the block's gradients are reduce-scattered: the fresh shard
-        and the library's copies of the fp32 input."""
-        return numel * np.where(self._scattered, self._shard + copies * ACCUMULATOR_BYTES, 0.0)
+    def reducing(self, numel: np.ndarray) -> np.ndarray:
+        return numel * self._reducing
 
 
 def greedy_offload(saved_sequence: list[np.ndarray], offloadable: list[bool], fraction: np.ndarray) -> np.ndarray:
@@ -191,8 +212,7 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
                   "layer": transient * 2.0 * p_layer, "post": transient * p_post}
 
     # ---- gradients --------------------------------------------------------------------------
-    grads = _Gradients(config, grad_b)
-    reducing = lambda numel: grads.reducing(numel, config.reduce_scatter_copies)  # noqa: E731
+    grads = _Gradients(config, grad_b, config.reduce_scatter_copies)
     accum = np.asarray(config.grad_accum, float)
     between = grads.accumulator(total)  # accumulators of every block (a previous micro-batch's backward)
     forward_grads = np.where(inflight < accum, between, 0.0)
@@ -235,44 +255,52 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
         (has_post * (before_post + post_fw_free), zeros, forward_grads),
     ]
 
-    def backward_points(base: np.ndarray, done) -> list[tuple]:
+    def backward_points(base: np.ndarray, done, first: bool, last) -> list[tuple]:
         """The loss, the post block, layers last to first (both ends), checkpointed layers, pre;
-        ``base``: gradient bytes before this backward, ``done(numel)``: bytes a finished block adds.
-        A stage without the post block also holds the output it kept for this backward."""
+        ``base``: gradient bytes before this backward, ``done(numel)``: bytes a finished block adds,
+        ``first``: the step's first backward, ``last`` (per candidate): the one whose gradients are
+        reduced. A stage without the post block also holds the output it kept for this backward."""
         done_post = done(p_post)
         layers_done = lambda count: done_post + done(count * p_layer)  # noqa: E731
+        running = lambda numel: grads.running(numel, first)  # noqa: E731
+        reducing = lambda numel: np.where(last, grads.reducing(numel), 0.0)  # noqa: E731
         points = [
             (has_post * (before_post + post_bw_free), zeros, base),
             (has_post * (before_post + post.backward_peak), has_post * weights_at["post"],
-             base + grads.running(p_post)),
+             base + running(p_post)),
             (np.where(plain > 0, kept_before(ckpt, plain - 1) + np.where(plain > 1, prefetched, 0.0)
                       + layer.backward_peak, zeros),
-             layer_weights(plain > 0), base + done_post + grads.running(p_layer)),
+             layer_weights(plain > 0), base + done_post + running(p_layer)),
             (np.where(plain > 0, kept_before(ckpt, 0) + layer.backward_peak, zeros),
-             layer_weights(plain > 0), base + layers_done(np.maximum(plain - 1, 0)) + grads.running(p_layer)),
+             layer_weights(plain > 0), base + layers_done(np.maximum(plain - 1, 0)) + running(p_layer)),
             # a checkpointed layer: its forward is recomputed, then its backward runs (the first of them
             # with the other checkpointed layers' inputs alive, the last with every other gradient)
             (np.where(ckpt > 0, kept_before(ckpt - 1, 0) + recomputed, zeros),
-             layer_weights(ckpt > 0), base + layers_done(plain) + grads.running(p_layer)),
+             layer_weights(ckpt > 0), base + layers_done(plain) + running(p_layer)),
             (np.where(ckpt > 0, pre_acts + recomputed, zeros),
-             layer_weights(ckpt > 0), base + layers_done(np.maximum(n - 1, 0)) + grads.running(p_layer)),
-            (has_pre * pre.backward_peak, has_pre * weights_at["pre"], base + layers_done(n) + grads.running(p_pre)),
+             layer_weights(ckpt > 0), base + layers_done(np.maximum(n - 1, 0)) + running(p_layer)),
+            (has_pre * pre.backward_peak, has_pre * weights_at["pre"], base + layers_done(n) + running(p_pre)),
             # the moments a block's gradients are reduced (its backward done): the post block with every
             # layer's activations still alive, a layer, and pre at the very end
-            (has_post * before_post, zeros, base + grads.running(p_post) + reducing(p_post)),
+            (has_post * before_post, zeros, base + running(p_post) + reducing(p_post)),
             (np.where(plain > 0, kept_before(ckpt, plain - 1), zeros), zeros,
-             np.where(plain > 0, base + done_post + grads.running(p_layer) + reducing(p_layer), 0.0)),
-            (zeros, zeros, has_pre * (base + layers_done(n) + grads.running(p_pre) + reducing(p_pre))),
+             np.where(plain > 0, base + done_post + running(p_layer) + reducing(p_layer), 0.0)),
+            (zeros, zeros, has_pre * (base + layers_done(n) + running(p_pre) + reducing(p_pre))),
         ]
         return [(acts + boundary_output, weights_here, grad) for acts, weights_here, grad in points]
 
     # 1F1B: the first backward runs with inflight - 1 micro-batches held and no accumulator yet; a
-    # later one with every accumulator and min(inflight, grad_accum - 1) - 1 held
+    # later one with every accumulator and min(inflight, grad_accum - 1) - 1 held; those between the
+    # first and the last (grad_accum > 2) keep every accumulator as it is
     later_held = np.maximum(np.minimum(inflight, accum - 1.0) - 1.0, 0.0)
+    keep = lambda numel: np.zeros_like(np.asarray(numel, dtype=float))  # noqa: E731
     phases = [(inflight - 1.0, forward_points),
-              (inflight - 1.0, backward_points(zeros, first_done)),
+              (inflight - 1.0, backward_points(zeros, first_done, True, ~grads.accumulating)),
+              (np.where(grads.middle, later_held, 0.0),
+               [(np.where(grads.middle, acts, 0.0), np.where(grads.middle, w, 0.0), np.where(grads.middle, g, 0.0))
+                for acts, w, g in backward_points(between, keep, False, False)]),
               (np.where(grads.accumulating, later_held, inflight - 1.0),
-               backward_points(np.where(grads.accumulating, between, 0.0), grads.finished))]
+               backward_points(np.where(grads.accumulating, between, 0.0), grads.finished, False, True))]
     points = [(held_count * one_held + posted_receive + acts, weights_here, grad)
               for held_count, phase_points in phases for acts, weights_here, grad in phase_points]
     shape = np.broadcast_shapes(*(np.shape(part) for point in points for part in point))
@@ -285,7 +313,9 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
         np.take_along_axis(parts, largest, axis=0)[0] for parts in (acts_by_point, weights_by_point, grads_by_point))
     in_steps = np.take_along_axis(sums, largest, axis=0)[0]
     largest_unit_shard = np.maximum(np.maximum(p_pre, p_layer), p_post) * shard * (1.0 - o)
-    step = at_step + np.minimum(largest_unit_shard, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES
+    # the torch AdamW's chunk temporaries: the denominator, and an fp32 copy of param-dtype gradients
+    low_at_step = np.asarray(config.low_precision_grads, dtype=bool) & (zero == 0) & (grad_b < ACCUMULATOR_BYTES)
+    step = at_step + np.minimum(largest_unit_shard, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES * (1.0 + low_at_step)
     peak = weights + opt + np.maximum(in_steps, step)
     at_step_wins = step > in_steps
     return StageMemory(

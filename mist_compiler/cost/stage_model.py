@@ -24,8 +24,9 @@ Per candidate (one pipeline stage, one device's view):
 - channels of one phase are combined by the overlap model (``overlap.overlap``);
 - ``stable_s`` = forward + backward phases of one micro-batch; ``delta_s`` = gradient
   synchronisation + optimizer step (device and host parts at the profile's AdamW rates) + adding
-  the other micro-batches' gradients into the accumulator + offload traffic of the step + the
-  first ZeRO-3 gather that nothing hides;
+  the other micro-batches' gradients into the accumulator (low-precision gradients: the buffer's
+  zeroing and fp32 casts, once) + offload traffic of the step + the first ZeRO-3 gather that
+  nothing hides;
 - the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``MATH_ATTENTION_PASSES``);
 - memory: ``cost.memory`` closed forms over the per-block liveness results.
 Evaluation groups candidates by their distinct ``(micro_batch, tp, nodes, gpus_per_node)`` so
@@ -320,7 +321,8 @@ class StageCostModel:
         stage_params = stage_sum("params")
         layout = StageLayout(pre["params"], layer["params"], post["params"], n, has_pre, has_post)
         config = StageConfig(self.dtype, c.zero, dp, c.grad_accum, c.inflight, ckpt, c.offload_weights,
-                             c.offload_grads, c.offload_opt, c.offload_acts, self.hardware.reduce_scatter_copies)
+                             c.offload_grads, c.offload_opt, c.offload_acts, self.hardware.reduce_scatter_copies,
+                             low_precision_grads=c.low_precision_grads)
         terms = {kind: BlockActivationTerms(v["saved"], v["input"], v["forward_peak"], v["backward_peak"],
                                             v["forward_peaks_weights_free"], v["backward_peaks_weights_free"],
                                             v["output"])
@@ -337,8 +339,9 @@ class StageCostModel:
         grad_bytes = stage_params * grad_b
         forward_compute = stage_sum("forward_compute")
         recompute = ckpt * layer["forward_compute"]
+        low_grads = np.asarray(c.low_precision_grads, dtype=bool) & (zero <= 1) & (grad_b < 4.0)
         grad_buffer_s = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
-                                      grad_buffer_bytes_moved(grad_bytes, dp))
+                                      np.where(low_grads, 0.0, grad_buffer_bytes_moved(grad_bytes, dp)))
         backward_compute = stage_sum("backward_compute") + recompute + grad_buffer_s
         tp_exposed = stage_sum("forward_tp") + stage_sum("backward_tp") + ckpt * layer["forward_tp"]
         gather = collective_time(self.hardware, "all_gather", weight_bytes, dp_nodes, dp_gpus)
@@ -372,7 +375,8 @@ class StageCostModel:
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
         accumulate = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
-                                   accumulation_bytes_moved(stage_params, zero, dp, c.grad_accum))
+                                   np.where(low_grads, low_precision_bytes_moved(grad_bytes, stage_params, zero, dp),
+                                            accumulation_bytes_moved(stage_params, zero, dp, c.grad_accum)))
         step = _overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s + host_step + accumulate
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
                                                            dp_nodes, dp_gpus), 0.0)
@@ -412,6 +416,18 @@ def grad_buffer_bytes_moved(grad_bytes: np.ndarray, dp: np.ndarray) -> np.ndarra
     zeroing them before the backward (one write), and with data parallelism scaling them by
     ``1/dp`` in place before the reduction (a read and a write)."""
     return grad_bytes * (1.0 + np.where(np.asarray(dp) > 1, 2.0, 0.0))
+
+
+def low_precision_bytes_moved(grad_bytes: np.ndarray, stage_params: np.ndarray, zero: np.ndarray,
+                              dp: np.ndarray) -> np.ndarray:
+    """Per iteration, low-precision gradients (ZeRO 0/1, ``backends/zero.py``): the buffer zeroed once,
+    cast to an fp32 copy for the reduction (a read and an fp32 write), and under ZeRO-0 with data
+    parallelism the mean cast back (an fp32 read and a write). Autograd's in-place accumulation of the
+    micro-batches belongs to their backward, as on the fp32 path."""
+    dp = np.asarray(dp, dtype=float)
+    cast = grad_bytes + 4.0 * stage_params
+    back = np.where((np.asarray(zero) == 0) & (dp > 1), cast, 0.0)
+    return grad_bytes + cast + back
 
 
 def accumulation_bytes_moved(stage_params: np.ndarray, zero: np.ndarray, dp: np.ndarray,
