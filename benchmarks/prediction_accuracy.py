@@ -254,13 +254,13 @@ RUNTIME_FUSES_LOSS = False
 
 
 @lru_cache(maxsize=None)
-def _analysed(model_name: str):
+def _analysed(model_name: str, dtype: str = "float32"):
     from mist_compiler import capture
     from mist_compiler.cost.analysis import analyse_program
     from mist_compiler.frontend.joint import loss_fusion
 
     with loss_fusion(RUNTIME_FUSES_LOSS):
-        program = capture(FACTORIES.get(model_name, model_name), dtype="float32")  # b and s stay symbolic
+        program = capture(FACTORIES.get(model_name, model_name), dtype=dtype)  # b and s stay symbolic
     return analyse_program(program)
 
 
@@ -287,6 +287,14 @@ class PlanConfig:
     stages: tuple[StageSpec, ...]
     attention: str = "flash"  # "math": SDPA's math backend (keeps the s x s probabilities)
     kind: str = "plan"
+    dtype: str = "float32"  # fp16/bf16: mixed precision (fp32 master), peak memory only (see `timed`)
+    grad_dtype: str = "float32"  # the plan's dtype: ZeRO 0/1 keep low-precision gradients
+
+    @property
+    def timed(self) -> bool:
+        """Step times are compared for fp32 plans (the compute rates are calibrated in fp32); fp16/bf16
+        plans, slow or fast on a CPU for reasons of its own, are compared on peak memory only."""
+        return self.dtype == "float32"
 
     @property
     def world(self) -> int:
@@ -299,7 +307,8 @@ class PlanConfig:
                                    micro_batch=self.global_batch // (stage.dp * self.grad_accum), dp=stage.dp,
                                    tp=stage.tp, zero=stage.zero, ckpt_layers=stage.ckpt, offload=stage.offload))
             start += stage.layers
-        plan = Plan(self.model, self.seq_len, self.global_batch, "float32", self.grad_accum, tuple(built))
+        plan = Plan(self.model, self.seq_len, self.global_batch, self.dtype, self.grad_accum, tuple(built),
+                    self.grad_dtype)
         plan._check_consistency()
         return plan
 
@@ -316,7 +325,9 @@ class PlanConfig:
         pipeline = "|".join(stage_label(stage) for stage in self.stages)
         accum = f" ga{self.grad_accum}" if self.grad_accum > 1 else ""
         math = " math" if self.attention == "math" else ""
-        return f"{self.world}r {self.model} {pipeline} gb{self.global_batch}{accum} s{self.seq_len}{math}"
+        precision = {"float32": "", "float16": " fp16", "bfloat16": " bf16"}[self.dtype]
+        precision += " lpg" if self.grad_dtype != "float32" else ""
+        return f"{self.world}r {self.model} {pipeline} gb{self.global_batch}{accum} s{self.seq_len}{math}{precision}"
 
 
 def _stages(*stages: StageSpec) -> tuple[StageSpec, ...]:
@@ -365,8 +376,23 @@ PLAN_CONFIGS: list[PlanConfig] = [
                                                StageSpec(2, dp=2, zero=2, offload=Offload(grads=0.5)))),
     PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=1, ckpt=2), StageSpec(2, dp=2, zero=3))),
 ]
-CONFIGS: list[PlanConfig] = ONE_RANK_CONFIGS + PLAN_CONFIGS
-QUICK: list[PlanConfig] = [ONE_RANK_CONFIGS[0], ONE_RANK_CONFIGS[14], PLAN_CONFIGS[3], PLAN_CONFIGS[7], PLAN_CONFIGS[11]]
+# mixed precision (fp32 master), peak memory only: bf16/fp16 compute, low-precision gradients (lpg)
+PRECISION_CONFIGS: list[PlanConfig] = [
+    PlanConfig("gpt-small", 256, 4, 1, _stages(StageSpec(4)), dtype="bfloat16"),
+    PlanConfig("gpt-small", 256, 8, 4, _stages(StageSpec(4, ckpt=4)), dtype="bfloat16", grad_dtype="bfloat16"),
+    PlanConfig("llama-small", 128, 2, 1, _stages(StageSpec(4, ckpt=2)), "math", dtype="float16"),
+    PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(4, dp=2, zero=1)), dtype="bfloat16", grad_dtype="bfloat16"),
+    PlanConfig("gpt-small", 128, 8, 2, _stages(StageSpec(4, dp=2, ckpt=2)), dtype="float16", grad_dtype="float16"),
+    PlanConfig("llama-small", 128, 16, 1, _stages(StageSpec(4, dp=2, zero=3, ckpt=2, offload=Offload(opt=0.5))),
+               dtype="bfloat16"),
+    PlanConfig("gpt-small", 256, 8, 4, _stages(StageSpec(2), StageSpec(2)), dtype="bfloat16", grad_dtype="bfloat16"),
+    PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(4, dp=4, zero=1)), dtype="bfloat16", grad_dtype="bfloat16"),
+    PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=2, ckpt=1), StageSpec(2, dp=2, zero=1)),
+               dtype="bfloat16", grad_dtype="bfloat16"),
+]
+CONFIGS: list[PlanConfig] = ONE_RANK_CONFIGS + PLAN_CONFIGS + PRECISION_CONFIGS
+QUICK: list[PlanConfig] = [ONE_RANK_CONFIGS[0], ONE_RANK_CONFIGS[14], PLAN_CONFIGS[3], PLAN_CONFIGS[7], PLAN_CONFIGS[11],
+                           PRECISION_CONFIGS[1], PRECISION_CONFIGS[3]]
 PLAN_STEPS_PER_ROUND = 4  # timed steps per launch of a plan's ranks (after a warm-up step)
 
 
@@ -428,7 +454,8 @@ def measure_plan(config: PlanConfig, timed_steps: int, measure_memory: bool, cal
 
     results = run_ranks(_plan_rank, config.world, args=(config, timed_steps, measure_memory, calibrate),
                         timeout_s=900.0, collective_timeout_s=300.0)
-    step_s = statistics.median(max(times[step] for _, times, _ in results) for step in range(timed_steps))
+    step_s = (statistics.median(max(times[step] for _, times, _ in results) for step in range(timed_steps))
+              if timed_steps else float("nan"))
     topology = Topology(config.plan())
     stage_peaks = [0.0] * len(config.stages)
     for rank, (peak, _, _) in enumerate(results):
@@ -443,8 +470,8 @@ def predict_plan(config: PlanConfig, hardware: HardwareProfile) -> Outcome:
     traffic) with the plan's attention kernel."""
     from mist_compiler.cost.analyze import analyze
 
-    blocks, num_layers = _analysed(config.model)
-    cost_model = StageCostModel(blocks, hardware, config.seq_len, "float32", config.attention, config.model, num_layers)
+    blocks, num_layers = _analysed(config.model, config.dtype)
+    cost_model = StageCostModel(blocks, hardware, config.seq_len, config.dtype, config.attention, config.model, num_layers)
     estimate = analyze(config.model, config.plan(), hardware, cost_model=cost_model, attention=config.attention)
     peaks = [stage.peak_memory_mb * 1e6 for stage in estimate.stages]
     return Outcome(estimate.iteration_time_s, max(peaks), peaks)
@@ -473,10 +500,11 @@ def _summary(name: str, rows: list[tuple]) -> None:
     """rows: (predicted s, measured s, predicted bytes, measured bytes) per configuration."""
     if not rows:
         return
-    time_errors = [abs(p / m - 1) for p, m, _, _ in rows]
+    timed = [row for row in rows if math.isfinite(row[1])]
+    time_errors = [abs(p / m - 1) for p, m, _, _ in timed] or [float("nan")]
     memory_errors = [abs(p / m - 1) for _, _, p, m in rows]
-    tau = kendall_tau([r[0] for r in rows], [r[1] for r in rows])
-    print(f"{name:<22} {len(rows):>3} configs | step time mean |err| {statistics.mean(time_errors):6.1%} "
+    tau = kendall_tau([r[0] for r in timed], [r[1] for r in timed])
+    print(f"{name:<22} {len(rows):>3} configs ({len(timed)} timed) | step time mean |err| {statistics.mean(time_errors):6.1%} "
           f"max {max(time_errors):6.1%} tau {tau:6.3f} | peak memory mean |err| {statistics.mean(memory_errors):6.2%} "
           f"max {max(memory_errors):6.2%}")
 
@@ -489,11 +517,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-calibrate", action="store_true",
                         help="use the shipped profile as is (default: re-measure compute rates and collectives first)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 2)")
+    parser.add_argument("--memory-only", action="store_true", help="peak memory only: one round, no timing, no calibration")
     args = parser.parse_args(argv)
+    if args.memory_only:
+        args.rounds, args.no_calibrate = 1, True
     torch.set_num_threads(1)
     configs = [c for c in (QUICK if args.quick else CONFIGS) if args.ranks in (None, c.world)]
     rounds = args.rounds or (2 if args.quick else 3)
-    worlds = sorted({c.world for c in configs if c.world > 1})
+    worlds = sorted({c.world for c in configs if c.world > 1 and c.timed and not args.memory_only})
     links = None
     if worlds and not args.no_calibrate:
         links = measure_links(worlds)
@@ -505,14 +536,17 @@ def main(argv: list[str] | None = None) -> int:
     measured: list[Outcome | None] = [None] * len(configs)
     for round_index in range(rounds):  # interleaved: a burst of load hits every config alike
         for index, config in enumerate(configs):
-            outcome = RUNNERS[config.kind](config, PLAN_STEPS_PER_ROUND, measure_memory=round_index == 0,
-                                           calibrate=None if args.no_calibrate else args.hardware)
+            if not config.timed and round_index > 0:
+                continue  # peak memory only: measured in the first round
+            timed = config.timed and not args.memory_only
+            outcome = RUNNERS[config.kind](config, PLAN_STEPS_PER_ROUND if timed else 0, measure_memory=round_index == 0,
+                                           calibrate=None if args.no_calibrate or not timed else args.hardware)
             profile = outcome.calibration or load_profile(args.hardware)
             rounds_of[index].append((profile, outcome.step_s))
             if round_index == 0:
                 measured[index] = outcome
         print(f"round {round_index + 1}/{rounds} done", flush=True)
-    calibrations = [profile for pairs in rounds_of for profile, _ in pairs]
+    calibrations = [profile for pairs in rounds_of for profile, _ in pairs] or [load_profile(args.hardware)]
     peaks = [profile.peak_flops["float32"] / 1e9 for profile in calibrations]
     print(f"profile {args.hardware}: {len(calibrations)} calibrations, fp32 peak {min(peaks):.1f}-{max(peaks):.1f} GFLOP/s "
           f"(median {statistics.median(peaks):.1f}), memory {statistics.median(p.memory_bandwidth for p in calibrations) / 1e9:.2f} "
@@ -522,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     def for_world(profile: HardwareProfile, world: int) -> HardwareProfile:
         if world == 1:
             return profile
-        return (dataclasses.replace(profile, gpus_per_node=max(worlds)) if links is None
+        return (dataclasses.replace(profile, gpus_per_node=max(max(worlds, default=world), world)) if links is None
                 else multi_rank_profile(profile, world, links))
 
     predicted, measured_steps = [], []
@@ -533,15 +567,16 @@ def main(argv: list[str] | None = None) -> int:
         ratio = geometric_mean([outcome.step_s / measured_s for outcome, (_, measured_s) in zip(outcomes, pairs)])
         predicted.append(dataclasses.replace(outcomes[0], step_s=ratio * step_s))
         measured_steps.append(step_s)
-    print(f"\n{'configuration':<44} {'pred s':>7} {'meas s':>7} {'err':>7}  {'pred MB':>8} {'meas MB':>8} {'err':>7}")
+    print(f"\n{'configuration':<52} {'pred s':>7} {'meas s':>7} {'err':>7}  {'pred MB':>8} {'meas MB':>8} {'err':>7}")
     rows: dict[str, list[tuple]] = {}
     for config, prediction, step_s, outcome in zip(configs, predicted, measured_steps, measured):
         # per pipeline stage: the stage whose predicted peak is furthest from its measured one
         stage_pairs = list(zip(prediction.stage_peaks or [prediction.peak_bytes], outcome.stage_peaks or [outcome.peak_bytes]))
         pred_mb, meas_mb = max(stage_pairs, key=lambda pair: abs(pair[0] / pair[1] - 1))
         stages = f" (worst of {len(stage_pairs)} stages)" if len(stage_pairs) > 1 else ""
-        print(f"{config.label + stages:<44} {prediction.step_s:>7.3f} {step_s:>7.3f} {prediction.step_s / step_s - 1:>+7.1%}  "
-              f"{pred_mb / 1e6:>8.2f} {meas_mb / 1e6:>8.2f} {pred_mb / meas_mb - 1:>+7.2%}")
+        times = (f"{prediction.step_s:>7.3f} {step_s:>7.3f} {prediction.step_s / step_s - 1:>+7.1%}"
+                 if math.isfinite(step_s) else f"{'-':>7} {'-':>7} {'-':>7}")
+        print(f"{config.label + stages:<52} {times}  {pred_mb / 1e6:>8.2f} {meas_mb / 1e6:>8.2f} {pred_mb / meas_mb - 1:>+7.2%}")
         group = f"{config.world} rank" + ("s" if config.world > 1 else "")
         rows.setdefault(group, []).append((prediction.step_s, step_s, pred_mb, meas_mb))
     print()

@@ -158,6 +158,7 @@ class _Gradients:
         low_reducing = np.where((zero == 0) & (dp == 1), 0.0,
                                 full + np.where(zero == 1, np.maximum(0.0, np.maximum(scatter, shard) - grad_bytes), 0.0))
         self._reducing = np.where(low, low_reducing, scatter)
+        self._every_micro_batch = zero >= 2  # ZeRO 2/3 reduce-scatter each micro-batch, ZeRO 0/1 the last
 
     def accumulator(self, numel: np.ndarray) -> np.ndarray:
         return numel * self._accumulator
@@ -168,8 +169,8 @@ class _Gradients:
     def running(self, numel: np.ndarray, first: bool) -> np.ndarray:
         return numel * (self._running_first if first else self._running_later)
 
-    def reducing(self, numel: np.ndarray) -> np.ndarray:
-        return numel * self._reducing
+    def reducing(self, numel: np.ndarray, last) -> np.ndarray:
+        return numel * np.where(np.asarray(last) | self._every_micro_batch, self._reducing, 0.0)
 
 
 def greedy_offload(saved_sequence: list[np.ndarray], offloadable: list[bool], fraction: np.ndarray) -> np.ndarray:
@@ -263,7 +264,7 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
         done_post = done(p_post)
         layers_done = lambda count: done_post + done(count * p_layer)  # noqa: E731
         running = lambda numel: grads.running(numel, first)  # noqa: E731
-        reducing = lambda numel: np.where(last, grads.reducing(numel), 0.0)  # noqa: E731
+        reducing = lambda numel: grads.reducing(numel, last)  # noqa: E731
         points = [
             (has_post * (before_post + post_bw_free), zeros, base),
             (has_post * (before_post + post.backward_peak), has_post * weights_at["post"],
