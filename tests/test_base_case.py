@@ -40,3 +40,22 @@ def test_the_base_case_in_miniature_runs_as_predicted():
     measured = measure_plan(config, timed_steps=0, measure_memory=True)
     predicted = predict_plan(config, dataclasses.replace(load_profile("cpu"), gpus_per_node=2))
     assert predicted.peak_bytes / measured.peak_bytes == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize("grad_dtype", ["float32", "float16"])
+def test_tuned_plan_is_no_slower_than_mists_tuned_plan(grad_dtype):
+    """`mistc tune` on the case against Mist's own tuned plan (2 stages of 12 layers, G=16,
+    micro-batch 2, 5 checkpointed layers in stage 0), both priced by our model with the same
+    gradient dtype (Mist keeps fp16 gradients: --grad-dtype float16 is its setting)."""
+    from mist_compiler.cost.analyze import analyze
+    from mist_compiler.ir.plan import Plan
+    from mist_compiler.tuner.api import tune
+
+    with open(os.path.join(ROOT, "benchmarks", "plans", "mist-tuned.json")) as handle:
+        data = json.load(handle)
+    data["grad_dtype"] = grad_dtype
+    mist = analyze("gpt2-1.3b", Plan.from_dict(data), "l4", attention="math")
+    assert mist.fits
+    ours = tune("gpt2-1.3b", "l4", nodes=1, gpus_per_node=2, global_batch=32, attention="math", grad_dtype=grad_dtype)
+    assert ours.plan.grad_dtype == grad_dtype
+    assert ours.predicted_time_s <= mist.iteration_time_s

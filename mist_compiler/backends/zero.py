@@ -19,7 +19,8 @@ copy exists until the last micro-batch's reduction, which casts the unit (scaled
 transient fp32 buffer and reduces in fp32: ZeRO-1 reduce-scatters it into the fp32 shard S and
 frees the buffer; ZeRO-0 all-reduces it and casts the mean back into the buffer, which the
 optimizer reads (upcast per chunk) until the step. Gradient memory between micro-batches: N in
-the param dtype instead of N in fp32. ZeRO 2/3 are unchanged (their accumulator is the fp32 shard).
+the param dtype instead of N in fp32. ZeRO 2/3 are unchanged (their accumulator is the fp32 shard),
+and so is a unit that offloads gradients (its fp32 accumulator is split with the host).
 
 Weights offload (fraction w) keeps the weight source split device/host; the compute buffer then
 becomes transient for ZeRO 0-2 as well and is refilled (host part copied in) before each use.
@@ -120,7 +121,7 @@ class UnitBucket:
         self.grads = FreeableBuffer(n, ctx.param_dtype, ctx.device, allocated=False)
         self.grad_views = bind_grads(self.params, self.grads, self.layout)
         # low-precision ZeRO 0/1: the micro-batch buffer accumulates the step's gradients itself
-        self.keeps_grads = zero <= 1 and ctx.grad_dtype != torch.float32
+        self.keeps_grads = zero <= 1 and ctx.grad_dtype != torch.float32 and offload.grads == 0.0
         acc_numel = n if zero <= 1 else s
         self.grad_acc = SplitBuffer(acc_numel, torch.float32, ctx.device, offload.grads, ctx.host_memory, "grads")
         # the accumulator's device part only exists from a step's first gradient to its optimizer update

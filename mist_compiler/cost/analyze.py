@@ -124,6 +124,9 @@ def analyze(model, plan, hardware, *, attention: str = "flash",
         raise PlanError(f"plan field model: the plan is for {plan.model!r}, not {model!r}")
     if cost_model is None:
         cost_model = build_stage_cost_model(model, profile, seq_len=plan.seq_len, dtype=plan.dtype, attention=attention)
+    if cost_model.grad_dtype not in ("float32", plan.grad_dtype):
+        raise PlanError(f"plan field grad_dtype: {plan.grad_dtype!r}, but the cost model given prices "
+                        f"{cost_model.grad_dtype!r} gradients")
     _check_plan(plan, cost_model, profile)
     estimates = cost_model.evaluate(plan_candidates(plan))
     grad_accum = plan.grad_accum

@@ -127,7 +127,8 @@ class _Gradients:
 
     def __init__(self, config: StageConfig, grad_bytes: float, copies: float) -> None:
         zero, dp, accum, g = np.asarray(config.zero), *_arrays(config.dp, config.grad_accum, config.offload_grads)
-        low = np.asarray(config.low_precision_grads, dtype=bool) & (zero <= 1) & (grad_bytes < ACCUMULATOR_BYTES)
+        # (a stage that offloads gradients keeps the fp32 path: its accumulator is split with the host)
+        low = np.asarray(config.low_precision_grads, dtype=bool) & (zero <= 1) & (grad_bytes < ACCUMULATOR_BYTES) & (g == 0)
         self.accumulating = accum > 1
         self.middle = accum > 2  # micro-batches that are neither the first nor the last
         full, shard = ACCUMULATOR_BYTES, ACCUMULATOR_BYTES / dp
@@ -315,7 +316,8 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     in_steps = np.take_along_axis(sums, largest, axis=0)[0]
     largest_unit_shard = np.maximum(np.maximum(p_pre, p_layer), p_post) * shard * (1.0 - o)
     # the torch AdamW's chunk temporaries: the denominator, and an fp32 copy of param-dtype gradients
-    low_at_step = np.asarray(config.low_precision_grads, dtype=bool) & (zero == 0) & (grad_b < ACCUMULATOR_BYTES)
+    low_at_step = (np.asarray(config.low_precision_grads, dtype=bool) & (zero == 0) & (grad_b < ACCUMULATOR_BYTES)
+                   & (np.asarray(config.offload_grads, dtype=float) == 0))
     step = at_step + np.minimum(largest_unit_shard, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES * (1.0 + low_at_step)
     peak = weights + opt + np.maximum(in_steps, step)
     at_step_wins = step > in_steps

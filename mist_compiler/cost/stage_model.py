@@ -212,12 +212,15 @@ class StageCostModel:
     attention: str = "flash"
     model_name: str = ""
     num_layers: int = 0
+    grad_dtype: str = "float32"  # the plan's grad_dtype: the dtype ZeRO 0/1 keep gradients in, for every candidate
     _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
             raise StageModelError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {self.attention!r}")
         state_bytes_per_param(self.dtype)
+        if self.grad_dtype not in ("float32", self.dtype):
+            raise StageModelError(f"grad_dtype must be 'float32' or the dtype {self.dtype!r}, got {self.grad_dtype!r}")
         missing = [kind for kind in BLOCK_KINDS if kind not in self.blocks]
         if missing:
             raise StageModelError(f"model analysis lacks block kind(s) {missing}")
@@ -318,11 +321,15 @@ class StageCostModel:
 
         # ---- memory ---------------------------------------------------------------------------
         weight_b, grad_b, _ = state_bytes_per_param(self.dtype)
+        zero = np.asarray(c.zero)
+        # low-precision gradients (ZeRO 0/1 keep them in the param dtype): the plan's or the candidate's
+        low_grads = ((np.asarray(c.low_precision_grads, dtype=bool) | (self.grad_dtype != "float32"))
+                     & (zero <= 1) & (grad_b < 4.0) & (np.asarray(c.offload_grads, dtype=float) == 0))
         stage_params = stage_sum("params")
         layout = StageLayout(pre["params"], layer["params"], post["params"], n, has_pre, has_post)
         config = StageConfig(self.dtype, c.zero, dp, c.grad_accum, c.inflight, ckpt, c.offload_weights,
                              c.offload_grads, c.offload_opt, c.offload_acts, self.hardware.reduce_scatter_copies,
-                             low_precision_grads=c.low_precision_grads)
+                             low_precision_grads=low_grads)
         terms = {kind: BlockActivationTerms(v["saved"], v["input"], v["forward_peak"], v["backward_peak"],
                                             v["forward_peaks_weights_free"], v["backward_peaks_weights_free"],
                                             v["output"])
@@ -334,12 +341,10 @@ class StageCostModel:
         acts_per_mb, peak = memory.acts_per_microbatch, memory.peak
 
         # ---- stable phase: one micro-batch forward + backward ----------------------------------
-        zero = np.asarray(c.zero)
         weight_bytes = stage_params * weight_b
         grad_bytes = stage_params * grad_b
         forward_compute = stage_sum("forward_compute")
         recompute = ckpt * layer["forward_compute"]
-        low_grads = np.asarray(c.low_precision_grads, dtype=bool) & (zero <= 1) & (grad_b < 4.0)
         grad_buffer_s = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
                                       np.where(low_grads, 0.0, grad_buffer_bytes_moved(grad_bytes, dp)))
         backward_compute = stage_sum("backward_compute") + recompute + grad_buffer_s
@@ -450,11 +455,12 @@ def _capture_seq_len(name: str, seq_len: int) -> int:
 
 
 def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float16",
-                           attention: str = "flash") -> StageCostModel:
+                           attention: str = "flash", grad_dtype: str = "float32") -> StageCostModel:
     """Capture (if given a name) and analyse ``model`` once; return the vectorised stage model.
 
     ``model``: a model name (zoo, ``hf:``, ``module:function``) or a captured ``MistProgram``;
-    ``hardware``: a profile name/path or a :class:`HardwareProfile`.
+    ``hardware``: a profile name/path or a :class:`HardwareProfile`; ``grad_dtype``: the plans'
+    gradient dtype (``float32`` or ``dtype``: low-precision gradients for ZeRO 0/1, every candidate).
     """
     from .analysis import analyse_named_model, analyse_program  # noqa: circular at import time
 
@@ -468,4 +474,5 @@ def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float
         blocks, num_layers, name = analyse_named_model(model, _capture_seq_len(model, seq_len), dtype)
     else:
         (blocks, num_layers), name = analyse_program(model), model.model_name
-    return StageCostModel(blocks, profile, seq_len, dtype, attention, model_name=name, num_layers=num_layers)
+    return StageCostModel(blocks, profile, seq_len, dtype, attention, model_name=name, num_layers=num_layers,
+                          grad_dtype=grad_dtype)

@@ -12,8 +12,8 @@ between micro-batches and until the optimizer step under ZeRO 0-1: ``"float32"``
 and reduces in fp32; the plan's own ``dtype`` (fp16/bf16, as Mist and Megatron keep them) halves
 that memory: autograd accumulates each micro-batch into the param-dtype buffer (fp32 arithmetic,
 one rounding per micro-batch), the data-parallel reduction still runs in fp32. ZeRO 2-3 keep
-their ``1/dp`` accumulator shard in fp32 either way. Not combinable with gradient offload on a
-ZeRO 0-1 stage (the buffer stays on the device).
+their ``1/dp`` accumulator shard in fp32 either way, and so does a ZeRO 0-1 stage that offloads
+gradients (its fp32 accumulator is split with the host).
 """
 from __future__ import annotations
 
@@ -197,9 +197,6 @@ class Plan:
                 f"stages must cover the layers contiguously: expected start {expected_start}, got {stage.layers[0]}",
             )
             expected_start = stage.layers[1]
-            _require(not (self.low_precision_grads and stage.zero <= 1 and stage.offload.grads > 0),
-                     f"{where}.offload.grads", f"grad_dtype {self.grad_dtype!r} keeps ZeRO-{stage.zero} gradients on the "
-                     "device in the param dtype; gradient offload needs grad_dtype 'float32' (or ZeRO 2-3)")
             samples = stage.micro_batch * stage.dp * self.grad_accum
             _require(
                 samples == self.global_batch, f"{where}.micro_batch",

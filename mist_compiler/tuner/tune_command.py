@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     parser.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16")
+    parser.add_argument("--grad-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                        help="gradients ZeRO 0/1 keep between micro-batches: float32 (default) or --dtype (as Mist)")
     parser.add_argument("--attention", choices=("flash", "math"), default="flash", help="target attention kernel")
     parser.add_argument("-o", "--output", help="write the plan here (.json or .yaml)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = tune(args.model, args.hardware, args.nodes, args.gpus_per_node, args.global_batch, seq_len=args.seq,
                       space=space, dtype=args.dtype, attention=args.attention,
-                      progress=None if args.quiet else _stderr_progress)
+                      progress=None if args.quiet else _stderr_progress, grad_dtype=args.grad_dtype)
     if args.output:
         save_plan(result.plan, args.output)
         side = save_frontiers(result, args.output)
