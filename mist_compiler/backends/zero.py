@@ -356,16 +356,18 @@ class UnitBucket:
             self.grads.free()
         if (self.master_aliases_weights and ctx.zero in (0, 3)) or self.master.numel == 0:
             return None
+        if ctx.zero in (0, 3):  # cast the master straight into the weights: no param-dtype copy of the unit
+            for start, part in self.master.parts():
+                if ctx.zero == 0 and self.persistent_full:
+                    target = self.full.tensor[start:start + part.numel()]
+                    kernels.cast_copy(target, part) if part.device == target.device else target.copy_(part)
+                else:
+                    self.source.write(start, part)
+            return None
         new = torch.empty(self.master.numel, dtype=ctx.param_dtype, device=ctx.device)
         for start, part in self.master.parts():
             target = new[start:start + part.numel()]
             kernels.cast_copy(target, part) if part.device == target.device else target.copy_(part)
-        if ctx.zero == 0:
-            (self.full.tensor.copy_(new) if self.persistent_full else self.source.write(0, new))
-            return None
-        if ctx.zero == 3:
-            self.source.write(0, new)
-            return None
         out = self.full.tensor if self.persistent_full else torch.empty(self.layout.padded_numel, dtype=ctx.param_dtype,
                                                                       device=ctx.device)
         pending = all_gather_flat(out, new, ctx.group, f"all_gather of unit {self.unit!r} updated weights")
