@@ -4,12 +4,17 @@ Runs each configuration for real on this machine and prints, per configuration, 
 and measured step time (forward + backward + AdamW step) and peak memory of live tensors, each
 error, and the Kendall tau between predicted and measured step times (per group and overall).
 
-Configurations are dataclasses with a ``kind``; ``RUNNERS[kind]`` measures one and
+Configurations (``accuracy_configs.py``) are dataclasses with a ``kind``; ``RUNNERS[kind]`` measures one and
 ``PREDICTORS[kind]`` predicts it (one kind today, ``plan``): a plan trained through the backend
 (``mist_compiler.compile``) on 1, 2 or 4 local gloo ranks, torch limited to one thread per rank
 (one core is one device of the ``cpu`` profile). One rank: a stage with the whole model, batch,
 sequence, checkpointing and attention kernel varied. Two and four ranks: data parallelism at every
-ZeRO level, checkpointing, each offload kind, 1F1B pipelines.
+ZeRO level, checkpointing, each offload kind, 1F1B pipelines. Mixed precision (fp16/bf16 with
+fp32 master weights, with and without low-precision gradients) and tensor parallelism are
+compared on peak memory (fp16/bf16 step times on a CPU say nothing of a GPU's; the compute rates
+are calibrated in fp32); tensor-parallel plans are summarised as their own group (their loss is
+not yet the one the cost model prices: ``accuracy_configs.TP_CONFIGS``). ``--memory-only``: one
+round, no timing, no calibration (a few minutes).
 
 - Peak memory: ``cost.live_memory.DevicePeakMemory`` (every storage an op creates or touches,
   resized flat buffers re-read, the runtime's host buffers left out; CUDA memory statistics on a
@@ -54,7 +59,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
@@ -65,33 +70,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mist_compiler.backends.host_allocator import keep_freed_host_memory
 from mist_compiler.cost.hardware import HardwareProfile, load_profile
 from mist_compiler.cost.stage_model import StageCostModel
-from mist_compiler.ir.plan import Offload, Plan, StagePlan
-from mist_compiler.models import TransformerConfig, TransformerLM, zoo_config
 
-CUSTOM_MODELS: dict[str, TransformerConfig] = {
-    "gpt-wide": TransformerConfig(hidden=512, ffn=2048, layers=3, heads=8, vocab=8192, max_seq=512, family="gpt"),
-    "llama-deep": TransformerConfig(hidden=256, ffn=688, layers=8, heads=4, vocab=8192, max_seq=256, norm="rmsnorm",
-                                    activation="swiglu", positions="rotary", family="llama"),
-}
-
-
-def gpt_wide() -> TransformerLM:
-    """Factory for ``mist_compiler.capture("benchmarks.prediction_accuracy:gpt_wide")``."""
-    return TransformerLM(CUSTOM_MODELS["gpt-wide"])
-
-
-def llama_deep() -> TransformerLM:
-    return TransformerLM(CUSTOM_MODELS["llama-deep"])
-
-
-FACTORIES = {"gpt-wide": "benchmarks.prediction_accuracy:gpt_wide", "llama-deep": "benchmarks.prediction_accuracy:llama_deep"}
-
-
-def model_config(name: str, seq_len: int) -> TransformerConfig:
-    if name in CUSTOM_MODELS:
-        return replace(CUSTOM_MODELS[name], max_seq=max(seq_len, CUSTOM_MODELS[name].max_seq))
-    return zoo_config(name, seq_len)
-
+try:  # run as a script (benchmarks/ on the path) or imported as benchmarks.prediction_accuracy
+    from benchmarks.accuracy_configs import (CONFIGS, FACTORIES, ONE_RANK_CONFIGS, PLAN_CONFIGS,  # noqa: F401
+                                             PRECISION_CONFIGS, QUICK, TP_CONFIGS, PlanConfig, StageSpec, _stages,
+                                             one_rank)
+except ImportError:
+    from accuracy_configs import (CONFIGS, FACTORIES, ONE_RANK_CONFIGS, PLAN_CONFIGS,  # noqa: F401
+                                  PRECISION_CONFIGS, QUICK, TP_CONFIGS, PlanConfig, StageSpec, _stages, one_rank)
 
 @dataclass
 class Outcome:
@@ -264,135 +250,6 @@ def _analysed(model_name: str, dtype: str = "float32"):
     return analyse_program(program)
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    """One pipeline stage of a ``PlanConfig`` (all its devices on one node)."""
-
-    layers: int
-    dp: int = 1
-    tp: int = 1
-    zero: int = 0
-    ckpt: int = 0
-    offload: Offload = Offload()
-
-
-@dataclass(frozen=True)
-class PlanConfig:
-    """A plan trained through the backend (``mist_compiler.compile``) on local gloo ranks."""
-
-    model: str
-    seq_len: int
-    global_batch: int
-    grad_accum: int
-    stages: tuple[StageSpec, ...]
-    attention: str = "flash"  # "math": SDPA's math backend (keeps the s x s probabilities)
-    kind: str = "plan"
-    dtype: str = "float32"  # fp16/bf16: mixed precision (fp32 master), peak memory only (see `timed`)
-    grad_dtype: str = "float32"  # the plan's dtype: ZeRO 0/1 keep low-precision gradients
-
-    @property
-    def timed(self) -> bool:
-        """Step times are compared for fp32 plans (the compute rates are calibrated in fp32); fp16/bf16
-        plans, slow or fast on a CPU for reasons of its own, are compared on peak memory only."""
-        return self.dtype == "float32"
-
-    @property
-    def world(self) -> int:
-        return sum(stage.dp * stage.tp for stage in self.stages)
-
-    def plan(self) -> Plan:
-        built, start = [], 0
-        for stage in self.stages:
-            built.append(StagePlan(layers=(start, start + stage.layers), nodes=1, gpus_per_node=stage.dp * stage.tp,
-                                   micro_batch=self.global_batch // (stage.dp * self.grad_accum), dp=stage.dp,
-                                   tp=stage.tp, zero=stage.zero, ckpt_layers=stage.ckpt, offload=stage.offload))
-            start += stage.layers
-        plan = Plan(self.model, self.seq_len, self.global_batch, self.dtype, self.grad_accum, tuple(built),
-                    self.grad_dtype)
-        plan._check_consistency()
-        return plan
-
-    @property
-    def label(self) -> str:
-        def stage_label(stage: StageSpec) -> str:
-            parts = [f"dp{stage.dp}" if stage.dp > 1 else "", f"tp{stage.tp}" if stage.tp > 1 else "",
-                     f"z{stage.zero}" if stage.zero else "", f"ck{stage.ckpt}" if stage.ckpt else ""]
-            offload = stage.offload
-            parts += [f"o{name[0]}{value:g}" for name, value in (("weights", offload.weights), ("grads", offload.grads),
-                                                                ("opt", offload.opt), ("acts", offload.acts)) if value]
-            return ",".join(part for part in parts if part) or "-"
-
-        pipeline = "|".join(stage_label(stage) for stage in self.stages)
-        accum = f" ga{self.grad_accum}" if self.grad_accum > 1 else ""
-        math = " math" if self.attention == "math" else ""
-        precision = {"float32": "", "float16": " fp16", "bfloat16": " bf16"}[self.dtype]
-        precision += " lpg" if self.grad_dtype != "float32" else ""
-        return f"{self.world}r {self.model} {pipeline} gb{self.global_batch}{accum} s{self.seq_len}{math}{precision}"
-
-
-def _stages(*stages: StageSpec) -> tuple[StageSpec, ...]:
-    return stages
-
-
-def one_rank(model: str, batch: int, seq_len: int, ckpt: int = 0, attention: str = "flash") -> PlanConfig:
-    """One rank, one stage with the whole model (no communication)."""
-    layers = model_config(model, seq_len).layers
-    return PlanConfig(model, seq_len, batch, 1, _stages(StageSpec(layers, ckpt=ckpt)), attention)
-
-
-ONE_RANK_CONFIGS: list[PlanConfig] = [
-    one_rank("gpt-small", 2, 256),
-    one_rank("gpt-small", 4, 256),
-    one_rank("gpt-small", 8, 128),
-    one_rank("gpt-small", 4, 256, ckpt=2),
-    one_rank("gpt-small", 8, 256, ckpt=4),
-    one_rank("gpt-small", 1, 64),
-    one_rank("llama-small", 2, 256),
-    one_rank("llama-small", 4, 256, ckpt=2),
-    one_rank("llama-small", 8, 128),
-    one_rank("gpt-wide", 2, 512),
-    one_rank("gpt-wide", 4, 256, ckpt=3),
-    one_rank("llama-deep", 4, 256),
-    one_rank("llama-deep", 8, 256, ckpt=4),
-    one_rank("llama-deep", 2, 128),
-    one_rank("gpt-small", 2, 256, attention="math"),
-    one_rank("llama-small", 2, 128, ckpt=2, attention="math"),
-]
-PLAN_CONFIGS: list[PlanConfig] = [
-    # 2 ranks: data parallel at every ZeRO level, checkpointing, each kind of offload, pipelines
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2))),
-    PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(4, dp=2, zero=1))),
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, zero=2))),
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, zero=3, ckpt=2))),
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, zero=2, offload=Offload(grads=0.5, opt=0.5)))),
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, offload=Offload(weights=0.5, acts=0.5)))),
-    PlanConfig("llama-small", 128, 16, 1, _stages(StageSpec(4, dp=2, zero=3, offload=Offload(acts=0.5)))),
-    PlanConfig("gpt-small", 256, 8, 4, _stages(StageSpec(2), StageSpec(2))),
-    PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(2, ckpt=1), StageSpec(2))),
-    # 4 ranks (two per core on this machine)
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=4, zero=3))),
-    PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(4, dp=4, zero=1, offload=Offload(opt=1.0)))),
-    PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=2, ckpt=1),
-                                               StageSpec(2, dp=2, zero=2, offload=Offload(grads=0.5)))),
-    PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=1, ckpt=2), StageSpec(2, dp=2, zero=3))),
-]
-# mixed precision (fp32 master), peak memory only: bf16/fp16 compute, low-precision gradients (lpg)
-PRECISION_CONFIGS: list[PlanConfig] = [
-    PlanConfig("gpt-small", 256, 4, 1, _stages(StageSpec(4)), dtype="bfloat16"),
-    PlanConfig("gpt-small", 256, 8, 4, _stages(StageSpec(4, ckpt=4)), dtype="bfloat16", grad_dtype="bfloat16"),
-    PlanConfig("llama-small", 128, 2, 1, _stages(StageSpec(4, ckpt=2)), "math", dtype="float16"),
-    PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(4, dp=2, zero=1)), dtype="bfloat16", grad_dtype="bfloat16"),
-    PlanConfig("gpt-small", 128, 8, 2, _stages(StageSpec(4, dp=2, ckpt=2)), dtype="float16", grad_dtype="float16"),
-    PlanConfig("llama-small", 128, 16, 1, _stages(StageSpec(4, dp=2, zero=3, ckpt=2, offload=Offload(opt=0.5))),
-               dtype="bfloat16"),
-    PlanConfig("gpt-small", 256, 8, 4, _stages(StageSpec(2), StageSpec(2)), dtype="bfloat16", grad_dtype="bfloat16"),
-    PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(4, dp=4, zero=1)), dtype="bfloat16", grad_dtype="bfloat16"),
-    PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=2, ckpt=1), StageSpec(2, dp=2, zero=1)),
-               dtype="bfloat16", grad_dtype="bfloat16"),
-]
-CONFIGS: list[PlanConfig] = ONE_RANK_CONFIGS + PLAN_CONFIGS + PRECISION_CONFIGS
-QUICK: list[PlanConfig] = [ONE_RANK_CONFIGS[0], ONE_RANK_CONFIGS[14], PLAN_CONFIGS[3], PLAN_CONFIGS[7], PLAN_CONFIGS[11],
-                           PRECISION_CONFIGS[1], PRECISION_CONFIGS[3]]
 PLAN_STEPS_PER_ROUND = 4  # timed steps per launch of a plan's ranks (after a warm-up step)
 
 
@@ -577,11 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         times = (f"{prediction.step_s:>7.3f} {step_s:>7.3f} {prediction.step_s / step_s - 1:>+7.1%}"
                  if math.isfinite(step_s) else f"{'-':>7} {'-':>7} {'-':>7}")
         print(f"{config.label + stages:<52} {times}  {pred_mb / 1e6:>8.2f} {meas_mb / 1e6:>8.2f} {pred_mb / meas_mb - 1:>+7.2%}")
-        group = f"{config.world} rank" + ("s" if config.world > 1 else "")
+        group = f"{config.world} rank" + ("s" if config.world > 1 else "") + (" TP" if config.tensor_parallel else "")
         rows.setdefault(group, []).append((prediction.step_s, step_s, pred_mb, meas_mb))
     print()
     for group, group_rows in rows.items():
         _summary(group, group_rows)
+    _summary("all but TP", [row for group, group_rows in rows.items() if not group.endswith("TP") for row in group_rows])
     _summary("all", [row for group_rows in rows.values() for row in group_rows])
     return 0
 
