@@ -77,6 +77,11 @@ class StageLayout:
     num_layers: np.ndarray
     has_pre: np.ndarray
     has_post: np.ndarray
+    # the backend reduces each unit (module owning parameters) on its own: the post block's unit whose backward
+    # finishes it, the pre block's, and the pre unit just before that one (0: none); None: one unit per block
+    post_last: np.ndarray | None = None
+    pre_last: np.ndarray | None = None
+    pre_previous: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -146,20 +151,31 @@ class _Gradients:
         zero1 = np.where(self.accumulating, shard - np.where(low, grad_bytes, (1.0 - g) * full), shard)
         zero23 = np.where(self.accumulating, 0.0, (1.0 - g) * shard)
         self._finished = np.select([zero == 0, zero == 1], [zero0, zero1], zero23)
-        # the block whose backward runs. fp32 path: its micro-batch buffer (+ its fp32 reduction copy in
-        # mixed precision). Low precision: the buffer when the step's first micro-batch allocates it, nothing
-        # later (it is an accumulator already), the fp32 copy only when the last micro-batch reduces
-        fp32_running = grad_bytes + (ACCUMULATOR_BYTES if grad_bytes < ACCUMULATOR_BYTES else 0.0)
-        self._running_first = np.where(low, grad_bytes, fp32_running)
-        self._running_later = np.where(low, 0.0, fp32_running)
-        # on top of ``running`` while the last micro-batch's gradients are reduced: fp32 path, the fresh shard
-        # and the library's copies of the fp32 input when scattered; low precision, also the fp32 copy
-        # (none for ZeRO-0 on one rank: nothing to reduce), the buffer freed once the shard exists (ZeRO-1)
+        # the block whose backward runs: its micro-batch buffer (low precision: when the step's first micro-batch
+        # allocates it; later it is an accumulator already)
+        self._running_first = np.full(np.shape(low), grad_bytes)
+        self._running_later = np.where(low, 0.0, grad_bytes)
+        # on top of that while its gradients are reduced (``zero.UnitBucket.reduce``): the fp32 copy of the unit
+        # (mixed precision) made while the buffer still exists; then, the buffer freed, what the reduction holds:
+        # the fresh shard and the library's copies of its input when scattered, and the input itself unless it
+        # is the accumulator (ZeRO 0/1 with accumulation add the copy into it) or the buffer (fp32 params)
+        mixed = np.asarray(grad_bytes < ACCUMULATOR_BYTES)
         scatter = np.where(scattered, shard + copies * ACCUMULATOR_BYTES, 0.0)
-        low_reducing = np.where((zero == 0) & (dp == 1), 0.0,
-                                full + np.where(zero == 1, np.maximum(0.0, np.maximum(scatter, shard) - grad_bytes), 0.0))
-        self._reducing = np.where(low, low_reducing, scatter)
+        copy_kept = np.where(mixed & ~((zero <= 1) & self.accumulating), full, 0.0)
+        after_cast = np.where(zero == 0, 0.0, copy_kept + scatter - grad_bytes)
+        fp32_last = np.where(mixed, np.maximum(full, after_cast), np.where((zero == 1) & self.accumulating,
+                                                                          np.maximum(0.0, scatter - grad_bytes), scatter))
+        low_last = np.where(zero == 0, np.where(dp > 1, full, 0.0),
+                            np.maximum(full, full + np.maximum(scatter, shard) - grad_bytes))
+        self._reducing = np.where(low, low_last, fp32_last)
+        # ZeRO 0/1 before the last micro-batch: the fp32 path casts (mixed) and adds into the accumulator
+        self._reducing_other = np.where(low | ~mixed, 0.0, full)
         self._every_micro_batch = zero >= 2  # ZeRO 2/3 reduce-scatter each micro-batch, ZeRO 0/1 the last
+        # the previous block's reduction input (fp32) stays until the next block's backward is done (the
+        # runtime waits for a reduction one unit later, so that it overlaps that unit's backward): a
+        # reduce-scatter's input, and low-precision ZeRO-0's all-reduce copy; in-place fp32 all-reduces
+        # keep nothing extra
+        self._pending = np.where(scattered | (low & (zero == 0) & (dp > 1)), full, 0.0)
 
     def accumulator(self, numel: np.ndarray) -> np.ndarray:
         return numel * self._accumulator
@@ -171,7 +187,11 @@ class _Gradients:
         return numel * (self._running_first if first else self._running_later)
 
     def reducing(self, numel: np.ndarray, last) -> np.ndarray:
-        return numel * np.where(np.asarray(last) | self._every_micro_batch, self._reducing, 0.0)
+        return numel * np.where(np.asarray(last) | self._every_micro_batch, self._reducing, self._reducing_other)
+
+    def pending(self, numel: np.ndarray, last) -> np.ndarray:
+        """While a block's backward runs: the previous block's (``numel``) reduction still in flight."""
+        return numel * np.where(np.asarray(last) | self._every_micro_batch, self._pending, 0.0)
 
 
 def greedy_offload(saved_sequence: list[np.ndarray], offloadable: list[bool], fraction: np.ndarray) -> np.ndarray:
@@ -198,6 +218,9 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
                                              layout.num_layers, config.ckpt_layers, config.inflight)
     has_pre, has_post = _arrays(layout.has_pre, layout.has_post)
     p_pre, p_layer, p_post = has_pre * layout.pre, np.asarray(layout.layer, float), has_post * layout.post
+    post_last = has_post * (layout.post if layout.post_last is None else np.asarray(layout.post_last, float))
+    pre_last = has_pre * (layout.pre if layout.pre_last is None else np.asarray(layout.pre_last, float))
+    pre_previous = has_pre * (0.0 if layout.pre_previous is None else np.asarray(layout.pre_previous, float))
     total = layout.total
     fp32 = config.dtype == "float32"
 
@@ -257,43 +280,56 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
         (has_post * (before_post + post_fw_free), zeros, forward_grads),
     ]
 
-    def backward_points(base: np.ndarray, done, first: bool, last) -> list[tuple]:
+    def backward_points(base: np.ndarray, done, first: bool, last, carried=0.0) -> list[tuple]:
         """The loss, the post block, layers last to first (both ends), checkpointed layers, pre;
         ``base``: gradient bytes before this backward, ``done(numel)``: bytes a finished block adds,
         ``first``: the step's first backward, ``last`` (per candidate): the one whose gradients are
-        reduced. A stage without the post block also holds the output it kept for this backward."""
+        reduced, ``carried``: a reduction of the previous backward still in flight when this one
+        follows it directly (1F1B's cooldown). A stage without the post block also holds the output it
+        kept for this backward."""
         done_post = done(p_post)
         layers_done = lambda count: done_post + done(count * p_layer)  # noqa: E731
         running = lambda numel: grads.running(numel, first)  # noqa: E731
         reducing = lambda numel: grads.reducing(numel, last)  # noqa: E731
+        # the reduction of the unit that finished just before (post's last unit before the first layer, a layer
+        # before the next, the last layer before pre, pre's previous unit before its last) is still in flight
+        after_post = np.where(has_post > 0, grads.pending(post_last, last), carried)
+        after_layer = grads.pending(p_layer, last)
+        after_first = lambda count: np.where(count > 1, after_layer, after_post)  # noqa: E731
+        before_pre_last = np.where(pre_previous > 0, grads.pending(pre_previous, last), after_first(n + 1))
         points = [
             (has_post * (before_post + post_bw_free), zeros, base),
             (has_post * (before_post + post.backward_peak), has_post * weights_at["post"],
              base + running(p_post)),
             (np.where(plain > 0, kept_before(ckpt, plain - 1) + np.where(plain > 1, prefetched, 0.0)
                       + layer.backward_peak, zeros),
-             layer_weights(plain > 0), base + done_post + running(p_layer)),
+             layer_weights(plain > 0), base + done_post + running(p_layer) + after_post),
             (np.where(plain > 0, kept_before(ckpt, 0) + layer.backward_peak, zeros),
-             layer_weights(plain > 0), base + layers_done(np.maximum(plain - 1, 0)) + running(p_layer)),
+             layer_weights(plain > 0), base + layers_done(np.maximum(plain - 1, 0)) + running(p_layer)
+             + after_first(plain)),
             # a checkpointed layer: its forward is recomputed, then its backward runs (the first of them
             # with the other checkpointed layers' inputs alive, the last with every other gradient)
             (np.where(ckpt > 0, kept_before(ckpt - 1, 0) + recomputed, zeros),
-             layer_weights(ckpt > 0), base + layers_done(plain) + running(p_layer)),
+             layer_weights(ckpt > 0), base + layers_done(plain) + running(p_layer) + after_first(plain + 1)),
             (np.where(ckpt > 0, pre_acts + recomputed, zeros),
-             layer_weights(ckpt > 0), base + layers_done(np.maximum(n - 1, 0)) + running(p_layer)),
-            (has_pre * pre.backward_peak, has_pre * weights_at["pre"], base + layers_done(n) + running(p_pre)),
+             layer_weights(ckpt > 0), base + layers_done(np.maximum(n - 1, 0)) + running(p_layer) + after_first(n)),
+            (has_pre * pre.backward_peak, has_pre * weights_at["pre"], base + layers_done(n) + running(p_pre)
+             + after_first(n + 1)),
             # the moments a block's gradients are reduced (its backward done): the post block with every
             # layer's activations still alive, a layer, and pre at the very end
             (has_post * before_post, zeros, base + running(p_post) + reducing(p_post)),
             (np.where(plain > 0, kept_before(ckpt, plain - 1), zeros), zeros,
-             np.where(plain > 0, base + done_post + running(p_layer) + reducing(p_layer), 0.0)),
-            (zeros, zeros, has_pre * (base + layers_done(n) + running(p_pre) + reducing(p_pre))),
+             np.where(plain > 0, base + done_post + running(p_layer) + reducing(p_layer) + after_post, 0.0)),
+            (zeros, zeros, has_pre * (base + layers_done(n) + done(p_pre - pre_last) + running(pre_last)
+                                      + reducing(pre_last) + before_pre_last)),
         ]
         return [(acts + boundary_output, weights_here, grad) for acts, weights_here, grad in points]
 
     # 1F1B: the first backward runs with inflight - 1 micro-batches held and no accumulator yet; a
     # later one with every accumulator and min(inflight, grad_accum - 1) - 1 held; those between the
-    # first and the last (grad_accum > 2) keep every accumulator as it is
+    # first and the last (grad_accum > 2) keep every accumulator as it is. A stage holding several
+    # micro-batches ends the step with backwards back to back: the last one starts while the previous
+    # one's final reduction (ZeRO 2/3) is in flight
     later_held = np.maximum(np.minimum(inflight, accum - 1.0) - 1.0, 0.0)
     keep = lambda numel: np.zeros_like(np.asarray(numel, dtype=float))  # noqa: E731
     phases = [(inflight - 1.0, forward_points),
@@ -302,7 +338,9 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
                [(np.where(grads.middle, acts, 0.0), np.where(grads.middle, w, 0.0), np.where(grads.middle, g, 0.0))
                 for acts, w, g in backward_points(between, keep, False, False)]),
               (np.where(grads.accumulating, later_held, inflight - 1.0),
-               backward_points(np.where(grads.accumulating, between, 0.0), grads.finished, False, True))]
+               backward_points(np.where(grads.accumulating, between, 0.0), grads.finished, False, True,
+                               carried=np.where(grads.accumulating & (inflight > 1), grads.pending(
+                                   np.where(has_pre > 0, pre_last, p_layer), False), 0.0)))]
     points = [(held_count * one_held + posted_receive + acts, weights_here, grad)
               for held_count, phase_points in phases for acts, weights_here, grad in phase_points]
     shape = np.broadcast_shapes(*(np.shape(part) for point in points for part in point))

@@ -81,6 +81,9 @@ class BlockAnalysis:
     params_per_device: sympy.Expr  # parameter elements on one device under tensor parallelism
     params: int  # parameter elements, unsharded
     tp_granularity: int = 1  # tp must divide this (gcd of attention heads and sharded weight dims); 0: no sharding
+    # per-device parameter elements of the backend's units in the block (modules owning parameters), forward
+    # order; None: one unit
+    units: list[sympy.Expr] | None = None
 
     @property
     def tp_supported(self) -> bool:
@@ -111,6 +114,7 @@ class _BlockFunctions:
     tp_supported: bool
     op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
     tp_granularity: int
+    units: list[Callable]  # the first two units in forward order (the second 0 when there is one)
 
 
 # The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
@@ -147,6 +151,7 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         tp_supported=block.tp_supported,
         op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
         tp_granularity=block.tp_granularity,
+        units=[_lambdify(e) for e in ((block.units or [block.params_per_device]) + [sympy.Integer(0)])[:2]],
     )
 
 
@@ -270,6 +275,7 @@ class StageCostModel:
             terms[name] = (np.max(np.stack([f(b, s, t) for f in candidates]), axis=0) if candidates
                            else np.zeros(b.shape))
         terms["params"] = functions.params_per_device(b, s, t)
+        terms["unit_0"], terms["unit_1"] = (unit(b, s, t) for unit in functions.units)
         for index, size in enumerate(functions.saved_sequence):
             terms[f"saved_{index}"] = size(b, s, t)
         return terms
@@ -326,7 +332,10 @@ class StageCostModel:
         low_grads = ((np.asarray(c.low_precision_grads, dtype=bool) | (self.grad_dtype != "float32"))
                      & (zero <= 1) & (grad_b < 4.0) & (np.asarray(c.offload_grads, dtype=float) == 0))
         stage_params = stage_sum("params")
-        layout = StageLayout(pre["params"], layer["params"], post["params"], n, has_pre, has_post)
+        # units: the post block's backward ends with its first unit in forward order (the final norm), the pre
+        # block's with its first (the token embedding), after its second (the positions)
+        layout = StageLayout(pre["params"], layer["params"], post["params"], n, has_pre, has_post,
+                             post_last=post["unit_0"], pre_last=pre["unit_0"], pre_previous=pre["unit_1"])
         config = StageConfig(self.dtype, c.zero, dp, c.grad_accum, c.inflight, ckpt, c.offload_weights,
                              c.offload_grads, c.offload_opt, c.offload_acts, self.hardware.reduce_scatter_copies,
                              low_precision_grads=low_grads)

@@ -280,11 +280,16 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
     release: dict[fx.Node, int] = {}  # forward saved base -> index of its last backward use
     bw_nodes = list(backward.graph.nodes)
     next_op = _next_ops(bw_nodes)
+    node_done = _autograd_node_ends(bw_nodes)
     for base, holders in saved.holders.items():
         end = max(bw_last.get(h, -1) for h in holders)
-        # autograd frees a node's saved tensors when the node is done: a matmul's backward computes
-        # the weight and the input gradient, so what the first of the two reads lives through both
-        follower = next_op.get(end)
+        # autograd frees a node's saved tensors when the node is done: every op of its backward (same
+        # ``seq_nr``: a matmul's weight and input gradients, a product's two factors' gradients) runs first
+        done = node_done.get(end)
+        if done is not None:
+            release[base] = done
+            continue
+        follower = next_op.get(end)  # no seq_nr: a matmul's backward is its two products
         paired = (0 <= end and follower is not None and op_name(bw_nodes[end]) in MATMUL_BACKWARD_OPS
                   and op_name(bw_nodes[follower]) in MATMUL_BACKWARD_OPS)
         release[base] = follower if paired else end
@@ -401,6 +406,27 @@ def _save_order(bases: list[fx.Node], names: set[str], order: dict[fx.Node, int]
                    if user.name in names and user in order and not is_view(user)]
         return min(readers, default=order.get(base, -1))
     return sorted(bases, key=first_reader)
+
+
+def _autograd_node_ends(nodes: list[fx.Node]) -> dict[int, int]:
+    """Index of each backward op -> index of the last op of the same autograd node (same ``seq_nr``,
+    consecutive in the graph), for ops that carry one."""
+    ends: dict[int, int] = {}
+    run: list[int] = []
+    current = None
+    for index, node in enumerate(nodes):
+        if node.op != "call_function" or is_view(node):
+            continue
+        seq = node.meta.get("seq_nr")
+        if seq is None or seq != current:
+            for member in run:
+                ends[member] = run[-1]
+            run, current = ([index] if seq is not None else []), seq
+        else:
+            run.append(index)
+    for member in run:
+        ends[member] = run[-1]
+    return ends
 
 
 def _next_ops(nodes: list[fx.Node]) -> dict[int, int]:
