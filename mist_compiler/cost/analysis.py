@@ -28,16 +28,32 @@ def capture_program(model, *, seq_len: int, dtype: str):
     return capture(model, seq_len=seq_len, dtype=dtype)
 
 
-@functools.lru_cache(maxsize=16)
 def captured_named_model(name: str, seq_len: int, dtype: str):
-    """``capture`` of a model name, once per process (treat the program as read-only)."""
-    return capture_program(name, seq_len=seq_len, dtype=dtype)
+    """``capture`` of a model name, once per process and loss-fusion setting (treat the program as read-only)."""
+    from ..frontend.joint import loss_fusion_enabled
+
+    return _captured(name, seq_len, dtype, loss_fusion_enabled())
 
 
 @functools.lru_cache(maxsize=16)
+def _captured(name: str, seq_len: int, dtype: str, fused: bool):
+    from ..frontend.joint import loss_fusion
+
+    with loss_fusion(fused):
+        return capture_program(name, seq_len=seq_len, dtype=dtype)
+
+
 def analyse_named_model(name: str, seq_len: int, dtype: str) -> tuple[dict[str, BlockAnalysis], int, str]:
-    """Capture and analyse a model by name once per process (the tuner and analyze reuse it)."""
-    program = captured_named_model(name, seq_len, dtype)
+    """Capture and analyse a model by name once per process and loss-fusion setting (the tuner and
+    analyze reuse it)."""
+    from ..frontend.joint import loss_fusion_enabled
+
+    return _analysed(name, seq_len, dtype, loss_fusion_enabled())
+
+
+@functools.lru_cache(maxsize=16)
+def _analysed(name: str, seq_len: int, dtype: str, fused: bool) -> tuple[dict[str, BlockAnalysis], int, str]:
+    program = _captured(name, seq_len, dtype, fused)
     blocks, num_layers = analyse_program(program)
     return blocks, num_layers, program.model_name
 

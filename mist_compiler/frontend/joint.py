@@ -35,6 +35,11 @@ from ..passes.block_discovery import module_paths
 _FUSE_LOSS = [True]  # the default of joint_backend(fuse_loss=None); see loss_fusion
 
 
+def loss_fusion_enabled() -> bool:
+    """What a joint backend built now without an explicit ``fuse_loss`` does."""
+    return _FUSE_LOSS[-1]
+
+
 @contextlib.contextmanager
 def loss_fusion(enabled: bool):
     """Within the block, joint backends built without an explicit ``fuse_loss`` fuse (or not)."""
