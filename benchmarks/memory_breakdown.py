@@ -147,8 +147,9 @@ def our_notes() -> list[str]:
     return [
         f"weights 2P = {2 * p / MB:,.1f}; optimizer 12P/dp = {12 * p / DP / MB:,.1f}",
         f"gradients: seed 4P = {4 * p / MB:,.1f} (an fp32 accumulator of every parameter from the first micro-batch to "
-        f"the last reduce-scatter; the fused-loss column's peak also holds the running layer's fp16 buffer and fp32 "
-        f"copy, 6 bytes x 50.3M); now 2P = {2 * p / MB:,.1f} (the fp16 buffers, which accumulate)",
+        f"the last reduce-scatter; at the fused-loss column's point, the last micro-batch's, the head's accumulator is "
+        f"already traded for its 1/dp shard and the running layer adds its fp16 buffer); now 2P = {2 * p / MB:,.1f} "
+        f"(the fp16 buffers, which accumulate; the last micro-batch casts each unit to fp32 only to reduce it)",
         f"logits and loss, seed: the loss backward holds the fp32 log-probabilities, the NLL gradient and the "
         f"log-softmax gradient, 3 x b*s*V*4 = {3 * b * s * v * 4 / MB:,.1f}, and the final norm's and head's "
         f"inputs and statistics (the rest of the row)",
