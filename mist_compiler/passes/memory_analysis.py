@@ -22,7 +22,9 @@ Results per block, sympy expressions in ``b``, ``s``, ``t``:
   intermediates, each parameter gradient at the moment it is produced, before it is
   accumulated into ``.grad``) + the op's workspace (the fused loss's backward: its chunk and fp32
   weight-gradient accumulator; the math attention backward at its softmax: the probabilities,
-  their gradient and the scores' gradient);
+  their gradient and the scores' gradient). A saved storage is released when the autograd node
+  that saved it is done: after the last backward op with that node's ``seq_nr`` (a matmul's two
+  products, a product's two factors' gradients);
 - ``forward_peaks_weights_free`` / ``backward_peaks_weights_free``: the candidates of the points
   at which the block needs neither its weights nor its parameter gradients: forward points after
   its last read of a parameter (a loss after the head), backward points before its first
