@@ -4,12 +4,17 @@ Runs each configuration for real on this machine and prints, per configuration, 
 and measured step time (forward + backward + AdamW step) and peak memory of live tensors, each
 error, and the Kendall tau between predicted and measured step times (per group and overall).
 
-Configurations are dataclasses with a ``kind``; ``RUNNERS[kind]`` measures one and
+Configurations (``accuracy_configs.py``) are dataclasses with a ``kind``; ``RUNNERS[kind]`` measures one and
 ``PREDICTORS[kind]`` predicts it (one kind today, ``plan``): a plan trained through the backend
 (``mist_compiler.compile``) on 1, 2 or 4 local gloo ranks, torch limited to one thread per rank
 (one core is one device of the ``cpu`` profile). One rank: a stage with the whole model, batch,
 sequence, checkpointing and attention kernel varied. Two and four ranks: data parallelism at every
-ZeRO level, checkpointing, each offload kind, 1F1B pipelines.
+ZeRO level, checkpointing, each offload kind, 1F1B pipelines. Mixed precision (fp16/bf16 with
+fp32 master weights, with and without low-precision gradients) and tensor parallelism are
+compared on peak memory (fp16/bf16 step times on a CPU say nothing of a GPU's; the compute rates
+are calibrated in fp32); tensor-parallel plans are summarised as their own group (their loss is
+not yet the one the cost model prices: ``accuracy_configs.TP_CONFIGS``). ``--memory-only``: one
+round, no timing, no calibration (a few minutes).
 
 - Peak memory: ``backends.live_memory.DevicePeakMemory`` (every storage an op creates or touches,
   resized flat buffers re-read, the runtime's host buffers left out; CUDA memory statistics on a
@@ -54,7 +59,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
@@ -65,33 +70,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mist_compiler.backends.host_allocator import keep_freed_host_memory
 from mist_compiler.cost.hardware import HardwareProfile, load_profile
 from mist_compiler.cost.stage_model import StageCostModel
-from mist_compiler.ir.plan import Offload, Plan, StagePlan
-from mist_compiler.models import TransformerConfig, TransformerLM, zoo_config
 
-CUSTOM_MODELS: dict[str, TransformerConfig] = {
-    "gpt-wide": TransformerConfig(hidden=512, ffn=2048, layers=3, heads=8, vocab=8192, max_seq=512, family="gpt"),
-    "llama-deep": TransformerConfig(hidden=256, ffn=688, layers=8, heads=4, vocab=8192, max_seq=256, norm="rmsnorm",
-                                    activation="swiglu", positions="rotary", family="llama"),
-}
-
-
-def gpt_wide() -> TransformerLM:
-    """Factory for ``mist_compiler.capture("benchmarks.prediction_accuracy:gpt_wide")``."""
-    return TransformerLM(CUSTOM_MODELS["gpt-wide"])
-
-
-def llama_deep() -> TransformerLM:
-    return TransformerLM(CUSTOM_MODELS["llama-deep"])
-
-
-FACTORIES = {"gpt-wide": "benchmarks.prediction_accuracy:gpt_wide", "llama-deep": "benchmarks.prediction_accuracy:llama_deep"}
-
-
-def model_config(name: str, seq_len: int) -> TransformerConfig:
-    if name in CUSTOM_MODELS:
-        return replace(CUSTOM_MODELS[name], max_seq=max(seq_len, CUSTOM_MODELS[name].max_seq))
-    return zoo_config(name, seq_len)
-
+try:  # run as a script (benchmarks/ on the path) or imported as benchmarks.prediction_accuracy
+    from benchmarks.accuracy_configs import (CONFIGS, FACTORIES, ONE_RANK_CONFIGS, PLAN_CONFIGS,  # noqa: F401
+                                             PRECISION_CONFIGS, QUICK, TP_CONFIGS, PlanConfig, StageSpec, _stages,
+                                             one_rank)
+except ImportError:
+    from accuracy_configs import (CONFIGS, FACTORIES, ONE_RANK_CONFIGS, PLAN_CONFIGS,  # noqa: F401
+                                  PRECISION_CONFIGS, QUICK, TP_CONFIGS, PlanConfig, StageSpec, _stages, one_rank)
 
 @dataclass
 class Outcome:
@@ -249,118 +235,22 @@ def multi_rank_profile(base: HardwareProfile, world: int, calibration: LinkCalib
                                host_optimizer_params_per_s=fitted.host_optimizer_params_per_s * share)
 
 
+# The backend runs the captured graph, whose head and loss capture fuses (mist::linear_cross_entropy):
+# the programs priced here are captured the same way.
+RUNTIME_FUSES_LOSS = True
+
+
 @lru_cache(maxsize=None)
-def _analysed(model_name: str):
+def _analysed(model_name: str, dtype: str = "float32"):
     from mist_compiler import capture
     from mist_compiler.cost.analysis import analyse_program
+    from mist_compiler.frontend.joint import loss_fusion
 
-    program = capture(FACTORIES.get(model_name, model_name), dtype="float32")  # b and s stay symbolic
+    with loss_fusion(RUNTIME_FUSES_LOSS):
+        program = capture(FACTORIES.get(model_name, model_name), dtype=dtype)  # b and s stay symbolic
     return analyse_program(program)
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    """One pipeline stage of a ``PlanConfig`` (all its devices on one node)."""
-
-    layers: int
-    dp: int = 1
-    tp: int = 1
-    zero: int = 0
-    ckpt: int = 0
-    offload: Offload = Offload()
-
-
-@dataclass(frozen=True)
-class PlanConfig:
-    """A plan trained through the backend (``mist_compiler.compile``) on local gloo ranks."""
-
-    model: str
-    seq_len: int
-    global_batch: int
-    grad_accum: int
-    stages: tuple[StageSpec, ...]
-    attention: str = "flash"  # "math": SDPA's math backend (keeps the s x s probabilities)
-    kind: str = "plan"
-
-    @property
-    def world(self) -> int:
-        return sum(stage.dp * stage.tp for stage in self.stages)
-
-    def plan(self) -> Plan:
-        built, start = [], 0
-        for stage in self.stages:
-            built.append(StagePlan(layers=(start, start + stage.layers), nodes=1, gpus_per_node=stage.dp * stage.tp,
-                                   micro_batch=self.global_batch // (stage.dp * self.grad_accum), dp=stage.dp,
-                                   tp=stage.tp, zero=stage.zero, ckpt_layers=stage.ckpt, offload=stage.offload))
-            start += stage.layers
-        plan = Plan(self.model, self.seq_len, self.global_batch, "float32", self.grad_accum, tuple(built))
-        plan._check_consistency()
-        return plan
-
-    @property
-    def label(self) -> str:
-        def stage_label(stage: StageSpec) -> str:
-            parts = [f"dp{stage.dp}" if stage.dp > 1 else "", f"tp{stage.tp}" if stage.tp > 1 else "",
-                     f"z{stage.zero}" if stage.zero else "", f"ck{stage.ckpt}" if stage.ckpt else ""]
-            offload = stage.offload
-            parts += [f"o{name[0]}{value:g}" for name, value in (("weights", offload.weights), ("grads", offload.grads),
-                                                                ("opt", offload.opt), ("acts", offload.acts)) if value]
-            return ",".join(part for part in parts if part) or "-"
-
-        pipeline = "|".join(stage_label(stage) for stage in self.stages)
-        accum = f" ga{self.grad_accum}" if self.grad_accum > 1 else ""
-        math = " math" if self.attention == "math" else ""
-        return f"{self.world}r {self.model} {pipeline} gb{self.global_batch}{accum} s{self.seq_len}{math}"
-
-
-def _stages(*stages: StageSpec) -> tuple[StageSpec, ...]:
-    return stages
-
-
-def one_rank(model: str, batch: int, seq_len: int, ckpt: int = 0, attention: str = "flash") -> PlanConfig:
-    """One rank, one stage with the whole model (no communication)."""
-    layers = model_config(model, seq_len).layers
-    return PlanConfig(model, seq_len, batch, 1, _stages(StageSpec(layers, ckpt=ckpt)), attention)
-
-
-ONE_RANK_CONFIGS: list[PlanConfig] = [
-    one_rank("gpt-small", 2, 256),
-    one_rank("gpt-small", 4, 256),
-    one_rank("gpt-small", 8, 128),
-    one_rank("gpt-small", 4, 256, ckpt=2),
-    one_rank("gpt-small", 8, 256, ckpt=4),
-    one_rank("gpt-small", 1, 64),
-    one_rank("llama-small", 2, 256),
-    one_rank("llama-small", 4, 256, ckpt=2),
-    one_rank("llama-small", 8, 128),
-    one_rank("gpt-wide", 2, 512),
-    one_rank("gpt-wide", 4, 256, ckpt=3),
-    one_rank("llama-deep", 4, 256),
-    one_rank("llama-deep", 8, 256, ckpt=4),
-    one_rank("llama-deep", 2, 128),
-    one_rank("gpt-small", 2, 256, attention="math"),
-    one_rank("llama-small", 2, 128, ckpt=2, attention="math"),
-]
-PLAN_CONFIGS: list[PlanConfig] = [
-    # 2 ranks: data parallel at every ZeRO level, checkpointing, each kind of offload, pipelines
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2))),
-    PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(4, dp=2, zero=1))),
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, zero=2))),
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, zero=3, ckpt=2))),
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, zero=2, offload=Offload(grads=0.5, opt=0.5)))),
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=2, offload=Offload(weights=0.5, acts=0.5)))),
-    PlanConfig("llama-small", 128, 16, 1, _stages(StageSpec(4, dp=2, zero=3, offload=Offload(acts=0.5)))),
-    PlanConfig("gpt-small", 256, 8, 4, _stages(StageSpec(2), StageSpec(2))),
-    PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(2, ckpt=1), StageSpec(2))),
-    # 4 ranks (two per core on this machine)
-    PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, dp=4, zero=3))),
-    PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(4, dp=4, zero=1, offload=Offload(opt=1.0)))),
-    PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=2, ckpt=1),
-                                               StageSpec(2, dp=2, zero=2, offload=Offload(grads=0.5)))),
-    PlanConfig("llama-small", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=1, ckpt=2), StageSpec(2, dp=2, zero=3))),
-]
-CONFIGS: list[PlanConfig] = ONE_RANK_CONFIGS + PLAN_CONFIGS
-QUICK: list[PlanConfig] = [ONE_RANK_CONFIGS[0], ONE_RANK_CONFIGS[14], PLAN_CONFIGS[3], PLAN_CONFIGS[7], PLAN_CONFIGS[11]]
 PLAN_STEPS_PER_ROUND = 4  # timed steps per launch of a plan's ranks (after a warm-up step)
 
 
@@ -422,7 +312,8 @@ def measure_plan(config: PlanConfig, timed_steps: int, measure_memory: bool, cal
 
     results = run_ranks(_plan_rank, config.world, args=(config, timed_steps, measure_memory, calibrate),
                         timeout_s=900.0, collective_timeout_s=300.0)
-    step_s = statistics.median(max(times[step] for _, times, _ in results) for step in range(timed_steps))
+    step_s = (statistics.median(max(times[step] for _, times, _ in results) for step in range(timed_steps))
+              if timed_steps else float("nan"))
     topology = Topology(config.plan())
     stage_peaks = [0.0] * len(config.stages)
     for rank, (peak, _, _) in enumerate(results):
@@ -437,8 +328,8 @@ def predict_plan(config: PlanConfig, hardware: HardwareProfile) -> Outcome:
     traffic) with the plan's attention kernel."""
     from mist_compiler.cost.analyze import analyze
 
-    blocks, num_layers = _analysed(config.model)
-    cost_model = StageCostModel(blocks, hardware, config.seq_len, "float32", config.attention, config.model, num_layers)
+    blocks, num_layers = _analysed(config.model, config.dtype)
+    cost_model = StageCostModel(blocks, hardware, config.seq_len, config.dtype, config.attention, config.model, num_layers)
     estimate = analyze(config.model, config.plan(), hardware, cost_model=cost_model, attention=config.attention)
     peaks = [stage.peak_memory_mb * 1e6 for stage in estimate.stages]
     return Outcome(estimate.iteration_time_s, max(peaks), peaks)
@@ -467,10 +358,11 @@ def _summary(name: str, rows: list[tuple]) -> None:
     """rows: (predicted s, measured s, predicted bytes, measured bytes) per configuration."""
     if not rows:
         return
-    time_errors = [abs(p / m - 1) for p, m, _, _ in rows]
+    timed = [row for row in rows if math.isfinite(row[1])]
+    time_errors = [abs(p / m - 1) for p, m, _, _ in timed] or [float("nan")]
     memory_errors = [abs(p / m - 1) for _, _, p, m in rows]
-    tau = kendall_tau([r[0] for r in rows], [r[1] for r in rows])
-    print(f"{name:<22} {len(rows):>3} configs | step time mean |err| {statistics.mean(time_errors):6.1%} "
+    tau = kendall_tau([r[0] for r in timed], [r[1] for r in timed])
+    print(f"{name:<22} {len(rows):>3} configs ({len(timed)} timed) | step time mean |err| {statistics.mean(time_errors):6.1%} "
           f"max {max(time_errors):6.1%} tau {tau:6.3f} | peak memory mean |err| {statistics.mean(memory_errors):6.2%} "
           f"max {max(memory_errors):6.2%}")
 
@@ -483,11 +375,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-calibrate", action="store_true",
                         help="use the shipped profile as is (default: re-measure compute rates and collectives first)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 2)")
+    parser.add_argument("--memory-only", action="store_true", help="peak memory only: one round, no timing, no calibration")
     args = parser.parse_args(argv)
+    if args.memory_only:
+        args.rounds, args.no_calibrate = 1, True
     torch.set_num_threads(1)
     configs = [c for c in (QUICK if args.quick else CONFIGS) if args.ranks in (None, c.world)]
     rounds = args.rounds or (2 if args.quick else 3)
-    worlds = sorted({c.world for c in configs if c.world > 1})
+    worlds = sorted({c.world for c in configs if c.world > 1 and c.timed and not args.memory_only})
     links = None
     if worlds and not args.no_calibrate:
         links = measure_links(worlds)
@@ -499,14 +394,17 @@ def main(argv: list[str] | None = None) -> int:
     measured: list[Outcome | None] = [None] * len(configs)
     for round_index in range(rounds):  # interleaved: a burst of load hits every config alike
         for index, config in enumerate(configs):
-            outcome = RUNNERS[config.kind](config, PLAN_STEPS_PER_ROUND, measure_memory=round_index == 0,
-                                           calibrate=None if args.no_calibrate else args.hardware)
+            if not config.timed and round_index > 0:
+                continue  # peak memory only: measured in the first round
+            timed = config.timed and not args.memory_only
+            outcome = RUNNERS[config.kind](config, PLAN_STEPS_PER_ROUND if timed else 0, measure_memory=round_index == 0,
+                                           calibrate=None if args.no_calibrate or not timed else args.hardware)
             profile = outcome.calibration or load_profile(args.hardware)
             rounds_of[index].append((profile, outcome.step_s))
             if round_index == 0:
                 measured[index] = outcome
         print(f"round {round_index + 1}/{rounds} done", flush=True)
-    calibrations = [profile for pairs in rounds_of for profile, _ in pairs]
+    calibrations = [profile for pairs in rounds_of for profile, _ in pairs] or [load_profile(args.hardware)]
     peaks = [profile.peak_flops["float32"] / 1e9 for profile in calibrations]
     print(f"profile {args.hardware}: {len(calibrations)} calibrations, fp32 peak {min(peaks):.1f}-{max(peaks):.1f} GFLOP/s "
           f"(median {statistics.median(peaks):.1f}), memory {statistics.median(p.memory_bandwidth for p in calibrations) / 1e9:.2f} "
@@ -516,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     def for_world(profile: HardwareProfile, world: int) -> HardwareProfile:
         if world == 1:
             return profile
-        return (dataclasses.replace(profile, gpus_per_node=max(worlds)) if links is None
+        return (dataclasses.replace(profile, gpus_per_node=max(max(worlds, default=world), world)) if links is None
                 else multi_rank_profile(profile, world, links))
 
     predicted, measured_steps = [], []
@@ -527,20 +425,22 @@ def main(argv: list[str] | None = None) -> int:
         ratio = geometric_mean([outcome.step_s / measured_s for outcome, (_, measured_s) in zip(outcomes, pairs)])
         predicted.append(dataclasses.replace(outcomes[0], step_s=ratio * step_s))
         measured_steps.append(step_s)
-    print(f"\n{'configuration':<44} {'pred s':>7} {'meas s':>7} {'err':>7}  {'pred MB':>8} {'meas MB':>8} {'err':>7}")
+    print(f"\n{'configuration':<52} {'pred s':>7} {'meas s':>7} {'err':>7}  {'pred MB':>8} {'meas MB':>8} {'err':>7}")
     rows: dict[str, list[tuple]] = {}
     for config, prediction, step_s, outcome in zip(configs, predicted, measured_steps, measured):
         # per pipeline stage: the stage whose predicted peak is furthest from its measured one
         stage_pairs = list(zip(prediction.stage_peaks or [prediction.peak_bytes], outcome.stage_peaks or [outcome.peak_bytes]))
         pred_mb, meas_mb = max(stage_pairs, key=lambda pair: abs(pair[0] / pair[1] - 1))
         stages = f" (worst of {len(stage_pairs)} stages)" if len(stage_pairs) > 1 else ""
-        print(f"{config.label + stages:<44} {prediction.step_s:>7.3f} {step_s:>7.3f} {prediction.step_s / step_s - 1:>+7.1%}  "
-              f"{pred_mb / 1e6:>8.2f} {meas_mb / 1e6:>8.2f} {pred_mb / meas_mb - 1:>+7.2%}")
-        group = f"{config.world} rank" + ("s" if config.world > 1 else "")
+        times = (f"{prediction.step_s:>7.3f} {step_s:>7.3f} {prediction.step_s / step_s - 1:>+7.1%}"
+                 if math.isfinite(step_s) else f"{'-':>7} {'-':>7} {'-':>7}")
+        print(f"{config.label + stages:<52} {times}  {pred_mb / 1e6:>8.2f} {meas_mb / 1e6:>8.2f} {pred_mb / meas_mb - 1:>+7.2%}")
+        group = f"{config.world} rank" + ("s" if config.world > 1 else "") + (" TP" if config.tensor_parallel else "")
         rows.setdefault(group, []).append((prediction.step_s, step_s, pred_mb, meas_mb))
     print()
     for group, group_rows in rows.items():
         _summary(group, group_rows)
+    _summary("all but TP", [row for group, group_rows in rows.items() if not group.endswith("TP") for row in group_rows])
     _summary("all", [row for group_rows in rows.values() for row in group_rows])
     return 0
 

@@ -64,11 +64,13 @@ def capture(model, *, dtype: str | None = DEFAULT_DTYPE, attention: str = "flash
     return capture_program(model, dtype=dtype, attention=attention, seq_len=seq_len, analyse=analyse)
 
 
-def analyse(program: MistProgram, hardware, *, seq_len: int, attention: str = "flash"):
-    """Step 2 (analysis passes): the program's vectorised stage cost model on ``hardware``."""
+def analyse(program: MistProgram, hardware, *, seq_len: int, attention: str = "flash", grad_dtype: str = "float32"):
+    """Step 2 (analysis passes): the program's vectorised stage cost model on ``hardware`` (``grad_dtype``:
+    the plans' gradient dtype, ``float32`` or the program's dtype, see ``ir.plan``)."""
     from .cost.stage_model import build_stage_cost_model
 
-    return build_stage_cost_model(program, hardware, seq_len=seq_len, dtype=program.dtype, attention=attention)
+    return build_stage_cost_model(program, hardware, seq_len=seq_len, dtype=program.dtype, attention=attention,
+                                  grad_dtype=grad_dtype)
 
 
 def workload(program: MistProgram, global_batch: int, seq_len: int):

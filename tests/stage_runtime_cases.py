@@ -102,23 +102,36 @@ class Case:
     checkpoint: bool = False  # recompute each block in backward (torch.utils.checkpoint around the unit)
     reduce_scatter_fallback: bool = False  # force dist_compat's all_reduce + slice reduce-scatter
     transform: bool = False  # register an identity-preserving grad transform (x2 then /2 on one param)
+    grad_dtype: torch.dtype = torch.float32  # ZeRO 0/1: gradients kept between micro-batches in this dtype
 
     @property
     def label(self) -> str:
         extras = [name for name, on in (("tied", self.tied), ("transform", self.transform), ("gpipe", self.schedule == "gpipe"),
-                                         ("checkpoint", self.checkpoint), ("rs-fallback", self.reduce_scatter_fallback)) if on]
+                                         ("checkpoint", self.checkpoint), ("rs-fallback", self.reduce_scatter_fallback),
+                                         ("low-precision-grads", self.grad_dtype != torch.float32)) if on]
         return f"{self.model} zero={self.zero} offload={self.offload} G={self.grad_accum} {' '.join(extras)}"
 
 
-def train_with_runtime(rank: int, world: int, case: Case, batches, adamw: AdamWConfig) -> tuple[dict, dict]:
-    """Train with a StageRuntime on this rank's share of every global batch; returns weights and memory."""
+def _reduced_grad(bucket) -> torch.Tensor:
+    """A bucket's reduced gradient over its master range, fp32 on the CPU (zeros where it got none)."""
+    numel = bucket.opt_state.master.numel
+    out = torch.zeros(numel, dtype=torch.float32)
+    for window, part in bucket.reduced_grad_views(0, numel):
+        out[window] = part.detach().float().cpu()
+    return out
+
+
+def train_with_runtime(rank: int, world: int, case: Case, batches, adamw: AdamWConfig,
+                       grads_out: list | None = None) -> tuple[dict, dict]:
+    """Train with a StageRuntime on this rank's share of every global batch; returns weights and memory
+    (and appends each step's reduced fp32 gradient shards, unit by unit, to ``grads_out``)."""
     model = build_model(case.model, seed=0)
     if case.tied:
         model.head.weight = model.embed.weight
     units = make_units(model)
     runtime = StageRuntime(units, dp_group=dist.group.WORLD if world > 1 else None, zero=case.zero,
                            offload=case.offload, optimizer=adamw, device=torch.device("cpu"),
-                           param_dtype=case.param_dtype)
+                           param_dtype=case.param_dtype, grad_dtype=case.grad_dtype)
     if case.transform:
         name = "blocks.0.attn.q.weight"
         runtime.register_grad_transform(name, lambda g: g.mul_(2.0))
@@ -150,6 +163,8 @@ def train_with_runtime(rank: int, world: int, case: Case, batches, adamw: AdamWC
         memory["param_storage_bytes"] = sum(storages.values())
         memory["acts_offloaded"] = sum(o.offloaded_bytes for o in runtime.activations.values())
         memory["acts_kept"] = sum(o.kept_bytes for o in runtime.activations.values())
+        if grads_out is not None:
+            grads_out.append(torch.cat([_reduced_grad(b) for b in runtime.buckets]))
         runtime.step()
     weights = runtime.named_full_parameters()
     runtime.remove_hooks()

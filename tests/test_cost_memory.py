@@ -88,17 +88,19 @@ def test_one_f_one_b_first_and_later_backward():
     middle = dict(zero=0, layer=layer, has_post=False, has_pre=False)
     static = 2 * N * LAYER + 12 * N * LAYER
     per_microbatch = N * saved
-    at_last_layer = (N - 1) * saved + saved  # the layers before it + its own backward peak
-    # the running block's fp16 gradient buffer and its fp32 reduction copy
-    accumulators, running = ACCUMULATOR_BYTES * N * LAYER, (2 + ACCUMULATOR_BYTES) * LAYER
+    # the last layer's reduction: the layers before it keep their activations, its own are released; its fp16
+    # gradient buffer and the fp32 copy it is cast into (then added into the accumulator, or all-reduced)
+    accumulators = ACCUMULATOR_BYTES * N * LAYER
+    at_reduction = (N - 1) * saved + (2 + ACCUMULATOR_BYTES) * LAYER
+    assert at_reduction > N * saved + 2 * LAYER  # more than its backward (all saved + the fp16 buffer)
     # three micro-batches in flight, eight per iteration: a later backward holds min(3, 8 - 1) - 1 = 2
     # others, like the first, but also every block's fp32 accumulator
     result = memory(accum=8, inflight=3, **middle)
-    assert float(result.peak[0]) == pytest.approx(static + 2 * per_microbatch + at_last_layer + accumulators + running)
+    assert float(result.peak[0]) == pytest.approx(static + 2 * per_microbatch + at_reduction + accumulators)
     # two per iteration: the first backward holds one other and no accumulator, the later one none
     two = memory(accum=2, inflight=2, **middle)
-    first = per_microbatch + at_last_layer + running
-    later = at_last_layer + accumulators + running
+    first = per_microbatch + at_reduction
+    later = at_reduction + accumulators
     assert first != later
     assert float(two.peak[0]) == pytest.approx(static + max(first, later))
 
@@ -115,14 +117,15 @@ def test_zero3_gathers_blocks_and_reductions_make_room():
     gathered = memory(zero=3, layer=acts(saved=1.0, fwd=50 * P))
     assert float(gathered.buffers[0]) == pytest.approx(2 * LAYER * 2)  # a layer in use and the next prefetched
     assert float(memory(zero=2, layer=acts(saved=1.0, fwd=50 * P)).buffers[0]) == 0.0
-    # no activations: the largest point is pre's reduce-scatter at the end of the backward, with every
-    # block's fp32 shard, pre's gradient buffer, its fresh shard and the library's copy of the input
+    # no activations: the largest point is pre's reduce-scatter at the end of the backward: every other
+    # block's fp32 shard, the last layer's reduce-scatter still in flight (its fp32 input), and pre's fp16
+    # buffer with its fp32 copy, or, the buffer freed, the copy, the fresh shard and the library's copy
     static = 2 * P + 12 * P / 4
-    reduction = ACCUMULATOR_BYTES * (P - PRE) / 4 + (2 + ACCUMULATOR_BYTES) * PRE + ACCUMULATOR_BYTES * (PRE / 4 + PRE)
-    assert float(memory(zero=2, copies=1.0).peak[0]) == pytest.approx(static + reduction)
-    without_copy = reduction - ACCUMULATOR_BYTES * PRE
-    assert float(memory(zero=2, copies=0.0).peak[0]) == pytest.approx(
-        static + max(without_copy, ACCUMULATOR_BYTES * P / 4 + adam_temporary(PRE / 4)))
+    others = ACCUMULATOR_BYTES * (P - PRE) / 4 + ACCUMULATOR_BYTES * LAYER
+    cast = (2 + ACCUMULATOR_BYTES) * PRE
+    for copies in (1.0, 0.0):
+        scattered = (ACCUMULATOR_BYTES + ACCUMULATOR_BYTES / 4 + copies * ACCUMULATOR_BYTES) * PRE
+        assert float(memory(zero=2, copies=copies).peak[0]) == pytest.approx(static + others + max(cast, scattered))
 
 
 def test_greedy_offload_follows_the_runtime_rule():
@@ -156,3 +159,60 @@ def test_roofline_per_op_class():
     fp32_only = dataclasses.replace(profile, peak_flops={"float32": 1e12})
     with pytest.raises(ValueError, match="peak_tflops"):
         op_class_time(fp32_only, "float16", "matmul", 1.0, 1.0)
+
+
+def low_memory(**kwargs):
+    """``memory`` with the plan's grad_dtype = its (fp16) dtype."""
+    layout = StageLayout(np.array([PRE]), np.array([LAYER]), np.array([POST]), np.array([float(N)]),
+                         np.array([kwargs.pop("has_pre", True)]), np.array([kwargs.pop("has_post", True)]))
+    layer = kwargs.pop("layer", None) or acts()
+    zero, dp, accum = kwargs.pop("zero"), kwargs.pop("dp", 4), kwargs.pop("accum", 1)
+    config = StageConfig("float16", np.array([zero]), np.array([dp]), np.array([accum]), np.array([1]), np.array([0]),
+                         np.array([0.0]), np.array([0.0]), np.array([0.0]), np.array([0.0]), kwargs.pop("copies", 0.0),
+                         low_precision_grads=np.array([True]))
+    assert not kwargs
+    return stage_memory(layout, config, acts(), layer, acts())
+
+
+def test_low_precision_gradients_accumulate_in_the_param_dtype():
+    big = 50 * P
+    # between micro-batches: every block's fp16 buffer (ZeRO 0 and 1), not an fp32 accumulator
+    for zero in (0, 1):
+        assert float(low_memory(zero=zero, accum=4, layer=acts(saved=1.0, fwd=big)).grads[0]) == pytest.approx(2 * P)
+    # ZeRO-2 keeps its fp32 shard either way
+    assert float(low_memory(zero=2, accum=4, layer=acts(saved=1.0, fwd=big)).grads[0]) == pytest.approx(4 * P / 4)
+
+
+def test_low_precision_zero1_reduces_the_last_micro_batch_in_fp32():
+    # no activations: every block's fp16 buffer; the post block's reduction casts it into an fp32 copy, then
+    # trades it for a 1/dp fp32 shard (4/dp = 1 byte per parameter); the copy stays until the next unit's
+    # reduction is launched, which is the largest point: the last layer's, with its own fp32 copy
+    static = 2 * P + 12 * P / 4
+    post_reduction = 2 * P + ACCUMULATOR_BYTES * POST
+    layer_reduction = 2 * P + POST * (ACCUMULATOR_BYTES / 4 - 2) + ACCUMULATOR_BYTES * POST + ACCUMULATOR_BYTES * LAYER
+    assert layer_reduction > post_reduction
+    assert float(low_memory(zero=1, accum=4).peak[0]) == pytest.approx(static + layer_reduction)
+
+
+def test_low_precision_zero0_keeps_the_buffer_until_the_step():
+    static = 2 * P + 12 * P
+    # one rank: nothing to reduce; the optimizer reads the fp16 buffer (its torch fallback upcasts a chunk)
+    assert float(low_memory(zero=0, dp=1, accum=2).peak[0]) == pytest.approx(static + 2 * P + 2 * adam_temporary(PRE))
+    # 4 ranks: the all-reduce runs on an fp32 copy of the unit; the mean goes back into the buffer
+    assert float(low_memory(zero=0, dp=4, accum=2).peak[0]) == pytest.approx(
+        static + max(2 * P + ACCUMULATOR_BYTES * PRE, 2 * P + 2 * adam_temporary(PRE)))
+
+
+def test_micro_batches_between_the_first_and_the_last_keep_full_accumulators():
+    # fp32 ZeRO-1 first stage (no post block), no activations: the second of three backwards reduces pre
+    # (its fp16 buffer cast into an fp32 copy) next to every full fp32 accumulator; the last one has traded
+    # the layers' for shards as it went
+    p = PRE + N * LAYER
+    static = 2 * p + 12 * p / 4
+    cast_pre = (2 + ACCUMULATOR_BYTES) * PRE
+    middle = ACCUMULATOR_BYTES * p + cast_pre
+    # last: layer 0's accumulator still being reduce-scattered when pre is cast
+    last = ACCUMULATOR_BYTES * p + N * LAYER * (ACCUMULATOR_BYTES / 4 - ACCUMULATOR_BYTES) + cast_pre + ACCUMULATOR_BYTES * LAYER
+    assert middle > last
+    assert float(memory(zero=1, accum=3, has_post=False).peak[0]) == pytest.approx(static + middle)
+    assert float(memory(zero=1, accum=2, has_post=False).peak[0]) == pytest.approx(static + last)

@@ -109,7 +109,7 @@ def test_backend_peak_matches_the_memory_model(plan):
     from mist_compiler.cost.hardware import load_profile
 
     peaks = run_ranks(_peak_rank, world=2, args=(plan,), timeout_s=240)
-    estimate = analyze(plan.model, plan, load_profile("cpu"))
+    estimate = analyze(plan.model, plan, load_profile("cpu"))  # the program that runs: head and loss fused
     for rank, measured in enumerate(peaks):
         stage = rank if plan.pp > 1 else 0
         predicted = estimate.stages[stage].peak_memory_mb * 1e6

@@ -125,7 +125,7 @@ class Engine:
         self.runtime = (runtime_factory or _default_runtime_factory())(
             units, dp_group=self.groups.dp, zero=self.stage_plan.zero, offload=self.offload_table,
             optimizer=optimizer if optimizer is not None else _default_optimizer(), device=self.device,
-            param_dtype=DTYPES[plan.dtype], timeout_s=timeout_s,
+            param_dtype=DTYPES[plan.dtype], timeout_s=timeout_s, grad_dtype=DTYPES[plan.grad_dtype],
             exclude=frozenset(self.tied.params.values()) if self.tied is not None else frozenset(), **extra,
         )
         self._offload_hooks = install_activation_offload(self.runtime, units, self.offload_table,

@@ -192,12 +192,15 @@ def scale_accumulate(dst: torch.Tensor, src: torch.Tensor, scale: float, accumul
 
 
 def scale_accumulate_torch(dst: torch.Tensor, src: torch.Tensor, scale: float, accumulate: bool) -> None:
+    # no full-size temporary: mixed dtypes are cast element by element, an fp32 dst is scaled in place
     if accumulate:
-        dst.add_(src.to(dst.dtype), alpha=scale) if dst.dtype != src.dtype else dst.add_(src, alpha=scale)
-    elif scale == 1.0:
+        dst.add_(src, alpha=scale)
+    elif scale == 1.0 or dst.dtype == torch.float32:
         dst.copy_(src)
+        if scale != 1.0:
+            dst.mul_(scale)
     else:
-        torch.mul(src.to(torch.float32), scale, out=dst) if dst.dtype == torch.float32 else dst.copy_(src.float() * scale)
+        dst.copy_(src.float() * scale)
 
 
 def cast_copy(dst: torch.Tensor, src: torch.Tensor) -> None:

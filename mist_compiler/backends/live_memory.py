@@ -10,6 +10,8 @@
   with ``UntypedStorage.resize_``, which is wrapped for the duration). The peak is sampled after
   every op and every resize. Storages allocated by ``backends.streams.host_empty`` are host memory
   (offloaded states and activations) and are not counted: on CPU host and device share the RAM.
+  Custom ops written in Python (``mist_compiler.ops``) run their body under the mode, so their
+  own temporaries (a chunk of logits) count as a CUDA allocator would see them.
 
 Only storages of the given device type count; tensors that existed before the context was
 entered are counted from the first op that touches them (enter early).
@@ -20,6 +22,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -39,7 +42,12 @@ class _StorageTracker(TorchDispatchMode):
         self._original_resize: Any = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        definition = _maybe_get_opdef(func) if isinstance(func, torch._ops.OpOverload) else None
+        if definition is not None:  # a custom op written in Python (``mist_compiler.ops``): run its body
+            with self:  # with the mode on again, so that the temporaries it allocates count too
+                out = definition._init_fn(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         host = allocating_host_memory()
         for value in tree_flatten((out, args, kwargs))[0]:
             if isinstance(value, torch.Tensor):

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..ir.model_graph import BUFFER, CONSTANT, PARAMETER, ModelGraph, ShardSpec
 from ..ir.stage import StageGraph, StageInterface, UnitOffload
-from ..ops.tensor_parallel import TensorParallelOps
+from ..ops.tensor_parallel import TP_CHILDREN, TensorParallelOps
 
 
 class TensorSource(Protocol):
@@ -147,7 +147,7 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
     for unit in stage.units:
         parts: dict[str, Any] = {attr: tensor(kind, name, unit.shards.get(attr)) for attr, (kind, name) in unit.tensors.items()}
         if unit.needs_tp:
-            parts.update({f"tp.{child}": getattr(ops, child) for child in ("copy", "reduce", "embedding", "cross_entropy")})
+            parts.update({f"tp.{child}": getattr(ops, child) for child in TP_CHILDREN})
         module = fx.GraphModule(parts, unit.graph, class_name=f"Unit_{unit.kind}")
         root[unit.name] = module
         units.append((unit.name, module))
@@ -159,7 +159,7 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
     for attr, (kind, name) in stage.tensors.items():
         root[attr] = tensor(kind, name, None)
     if stage.needs_tp:
-        root.update({f"tp.{child}": getattr(ops, child) for child in ("copy", "reduce", "embedding", "cross_entropy")})
+        root.update({f"tp.{child}": getattr(ops, child) for child in TP_CHILDREN})
     module = fx.GraphModule(root, stage.graph, class_name=f"Stage{stage.stage}")
     offload = {unit.name: unit.offload for unit in stage.units}
     checkpointed = {unit.name for unit in stage.units if unit.checkpointed}

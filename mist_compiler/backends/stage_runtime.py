@@ -31,6 +31,8 @@ Contract details:
   of one extra copy) but pointless: the runtime zeroes its buckets itself.
 - ``set_last_microbatch`` must be called before each backward when grad_accum > 1 (ZeRO 0/1
   would otherwise reduce every micro-batch; the default is "last").
+- ``grad_dtype`` (float32 or ``param_dtype``): the dtype of the gradients ZeRO 0/1 keep between
+  micro-batches (``zero.py``: low-precision gradients accumulate in their micro-batch buffer).
 - ``trace_events()`` records (event, unit) pairs (forward, backward, recompute, fetch, free,
   reduce) for debugging and for tests of the prefetch order.
 """
@@ -70,8 +72,9 @@ class StageRuntime:
                  zero: int, offload: Offload | dict[str, UnitOffload], optimizer: AdamWConfig,
                  device: torch.device, param_dtype: torch.dtype = torch.float32,
                  timeout_s: float = 300.0, exclude: frozenset = frozenset(),
-                 initial: Callable[[nn.Parameter], torch.Tensor | None] | None = None) -> None:
-        self._validate(units, zero, param_dtype, timeout_s)
+                 initial: Callable[[nn.Parameter], torch.Tensor | None] | None = None,
+                 grad_dtype: torch.dtype = torch.float32) -> None:
+        self._validate(units, zero, param_dtype, timeout_s, grad_dtype)
         self.exclude = {id(p) for p in exclude}  # parameters someone else keeps (a tied head)
         self.unit_names = [name for name, _ in units]
         self.modules = [module for _, module in units]
@@ -81,7 +84,7 @@ class StageRuntime:
         self.host_workers = HostWorkers()
         self.host_memory = HostMemory(self.streams, self.host_workers, timeout_s)
         self.ctx = BucketContext(zero, dp_group, group_rank(dp_group), group_size(dp_group), self.device,
-                                 param_dtype, self.streams, self.host_memory, timeout_s)
+                                 param_dtype, self.streams, self.host_memory, timeout_s, grad_dtype=grad_dtype)
         if initial is not None:  # parameters without a value yet get it unit by unit (see materialize.py)
             self.ctx.initial = initial
         owned, self._needs = self._assign_parameters(units)
@@ -101,7 +104,7 @@ class StageRuntime:
 
     # ---- set-up ---------------------------------------------------------------------------------
     @staticmethod
-    def _validate(units, zero, param_dtype, timeout_s) -> None:
+    def _validate(units, zero, param_dtype, timeout_s, grad_dtype=torch.float32) -> None:
         if not isinstance(units, (list, tuple)) or not units:
             raise StageRuntimeError("StageRuntime: units must be a non-empty list of (name, nn.Module)")
         names = set()
@@ -118,6 +121,8 @@ class StageRuntime:
             raise StageRuntimeError(f"StageRuntime: param_dtype must be float32, float16 or bfloat16, got {param_dtype}")
         if not timeout_s > 0:
             raise StageRuntimeError(f"StageRuntime: timeout_s must be > 0, got {timeout_s}")
+        if grad_dtype not in (torch.float32, param_dtype):
+            raise StageRuntimeError(f"StageRuntime: grad_dtype must be float32 or param_dtype {param_dtype}, got {grad_dtype}")
 
     def _assign_parameters(self, units):
         """Each trainable parameter belongs to the first unit that has it; later users 'need' that bucket."""

@@ -12,6 +12,16 @@ Per unit (``UnitBucket``), with N = the padded flat size and S = N / dp the loca
 
 (with grad_accum == 1, ZeRO 0/1 reduce the micro-batch buffer itself and hold no accumulator)
 
+Low-precision gradients (``grad_dtype`` = the param dtype, the plan's ``grad_dtype``), ZeRO 0/1
+only: the per-micro-batch buffer *is* the accumulator. It is zeroed once per step, autograd adds
+every micro-batch into it in place (fp32 arithmetic, one rounding per micro-batch), and no fp32
+copy exists until the last micro-batch's reduction, which casts the unit (scaled by 1/dp) into a
+transient fp32 buffer and reduces in fp32: ZeRO-1 reduce-scatters it into the fp32 shard S and
+frees the buffer; ZeRO-0 all-reduces it and casts the mean back into the buffer, which the
+optimizer reads (upcast per chunk) until the step. Gradient memory between micro-batches: N in
+the param dtype instead of N in fp32. ZeRO 2/3 are unchanged (their accumulator is the fp32 shard),
+and so is a unit that offloads gradients (its fp32 accumulator is split with the host).
+
 Weights offload (fraction w) keeps the weight source split device/host; the compute buffer then
 becomes transient for ZeRO 0-2 as well and is refilled (host part copied in) before each use.
 Grads / opt offload split the accumulator / master+moments the same way (``SplitBuffer``).
@@ -58,6 +68,7 @@ class BucketContext:
     # a parameter's initial value when it has none yet (made on demand, see materialize.py), else None
     initial: Callable[[nn.Parameter], torch.Tensor | None] = lambda param: None
     grad_unscale: float = 1.0  # 1 / the loss scale (fp16): folded into the cast to the fp32 reduction buffer
+    grad_dtype: torch.dtype = torch.float32  # ZeRO 0/1: dtype of the gradients kept between micro-batches
 
     def record(self, event: str, unit: str) -> None:
         if self.trace is not None:
@@ -97,6 +108,8 @@ class UnitBucket:
 
         self.grads = FreeableBuffer(n, ctx.param_dtype, ctx.device, allocated=False)
         self.grad_views = bind_grads(self.params, self.grads, self.layout)
+        # low-precision ZeRO 0/1: the micro-batch buffer accumulates the step's gradients itself
+        self.keeps_grads = zero <= 1 and ctx.grad_dtype != torch.float32 and offload.grads == 0.0
         acc_numel = n if zero <= 1 else s
         self.grad_acc = SplitBuffer(acc_numel, torch.float32, ctx.device, offload.grads, ctx.host_memory, "grads")
         # the accumulator's device part only exists from a step's first gradient to its optimizer update
@@ -192,7 +205,8 @@ class UnitBucket:
         if not self.in_backward:
             # the previous micro-batch's reduction may still read (and then free) this buffer
             self.drain(block=True)
-            self.grads.allocate(zero=True)
+            # an accumulating buffer is zeroed when the step's first micro-batch allocates it
+            self.grads.allocate(zero=not (self.keeps_grads and self.grads.allocated))
             self.grads_ready = 0
             self.in_backward = True
 
@@ -225,6 +239,9 @@ class UnitBucket:
             view = self.params[index].grad
             for fn in functions:
                 fn(view)
+        if self.keeps_grads:
+            self._reduce_kept(last)
+            return
         scale = ctx.grad_unscale / ctx.world
         reuse = grads.dtype == torch.float32
         comm = grads if reuse else torch.empty_like(grads, dtype=torch.float32)
@@ -260,6 +277,31 @@ class UnitBucket:
             pending = reduce_scatter_flat(out, comm, ctx.group, f"reduce_scatter of unit {self.unit!r} grads")
             pending.then.append(lambda: self._accumulate(out, adoptable=True))
             pending.then.append(release_grads)
+        pending.keep_alive = comm
+        self.pending.append(pending)
+
+    def _reduce_kept(self, last: bool) -> None:
+        """Low-precision ZeRO 0/1: nothing to do before the last micro-batch (the buffer accumulates);
+        then the unit is reduced in fp32 (module docstring)."""
+        ctx, grads = self.ctx, self.grads.tensor
+        self.in_backward = False
+        if not last:
+            return
+        scale = ctx.grad_unscale / ctx.world
+        if ctx.zero == 0 and scale == 1.0:
+            self.reduced = grads  # nothing to reduce or unscale: the optimizer reads the buffer
+            return
+        comm = torch.empty_like(grads, dtype=torch.float32)
+        kernels.scale_accumulate(comm, grads, scale, accumulate=False)
+        if ctx.zero == 0:
+            pending = all_reduce_flat(comm, ctx.group, f"all_reduce of unit {self.unit!r} grads")
+            pending.then.append(lambda: kernels.cast_copy(grads, comm))
+            self.reduced = grads  # the mean, back in the param dtype, until the optimizer step
+        else:
+            self.grads.free()
+            out = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=ctx.device)
+            pending = reduce_scatter_flat(out, comm, ctx.group, f"reduce_scatter of unit {self.unit!r} grads")
+            self.reduced = out
         pending.keep_alive = comm
         self.pending.append(pending)
 
@@ -306,30 +348,38 @@ class UnitBucket:
         """Forget this step's reduced gradients (after the update, or instead of it: a skipped step)."""
         self.reduced = None
         self._release_acc_device()
-        if self.grads.tensor.dtype == torch.float32:
+        if self.grads.tensor.dtype == torch.float32 or self.keeps_grads:
             self.grads.free()
 
     # ---- after the optimizer ---------------------------------------------------------------
+    def _on_device(self, part: torch.Tensor) -> torch.Tensor:
+        """A master part on the compute device: the offloaded (host) part is copied asynchronously and
+        cast there, not on the host."""
+        ctx = self.ctx
+        if part.device == ctx.device:
+            return part
+        staged = torch.empty(part.numel(), dtype=part.dtype, device=ctx.device)
+        ctx.streams.wait(ctx.streams.copy_async(staged, part, "h2d"))
+        return staged
+
     def write_back(self) -> Pending | None:
         """Copy the updated fp32 master into the param-dtype weights; returns an all-gather to wait on."""
         ctx = self.ctx
         self.drop_gradients()
         if (self.master_aliases_weights and ctx.zero in (0, 3)) or self.master.numel == 0:
             return None
+        if ctx.zero in (0, 3):  # cast the master straight into the weights: no param-dtype copy of the unit
+            for start, part in self.master.parts():
+                part = self._on_device(part)
+                if ctx.zero == 0 and self.persistent_full:
+                    kernels.cast_copy(self.full.tensor[start:start + part.numel()], part)
+                else:
+                    self.source.write(start, part)
+            return None
         new = torch.empty(self.master.numel, dtype=ctx.param_dtype, device=ctx.device)
         for start, part in self.master.parts():
             target = new[start:start + part.numel()]
-            if part.device != target.device:  # the offloaded part: an asynchronous copy, cast on the device
-                staged = torch.empty(part.numel(), dtype=part.dtype, device=target.device)
-                ctx.streams.wait(ctx.streams.copy_async(staged, part, "h2d"))
-                part = staged
-            kernels.cast_copy(target, part)
-        if ctx.zero == 0:
-            (self.full.tensor.copy_(new) if self.persistent_full else self.source.write(0, new))
-            return None
-        if ctx.zero == 3:
-            self.source.write(0, new)
-            return None
+            kernels.cast_copy(target, self._on_device(part))
         out = self.full.tensor if self.persistent_full else torch.empty(self.layout.padded_numel, dtype=ctx.param_dtype,
                                                                       device=ctx.device)
         pending = all_gather_flat(out, new, ctx.group, f"all_gather of unit {self.unit!r} updated weights")

@@ -38,6 +38,26 @@ def _param_elements(forward: fx.GraphModule, names: set[str], params: set[str], 
     return per_device, total
 
 
+def _unit_elements(block_class, forward: fx.GraphModule, names: set[str], params: set[str],
+                   states: dict[str, str]) -> list[sympy.Expr]:
+    """Per-device parameter elements of each module that owns parameters in a pre/post block (the
+    backend's units: the embedding and the positions, the final norm and the head), in forward
+    order; a layer is one unit. The block class lists its parameter paths in the order of the
+    graph's parameter placeholders (checked by shape); otherwise the block counts as one unit."""
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder" and n.name in params and n.name in names]
+    paths = list(block_class.param_shapes)
+    shapes = [tuple(int(d) for d in n.meta["val"].shape) for n in placeholders]
+    whole = [sympy.Add(*(sympy.Mul(*shape) / (T if states.get(n.name) == "S" else 1) for n, shape in zip(placeholders, shapes)))]
+    if block_class.kind == "layer" or len(paths) != len(shapes) or \
+            any(tuple(block_class.param_shapes[path]) != shape for path, shape in zip(paths, shapes)):
+        return whole
+    units: dict[str, sympy.Expr] = {}
+    for path, node, shape in zip(paths, placeholders, shapes):
+        module = path.rsplit(".", 1)[0] if "." in path else ""
+        units[module] = units.get(module, sympy.Integer(0)) + sympy.Mul(*shape) / (T if states.get(node.name) == "S" else 1)
+    return list(units.values())
+
+
 def _tp_granularity(forward: fx.GraphModule, names: set[str], states: dict[str, str]) -> int:
     """gcd of the block's attention head counts and the sizes of its sharded parameters' dims."""
     sizes = []
@@ -78,6 +98,7 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
             granularity = plan.granularity  # what the lowering checks: heads, kv heads, split features
         else:
             granularity = _tp_granularity(forward, names, costs.param_states)
+        units = _unit_elements(classes[kind], forward, names, params, costs.param_states)
         result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total, granularity,
-                                     tp_optional=kind != "layer")
+                                     tp_optional=kind != "layer", units=units)
     return result, sum(1 for block in program.blocks if block.kind == "layer")

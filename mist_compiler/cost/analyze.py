@@ -89,6 +89,7 @@ def plan_candidates(plan: Plan) -> StageCandidates:
         offload_acts=column(lambda st: st.offload.acts),
         inflight=np.minimum(count - np.arange(count), plan.grad_accum),
         grad_accum=plan.grad_accum,
+        low_precision_grads=plan.low_precision_grads,
     )
 
 
@@ -134,6 +135,9 @@ def analyze(model, plan, hardware, *, attention: str = "flash",
         raise PlanError(f"plan field model: the plan was made for {plan.model!r}, not for {model!r}")
     if cost_model is None:
         cost_model = build_stage_cost_model(model, profile, seq_len=plan.seq_len, dtype=plan.dtype, attention=attention)
+    if cost_model.grad_dtype not in ("float32", plan.grad_dtype):
+        raise PlanError(f"plan field grad_dtype: {plan.grad_dtype!r}, but the cost model given prices "
+                        f"{cost_model.grad_dtype!r} gradients")
     _check_plan(plan, cost_model, profile)
     estimates = cost_model.evaluate(plan_candidates(plan))
     grad_accum = plan.grad_accum

@@ -30,6 +30,9 @@ class BlockAnalysis:
     params: int  # parameter elements, unsharded
     tp_granularity: int = 1  # tp must divide this (gcd of attention heads and sharded weight dims); 0: no sharding
     tp_optional: bool = False  # a degree that does not divide tp_granularity leaves the block whole (vocabulary)
+    # per-device parameter elements of the backend's units in the block (modules owning parameters), forward
+    # order; None: one unit
+    units: list[sympy.Expr] | None = None
 
     @property
     def tp_supported(self) -> bool:

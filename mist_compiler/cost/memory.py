@@ -17,7 +17,11 @@ backend (``backends/zero.py``, one flat bucket per unit) holds at each point of 
   the reduced gradient each finished block keeps until the step (ZeRO-0: all of it; ZeRO-1: the
   ``1/dp`` shard; ZeRO-2/3: the ``1/dp`` accumulator); with gradient accumulation an fp32
   accumulator per block between micro-batches (ZeRO-0/1: full, ZeRO-2/3: ``1/dp``; a ``grads``
-  offload fraction of it on the host), present in the forwards that follow a backward;
+  offload fraction of it on the host), present in the forwards that follow a backward, and the
+  backwards between the first and the last keep every accumulator as it is. With
+  ``low_precision_grads`` (plan ``grad_dtype`` = the param dtype) ZeRO-0/1 keep the micro-batch
+  buffer itself between micro-batches (param dtype, no fp32 copy until the last micro-batch's
+  reduction; ZeRO-1 then trades it for the fp32 shard, ZeRO-0 keeps it until the step);
 - **activations** under 1F1B: ``inflight`` micro-batches are alive at once (stage i of S holds
   S-i). A checkpointed layer keeps only its input ``I``; its activations come back during its
   backward. Activation offload keeps ``1 - acts`` of the saved activations of every block other
@@ -73,6 +77,11 @@ class StageLayout:
     num_layers: np.ndarray
     has_pre: np.ndarray
     has_post: np.ndarray
+    # the backend reduces each unit (module owning parameters) on its own: the post block's unit whose backward
+    # finishes it, the pre block's, and the pre unit just before that one (0: none); None: one unit per block
+    post_last: np.ndarray | None = None
+    pre_last: np.ndarray | None = None
+    pre_previous: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -94,6 +103,7 @@ class StageConfig:
     offload_opt: np.ndarray
     offload_acts: np.ndarray
     reduce_scatter_copies: float = 0.0  # transient input copies the library's reduce-scatter makes
+    low_precision_grads: np.ndarray | bool = False  # ZeRO 0/1 keep gradients in the param dtype (plan grad_dtype)
 
 
 @dataclass
@@ -114,27 +124,58 @@ def _arrays(*values) -> list[np.ndarray]:
 
 class _Gradients:
     """Gradient bytes of the backend at the points of a step, per candidate. Every quantity is linear
-    in a block's parameter count, so each is a per-element coefficient computed once."""
+    in a block's parameter count, so each is a per-element coefficient computed once.
 
-    def __init__(self, config: StageConfig, grad_bytes: float) -> None:
+    Two paths (``backends/zero.py``): the fp32 path (accumulators and reductions in fp32) and, for
+    ZeRO 0/1 with ``low_precision_grads``, the param-dtype micro-batch buffer that is the
+    accumulator itself until the last micro-batch's fp32 reduction."""
+
+    def __init__(self, config: StageConfig, grad_bytes: float, copies: float) -> None:
         zero, dp, accum, g = np.asarray(config.zero), *_arrays(config.dp, config.grad_accum, config.offload_grads)
+        # (a stage that offloads gradients keeps the fp32 path: its accumulator is split with the host)
+        low = np.asarray(config.low_precision_grads, dtype=bool) & (zero <= 1) & (grad_bytes < ACCUMULATOR_BYTES) & (g == 0)
         self.accumulating = accum > 1
+        self.middle = accum > 2  # micro-batches that are neither the first nor the last
         full, shard = ACCUMULATOR_BYTES, ACCUMULATOR_BYTES / dp
-        # the fp32 accumulator a block keeps between micro-batches (ZeRO-2/3: its shard)
-        self._accumulator = np.where(self.accumulating, (1.0 - g) * np.where(zero >= 2, shard, full), 0.0)
-        # what a block adds once its backward of the iteration's last micro-batch is done. With
-        # accumulation the last micro-batch folds the accumulator's device part into what it reduces
-        # and releases it: in place without gradient offload (ZeRO-0 adds nothing), else the full
-        # micro-batch buffer is reduced and kept (ZeRO-0) or scattered to a shard (ZeRO-1)
-        zero0 = np.where(self.accumulating, g * full, full)
-        zero1 = np.where(self.accumulating, shard - (1.0 - g) * full, shard)
+        scattered = (zero >= 1) & (dp > 1)
+        # between micro-batches: the fp32 accumulator (ZeRO-2/3: its shard; a ``grads`` offload fraction
+        # of it on the host), or the param-dtype buffer on the low-precision path
+        self._accumulator = np.where(self.accumulating,
+                                     np.where(low, grad_bytes, (1.0 - g) * np.where(zero >= 2, shard, full)), 0.0)
+        # what a block adds once its backward of the iteration's last micro-batch is done. fp32 path, with
+        # accumulation: the last micro-batch folds the accumulator's device part into what it reduces and
+        # releases it: in place without gradient offload (ZeRO-0 adds nothing), else the full micro-batch
+        # buffer is reduced and kept (ZeRO-0) or scattered to a shard (ZeRO-1). Low precision: ZeRO-0 keeps
+        # the buffer (the mean cast back into it), ZeRO-1 trades it for the fp32 shard
+        zero0 = np.where(low, np.where(self.accumulating, 0.0, grad_bytes), np.where(self.accumulating, g * full, full))
+        zero1 = np.where(self.accumulating, shard - np.where(low, grad_bytes, (1.0 - g) * full), shard)
         zero23 = np.where(self.accumulating, 0.0, (1.0 - g) * shard)
         self._finished = np.select([zero == 0, zero == 1], [zero0, zero1], zero23)
-        # the micro-batch gradient buffer of the block whose backward runs (+ its fp32 reduction copy
-        # in mixed precision)
-        self._running = grad_bytes + (ACCUMULATOR_BYTES if grad_bytes < ACCUMULATOR_BYTES else 0.0)
-        self._scattered = (zero >= 1) & (dp > 1)
-        self._shard = shard
+        # the block whose backward runs: its micro-batch buffer (low precision: when the step's first micro-batch
+        # allocates it; later it is an accumulator already)
+        self._running_first = np.full(np.shape(low), grad_bytes)
+        self._running_later = np.where(low, 0.0, grad_bytes)
+        # on top of that while its gradients are reduced (``zero.UnitBucket.reduce``): the fp32 copy of the unit
+        # (mixed precision) made while the buffer still exists; then, the buffer freed, what the reduction holds:
+        # the fresh shard and the library's copies of its input when scattered, and the input itself unless it
+        # is the accumulator (ZeRO 0/1 with accumulation add the copy into it) or the buffer (fp32 params)
+        mixed = np.asarray(grad_bytes < ACCUMULATOR_BYTES)
+        scatter = np.where(scattered, shard + copies * ACCUMULATOR_BYTES, 0.0)
+        copy_kept = np.where(mixed & ~((zero <= 1) & self.accumulating), full, 0.0)
+        after_cast = np.where(zero == 0, 0.0, copy_kept + scatter - grad_bytes)
+        fp32_last = np.where(mixed, np.maximum(full, after_cast), np.where((zero == 1) & self.accumulating,
+                                                                          np.maximum(0.0, scatter - grad_bytes), scatter))
+        low_last = np.where(zero == 0, np.where(dp > 1, full, 0.0),
+                            np.maximum(full, full + np.maximum(scatter, shard) - grad_bytes))
+        self._reducing = np.where(low, low_last, fp32_last)
+        # ZeRO 0/1 before the last micro-batch: the fp32 path casts (mixed) and adds into the accumulator
+        self._reducing_other = np.where(low | ~mixed, 0.0, full)
+        self._every_micro_batch = zero >= 2  # ZeRO 2/3 reduce-scatter each micro-batch, ZeRO 0/1 the last
+        # the previous block's reduction input (fp32) stays until the next block's backward is done (the
+        # runtime waits for a reduction one unit later, so that it overlaps that unit's backward): a
+        # reduce-scatter's input, and low-precision ZeRO-0's all-reduce copy; in-place fp32 all-reduces
+        # keep nothing extra
+        self._pending = np.where(scattered | (low & (zero == 0) & (dp > 1)), full, 0.0)
 
     def accumulator(self, numel: np.ndarray) -> np.ndarray:
         return numel * self._accumulator
@@ -142,13 +183,15 @@ class _Gradients:
     def finished(self, numel: np.ndarray) -> np.ndarray:
         return numel * self._finished
 
-    def running(self, numel: np.ndarray) -> np.ndarray:
-        return numel * self._running
+    def running(self, numel: np.ndarray, first: bool) -> np.ndarray:
+        return numel * (self._running_first if first else self._running_later)
 
-    def reducing(self, numel: np.ndarray, copies: float) -> np.ndarray:
-        """On top of ``running`` while the block's gradients are reduce-scattered: the fresh shard
-        and the library's copies of the fp32 input."""
-        return numel * np.where(self._scattered, self._shard + copies * ACCUMULATOR_BYTES, 0.0)
+    def reducing(self, numel: np.ndarray, last) -> np.ndarray:
+        return numel * np.where(np.asarray(last) | self._every_micro_batch, self._reducing, self._reducing_other)
+
+    def pending(self, numel: np.ndarray, last) -> np.ndarray:
+        """While a block's backward runs: the previous block's (``numel``) reduction still in flight."""
+        return numel * np.where(np.asarray(last) | self._every_micro_batch, self._pending, 0.0)
 
 
 def greedy_offload(saved_sequence: list[np.ndarray], offloadable: list[bool], fraction: np.ndarray) -> np.ndarray:
@@ -175,6 +218,9 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
                                              layout.num_layers, config.ckpt_layers, config.inflight)
     has_pre, has_post = _arrays(layout.has_pre, layout.has_post)
     p_pre, p_layer, p_post = has_pre * layout.pre, np.asarray(layout.layer, float), has_post * layout.post
+    post_last = has_post * (layout.post if layout.post_last is None else np.asarray(layout.post_last, float))
+    pre_last = has_pre * (layout.pre if layout.pre_last is None else np.asarray(layout.pre_last, float))
+    pre_previous = has_pre * (0.0 if layout.pre_previous is None else np.asarray(layout.pre_previous, float))
     total = layout.total
     fp32 = config.dtype == "float32"
 
@@ -191,8 +237,7 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
                   "layer": transient * 2.0 * p_layer, "post": transient * p_post}
 
     # ---- gradients --------------------------------------------------------------------------
-    grads = _Gradients(config, grad_b)
-    reducing = lambda numel: grads.reducing(numel, config.reduce_scatter_copies)  # noqa: E731
+    grads = _Gradients(config, grad_b, config.reduce_scatter_copies)
     accum = np.asarray(config.grad_accum, float)
     between = grads.accumulator(total)  # accumulators of every block (a previous micro-batch's backward)
     forward_grads = np.where(inflight < accum, between, 0.0)
@@ -235,44 +280,67 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
         (has_post * (before_post + post_fw_free), zeros, forward_grads),
     ]
 
-    def backward_points(base: np.ndarray, done) -> list[tuple]:
+    def backward_points(base: np.ndarray, done, first: bool, last, carried=0.0) -> list[tuple]:
         """The loss, the post block, layers last to first (both ends), checkpointed layers, pre;
-        ``base``: gradient bytes before this backward, ``done(numel)``: bytes a finished block adds.
-        A stage without the post block also holds the output it kept for this backward."""
+        ``base``: gradient bytes before this backward, ``done(numel)``: bytes a finished block adds,
+        ``first``: the step's first backward, ``last`` (per candidate): the one whose gradients are
+        reduced, ``carried``: a reduction of the previous backward still in flight when this one
+        follows it directly (1F1B's cooldown). A stage without the post block also holds the output it
+        kept for this backward."""
         done_post = done(p_post)
         layers_done = lambda count: done_post + done(count * p_layer)  # noqa: E731
+        running = lambda numel: grads.running(numel, first)  # noqa: E731
+        reducing = lambda numel: grads.reducing(numel, last)  # noqa: E731
+        # the reduction of the unit that finished just before (post's last unit before the first layer, a layer
+        # before the next, the last layer before pre, pre's previous unit before its last) is still in flight
+        after_post = np.where(has_post > 0, grads.pending(post_last, last), carried)
+        after_layer = grads.pending(p_layer, last)
+        after_first = lambda count: np.where(count > 1, after_layer, after_post)  # noqa: E731
+        before_pre_last = np.where(pre_previous > 0, grads.pending(pre_previous, last), after_first(n + 1))
         points = [
             (has_post * (before_post + post_bw_free), zeros, base),
             (has_post * (before_post + post.backward_peak), has_post * weights_at["post"],
-             base + grads.running(p_post)),
+             base + running(p_post)),
             (np.where(plain > 0, kept_before(ckpt, plain - 1) + np.where(plain > 1, prefetched, 0.0)
                       + layer.backward_peak, zeros),
-             layer_weights(plain > 0), base + done_post + grads.running(p_layer)),
+             layer_weights(plain > 0), base + done_post + running(p_layer) + after_post),
             (np.where(plain > 0, kept_before(ckpt, 0) + layer.backward_peak, zeros),
-             layer_weights(plain > 0), base + layers_done(np.maximum(plain - 1, 0)) + grads.running(p_layer)),
+             layer_weights(plain > 0), base + layers_done(np.maximum(plain - 1, 0)) + running(p_layer)
+             + after_first(plain)),
             # a checkpointed layer: its forward is recomputed, then its backward runs (the first of them
             # with the other checkpointed layers' inputs alive, the last with every other gradient)
             (np.where(ckpt > 0, kept_before(ckpt - 1, 0) + recomputed, zeros),
-             layer_weights(ckpt > 0), base + layers_done(plain) + grads.running(p_layer)),
+             layer_weights(ckpt > 0), base + layers_done(plain) + running(p_layer) + after_first(plain + 1)),
             (np.where(ckpt > 0, pre_acts + recomputed, zeros),
-             layer_weights(ckpt > 0), base + layers_done(np.maximum(n - 1, 0)) + grads.running(p_layer)),
-            (has_pre * pre.backward_peak, has_pre * weights_at["pre"], base + layers_done(n) + grads.running(p_pre)),
+             layer_weights(ckpt > 0), base + layers_done(np.maximum(n - 1, 0)) + running(p_layer) + after_first(n)),
+            (has_pre * pre.backward_peak, has_pre * weights_at["pre"], base + layers_done(n) + running(p_pre)
+             + after_first(n + 1)),
             # the moments a block's gradients are reduced (its backward done): the post block with every
             # layer's activations still alive, a layer, and pre at the very end
-            (has_post * before_post, zeros, base + grads.running(p_post) + reducing(p_post)),
+            (has_post * before_post, zeros, base + running(p_post) + reducing(p_post)),
             (np.where(plain > 0, kept_before(ckpt, plain - 1), zeros), zeros,
-             np.where(plain > 0, base + done_post + grads.running(p_layer) + reducing(p_layer), 0.0)),
-            (zeros, zeros, has_pre * (base + layers_done(n) + grads.running(p_pre) + reducing(p_pre))),
+             np.where(plain > 0, base + done_post + running(p_layer) + reducing(p_layer) + after_post, 0.0)),
+            (zeros, zeros, has_pre * (base + layers_done(n) + done(p_pre - pre_last) + running(pre_last)
+                                      + reducing(pre_last) + before_pre_last)),
         ]
         return [(acts + boundary_output, weights_here, grad) for acts, weights_here, grad in points]
 
     # 1F1B: the first backward runs with inflight - 1 micro-batches held and no accumulator yet; a
-    # later one with every accumulator and min(inflight, grad_accum - 1) - 1 held
+    # later one with every accumulator and min(inflight, grad_accum - 1) - 1 held; those between the
+    # first and the last (grad_accum > 2) keep every accumulator as it is. A stage holding several
+    # micro-batches ends the step with backwards back to back: the last one starts while the previous
+    # one's final reduction (ZeRO 2/3) is in flight
     later_held = np.maximum(np.minimum(inflight, accum - 1.0) - 1.0, 0.0)
+    keep = lambda numel: np.zeros_like(np.asarray(numel, dtype=float))  # noqa: E731
     phases = [(inflight - 1.0, forward_points),
-              (inflight - 1.0, backward_points(zeros, first_done)),
+              (inflight - 1.0, backward_points(zeros, first_done, True, ~grads.accumulating)),
+              (np.where(grads.middle, later_held, 0.0),
+               [(np.where(grads.middle, acts, 0.0), np.where(grads.middle, w, 0.0), np.where(grads.middle, g, 0.0))
+                for acts, w, g in backward_points(between, keep, False, False)]),
               (np.where(grads.accumulating, later_held, inflight - 1.0),
-               backward_points(np.where(grads.accumulating, between, 0.0), grads.finished))]
+               backward_points(np.where(grads.accumulating, between, 0.0), grads.finished, False, True,
+                               carried=np.where(grads.accumulating & (inflight > 1), grads.pending(
+                                   np.where(has_pre > 0, pre_last, p_layer), False), 0.0)))]
     points = [(held_count * one_held + posted_receive + acts, weights_here, grad)
               for held_count, phase_points in phases for acts, weights_here, grad in phase_points]
     shape = np.broadcast_shapes(*(np.shape(part) for point in points for part in point))
@@ -285,7 +353,10 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
         np.take_along_axis(parts, largest, axis=0)[0] for parts in (acts_by_point, weights_by_point, grads_by_point))
     in_steps = np.take_along_axis(sums, largest, axis=0)[0]
     largest_unit_shard = np.maximum(np.maximum(p_pre, p_layer), p_post) * shard * (1.0 - o)
-    step = at_step + np.minimum(largest_unit_shard, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES
+    # the torch AdamW's chunk temporaries: the denominator, and an fp32 copy of param-dtype gradients
+    low_at_step = (np.asarray(config.low_precision_grads, dtype=bool) & (zero == 0) & (grad_b < ACCUMULATOR_BYTES)
+                   & (np.asarray(config.offload_grads, dtype=float) == 0))
+    step = at_step + np.minimum(largest_unit_shard, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES * (1.0 + low_at_step)
     peak = weights + opt + np.maximum(in_steps, step)
     at_step_wins = step > in_steps
     return StageMemory(

@@ -34,6 +34,7 @@ class StageCandidates:
     offload_acts: np.ndarray  # float 0..1
     inflight: np.ndarray  # micro-batches whose activations are alive at once (1F1B: stages from here to the end)
     grad_accum: np.ndarray = 1  # micro-batches per iteration (gradient accumulators live between them)
+    low_precision_grads: np.ndarray = False  # bool: ZeRO 0/1 keep gradients in the param dtype (plan grad_dtype)
 
     def __post_init__(self) -> None:
         lengths = {f.name: len(np.atleast_1d(getattr(self, f.name))) for f in fields(self)}

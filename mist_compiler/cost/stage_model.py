@@ -25,9 +25,10 @@ Per candidate (one pipeline stage, one device's view):
 - channels of one phase are combined by the overlap model (``overlap.overlap``);
 - ``stable_s`` = forward + backward phases of one micro-batch; ``delta_s`` = gradient
   synchronisation + optimizer step (device and host parts at the profile's AdamW rates) + adding
-  the other micro-batches' gradients into the accumulator + offload traffic of the step + the
-  first ZeRO-3 gather that nothing hides (the host AdamW overlapping the device part's update and
-  pipelining with its copies, ``optimizer_phase_s``) + (fp16) the loss scaler's inf/NaN pass over the reduced gradients;
+  the other micro-batches' gradients into the accumulator (low-precision gradients: the buffer's
+  zeroing and fp32 casts, once) + offload traffic of the step + the first ZeRO-3 gather that
+  nothing hides (the host AdamW overlapping the device part's update and pipelining with its
+  copies, ``optimizer_phase_s``) + (fp16) the loss scaler's inf/NaN pass over the reduced gradients;
 - the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``MATH_ATTENTION_PASSES``);
 - memory: ``cost.memory`` closed forms over the per-block liveness results.
 Evaluation groups candidates by their distinct ``(micro_batch, tp, nodes, gpus_per_node)`` so
@@ -87,6 +88,7 @@ class _BlockFunctions:
     tp_supported: bool
     op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
     tp_granularity: int
+    units: list[Callable]  # the first two units in forward order (the second 0 when there is one)
     tp_optional: bool = False
     gemms: dict[str, list[tuple[Callable, Callable]]] = field(default_factory=dict)  # phase -> (flops, bytes) per matmul
 
@@ -128,6 +130,7 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         tp_optional=block.tp_optional,
         gemms={p: [(_lambdify(c.flops), _lambdify(c.bytes)) for c in g.nodes if c.op_class == "matmul"]
                for p, g in phases.items()},
+        units=[_lambdify(e) for e in ((block.units or [block.params_per_device]) + [sympy.Integer(0)])[:2]],
     )
 
 
@@ -193,6 +196,7 @@ class StageCostModel:
     attention: str = "flash"
     model_name: str = ""
     num_layers: int = 0
+    grad_dtype: str = "float32"  # the plan's grad_dtype: the dtype ZeRO 0/1 keep gradients in, for every candidate
     _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
     _terms_cache: dict[int, dict] = field(default_factory=dict, repr=False)  # (b, t, TP group) key -> block terms
 
@@ -200,6 +204,8 @@ class StageCostModel:
         if self.attention not in ATTENTION_KERNELS:
             raise StageModelError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {self.attention!r}")
         state_bytes_per_param(self.dtype)
+        if self.grad_dtype not in ("float32", self.dtype):
+            raise StageModelError(f"grad_dtype must be 'float32' or the dtype {self.dtype!r}, got {self.grad_dtype!r}")
         missing = [kind for kind in BLOCK_KINDS if kind not in self.blocks]
         if missing:
             raise StageModelError(f"model analysis lacks block kind(s) {missing}")
@@ -266,6 +272,7 @@ class StageCostModel:
             terms[name] = (np.max(np.stack([f(b, s, t) for f in candidates]), axis=0) if candidates
                            else np.zeros(b.shape))
         terms["params"] = functions.params_per_device(b, s, t)
+        terms["unit_0"], terms["unit_1"] = (unit(b, s, t) for unit in functions.units)
         for index, size in enumerate(functions.saved_sequence):
             terms[f"saved_{index}"] = size(b, s, t)
         return terms
@@ -328,10 +335,18 @@ class StageCostModel:
 
         # ---- memory ---------------------------------------------------------------------------
         weight_b, grad_b, _ = state_bytes_per_param(self.dtype)
+        zero = np.asarray(c.zero)
+        # low-precision gradients (ZeRO 0/1 keep them in the param dtype): the plan's or the candidate's
+        low_grads = ((np.asarray(c.low_precision_grads, dtype=bool) | (self.grad_dtype != "float32"))
+                     & (zero <= 1) & (grad_b < 4.0) & (np.asarray(c.offload_grads, dtype=float) == 0))
         stage_params = stage_sum("params")
-        layout = StageLayout(pre["params"], layer["params"], post["params"], n, has_pre, has_post)
+        # units: the post block's backward ends with its first unit in forward order (the final norm), the pre
+        # block's with its first (the token embedding), after its second (the positions)
+        layout = StageLayout(pre["params"], layer["params"], post["params"], n, has_pre, has_post,
+                             post_last=post["unit_0"], pre_last=pre["unit_0"], pre_previous=pre["unit_1"])
         config = StageConfig(self.dtype, c.zero, dp, c.grad_accum, c.inflight, ckpt, c.offload_weights,
-                             c.offload_grads, c.offload_opt, c.offload_acts, self.hardware.reduce_scatter_copies)
+                             c.offload_grads, c.offload_opt, c.offload_acts, self.hardware.reduce_scatter_copies,
+                             low_precision_grads=low_grads)
         terms = {kind: BlockActivationTerms(v["saved"], v["input"], v["forward_peak"], v["backward_peak"],
                                             v["forward_peaks_weights_free"], v["backward_peaks_weights_free"],
                                             v["output"])
@@ -343,13 +358,12 @@ class StageCostModel:
         acts_per_mb, peak = memory.acts_per_microbatch, memory.peak
 
         # ---- stable phase: one micro-batch forward + backward ----------------------------------
-        zero = np.asarray(c.zero)
         weight_bytes = stage_params * weight_b
         grad_bytes = stage_params * grad_b
         forward_compute = stage_sum("forward_compute")
         recompute = ckpt * layer["forward_compute"]
         grad_buffer_s = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
-                                      grad_buffer_bytes_moved(grad_bytes, dp))
+                                      np.where(low_grads, 0.0, grad_buffer_bytes_moved(grad_bytes, dp)))
         backward_compute = stage_sum("backward_compute") + recompute + grad_buffer_s
         tp_exposed = stage_sum("forward_tp") + stage_sum("backward_tp") + ckpt * layer["forward_tp"]
         gather = collective_time(self.hardware, "all_gather", weight_bytes, dp_nodes, dp_gpus)
@@ -383,7 +397,8 @@ class StageCostModel:
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
         accumulate = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
-                                   accumulation_bytes_moved(stage_params, zero, dp, c.grad_accum))
+                                   np.where(low_grads, low_precision_bytes_moved(grad_bytes, stage_params, zero, dp),
+                                            accumulation_bytes_moved(stage_params, zero, dp, c.grad_accum)))
         step = optimizer_phase_s(_overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s,
                                  host_step, step_out, step_in, n + has_pre + has_post) + accumulate
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
@@ -437,6 +452,18 @@ def grad_buffer_bytes_moved(grad_bytes: np.ndarray, dp: np.ndarray) -> np.ndarra
     return grad_bytes * (1.0 + np.where(np.asarray(dp) > 1, 2.0, 0.0))
 
 
+def low_precision_bytes_moved(grad_bytes: np.ndarray, stage_params: np.ndarray, zero: np.ndarray,
+                              dp: np.ndarray) -> np.ndarray:
+    """Per iteration, low-precision gradients (ZeRO 0/1, ``backends/zero.py``): the buffer zeroed once,
+    cast to an fp32 copy for the reduction (a read and an fp32 write), and under ZeRO-0 with data
+    parallelism the mean cast back (an fp32 read and a write). Autograd's in-place accumulation of the
+    micro-batches belongs to their backward, as on the fp32 path."""
+    dp = np.asarray(dp, dtype=float)
+    cast = grad_bytes + 4.0 * stage_params
+    back = np.where((np.asarray(zero) == 0) & (dp > 1), cast, 0.0)
+    return grad_bytes + cast + back
+
+
 def accumulation_bytes_moved(stage_params: np.ndarray, zero: np.ndarray, dp: np.ndarray,
                              grad_accum: np.ndarray) -> np.ndarray:
     """Bytes of adding the micro-batches' gradients into the fp32 accumulator, per iteration:
@@ -457,11 +484,12 @@ def _capture_seq_len(name: str, seq_len: int) -> int:
 
 
 def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float16",
-                           attention: str = "flash") -> StageCostModel:
+                           attention: str = "flash", grad_dtype: str = "float32") -> StageCostModel:
     """Capture (if given a name) and analyse ``model`` once; return the vectorised stage model.
 
     ``model``: a model name (zoo, ``hf:``, ``module:function``) or a captured ``MistProgram``;
-    ``hardware``: a profile name/path or a :class:`HardwareProfile`.
+    ``hardware``: a profile name/path or a :class:`HardwareProfile`; ``grad_dtype``: the plans'
+    gradient dtype (``float32`` or ``dtype``: low-precision gradients for ZeRO 0/1, every candidate).
     """
 
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
@@ -473,4 +501,5 @@ def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float
     program = capture_program(model, seq_len=_capture_seq_len(model, seq_len) if isinstance(model, str) else seq_len,
                               dtype=dtype)
     (blocks, num_layers), name = analyse_program(program), program.model_name
-    return StageCostModel(blocks, profile, seq_len, dtype, attention, model_name=name, num_layers=num_layers)
+    return StageCostModel(blocks, profile, seq_len, dtype, attention, model_name=name, num_layers=num_layers,
+                          grad_dtype=grad_dtype)

@@ -6,6 +6,11 @@
 reports a :class:`JointCapture`. The compiled forward/backward are boxed callables running the
 partitioned graphs, so the same backend also trains (``mist_backend``).
 
+Before handing it on, the backend fuses the LM head with its cross-entropy loss in the torch-level
+graph (``mist_compiler.ops.fuse_linear_cross_entropy``), so the joint graph, the cost model and a
+runtime that runs that graph all see ``mist::linear_cross_entropy``; ``fuse_loss=False`` (or the
+``loss_fusion(False)`` context, for callers further up) keeps the graph as traced.
+
 ``trace_joint(model, input_ids, labels)`` runs that backend once on a model whose weights are
 FakeTensors, compiled with ``dynamic=True`` so the batch and sequence sizes are symbols.
 """
@@ -26,8 +31,26 @@ from torch._functorch.partitioners import default_partition
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..ir.program import B, S
+from ..ops import fuse_linear_cross_entropy
 from ..passes.block_discovery import module_paths
 from .boundaries import Boundaries, strip_boundaries
+
+_FUSE_LOSS = [True]  # the default of joint_backend(fuse_loss=None); see loss_fusion
+
+
+def loss_fusion_enabled() -> bool:
+    """What a joint backend built now without an explicit ``fuse_loss`` does."""
+    return _FUSE_LOSS[-1]
+
+
+@contextlib.contextmanager
+def loss_fusion(enabled: bool):
+    """Within the block, joint backends built without an explicit ``fuse_loss`` fuse (or not)."""
+    _FUSE_LOSS.append(bool(enabled))
+    try:
+        yield
+    finally:
+        _FUSE_LOSS.pop()
 
 
 @dataclass
@@ -76,11 +99,15 @@ def batch_seq_symbols(gm: torch.fx.GraphModule) -> dict:
     return mapping
 
 
-def joint_backend(on_capture: Callable[[JointCapture], None]):
-    """A dynamo backend that records the joint graph and runs the partitioned graphs."""
+def joint_backend(on_capture: Callable[[JointCapture], None], fuse_loss: bool | None = None):
+    """A dynamo backend that records the joint graph and runs the partitioned graphs (the LM head and
+    its loss fused first unless ``fuse_loss`` is False; None: the ``loss_fusion`` default)."""
+    fuse = _FUSE_LOSS[-1] if fuse_loss is None else fuse_loss
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list, **_kwargs):
         boundaries = strip_boundaries(gm)  # capture's layer markers (none when the user compiles)
+        if fuse:  # the graph every rank runs: the head and its loss fused (no N x V logits)
+            fuse_linear_cross_entropy(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
         def partition(joint: torch.fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
@@ -163,12 +190,16 @@ def _logging_functions() -> set:
     return set(torch._dynamo.config.ignore_logging_functions) | {getattr(logging.Logger, n) for n in names}
 
 
-def graph_only_backend(on_capture: Callable[[JointCapture], None]):
+def graph_only_backend(on_capture: Callable[[JointCapture], None], fuse_loss: bool | None = None):
     """A dynamo backend that records only the torch-level graph (no aot_autograd): what a rank
-    needs to run a plan whose pricing was done elsewhere."""
+    needs to run a plan whose pricing was done elsewhere (the loss fused as ``joint_backend`` does,
+    so what runs is what was priced)."""
+    fuse = _FUSE_LOSS[-1] if fuse_loss is None else fuse_loss
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list, **_kwargs):
         boundaries = strip_boundaries(gm)
+        if fuse:
+            fuse_linear_cross_entropy(gm)
         on_capture(JointCapture(gm, None, None, None, 0, [], batch_seq_symbols(gm), boundaries=boundaries))
         return gm.forward
 

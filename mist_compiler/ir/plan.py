@@ -6,6 +6,14 @@ embedding (pre) block belongs to the first stage and the head/loss (post) block 
 ``micro_batch`` is per data-parallel rank, and for every stage
 ``global_batch == micro_batch * dp * grad_accum``. A stage runs on ``nodes * gpus_per_node``
 devices, which must equal ``dp * tp``.
+
+``grad_dtype`` (optional, default ``"float32"``) is the dtype of the gradients a stage keeps
+between micro-batches and until the optimizer step under ZeRO 0-1: ``"float32"`` accumulates
+and reduces in fp32; the plan's own ``dtype`` (fp16/bf16, as Mist and Megatron keep them) halves
+that memory: autograd accumulates each micro-batch into the param-dtype buffer (fp32 arithmetic,
+one rounding per micro-batch), the data-parallel reduction still runs in fp32. ZeRO 2-3 keep
+their ``1/dp`` accumulator shard in fp32 either way, and so does a ZeRO 0-1 stage that offloads
+gradients (its fp32 accumulator is split with the host).
 """
 from __future__ import annotations
 
@@ -141,6 +149,12 @@ class Plan:
     dtype: str
     grad_accum: int
     stages: tuple[StagePlan, ...]
+    grad_dtype: str = "float32"
+
+    @property
+    def low_precision_grads(self) -> bool:
+        """ZeRO 0-1 stages keep their gradients in the param dtype (``grad_dtype`` is not fp32)."""
+        return self.grad_dtype != "float32"
 
     @property
     def num_layers(self) -> int:
@@ -168,11 +182,14 @@ class Plan:
             dtype=data["dtype"],
             grad_accum=_int(data["grad_accum"], "grad_accum", 1),
             stages=tuple(StagePlan.from_dict(s, f"stages[{i}]") for i, s in enumerate(stages_data)),
+            grad_dtype=data.get("grad_dtype", "float32"),
         )
         plan._check_consistency()
         return plan
 
     def _check_consistency(self) -> None:
+        _require(self.grad_dtype in ("float32", self.dtype), "grad_dtype",
+                 f"must be 'float32' or the plan's dtype {self.dtype!r}, got {self.grad_dtype!r}")
         expected_start = 0
         for index, stage in enumerate(self.stages):
             where = f"stages[{index}]"
@@ -198,11 +215,14 @@ class Plan:
             _require(self.seq_len <= max_seq, "seq_len", f"{self.seq_len} exceeds the model's maximum {max_seq}")
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "model": self.model, "seq_len": self.seq_len, "global_batch": self.global_batch,
             "dtype": self.dtype, "grad_accum": self.grad_accum,
             "stages": [stage.to_dict() for stage in self.stages],
         }
+        if self.low_precision_grads:  # plans of the default keep their schema unchanged
+            data["grad_dtype"] = self.grad_dtype
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

@@ -4,7 +4,9 @@ The ``tp_sharding`` lowering pass rewrites a unit's graph to call ``tp.copy`` (M
 identity forward, all-reduce of the gradient backward), ``tp.reduce`` (*g*: all-reduce forward,
 identity backward), ``tp.embedding`` (a vocabulary slice of an embedding: ids outside it give
 zeros, then *g*) and ``tp.cross_entropy`` (cross-entropy over logits split along the vocabulary:
-the max, the sum of exponentials and the target logit are all-reduced). The pass only names
+the max, the sum of exponentials and the target logit are all-reduced), and
+``tp.linear_cross_entropy`` (the fused head + loss over the head's vocabulary rows,
+:mod:`.vocab_parallel`). The pass only names
 them; the runtime attaches a :class:`TensorParallelOps` holding the real group, and the
 lowering-time proof (``passes/tp_check.py``) one holding a :class:`ThreadGroup`, which runs the
 ranks as threads of one process. The autograd functions are written here, not taken from
@@ -19,6 +21,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
 
 class Group(Protocol):
@@ -162,6 +166,18 @@ class VocabCrossEntropy(_GroupModule):
         return _VocabCrossEntropy.apply(logits, target, self.group, ignore_index, reduction)
 
 
+class VocabLinearCrossEntropy(_GroupModule):
+    """The fused head + loss (``mist::linear_cross_entropy``) over this rank's vocabulary rows of the
+    head; returns ``(loss, None)`` like the op's ``(loss, lse)`` (only the loss is read)."""
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                reduction: str = "mean") -> tuple[torch.Tensor, None]:
+        return vocab_parallel_linear_cross_entropy(hidden, weight, labels, self.group, ignore_index, reduction), None
+
+
+TP_CHILDREN = ("copy", "reduce", "embedding", "cross_entropy", "linear_cross_entropy")  # what a graph may call
+
+
 class TensorParallelOps(nn.Module):
     """The ``tp`` child of a sharded unit: its collectives, bound to one group."""
 
@@ -171,3 +187,4 @@ class TensorParallelOps(nn.Module):
         self.reduce = ReduceFromTP(group)
         self.embedding = VocabEmbedding(group)
         self.cross_entropy = VocabCrossEntropy(group)
+        self.linear_cross_entropy = VocabLinearCrossEntropy(group)

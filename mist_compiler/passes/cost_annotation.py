@@ -21,7 +21,9 @@ gets an **all-reduce** (an IR collective with its byte count). That yields the f
 all-reduce after each row-parallel linear, the backward all-reduce of the column-parallel input
 gradients (q+k+v summed first, then one all-reduce), the vocab-parallel embedding's all-reduce
 and the small all-reduces of the parallel cross-entropy (max, sum of exponentials, target
-logit). A split value reaching an op that needs all features means pricing and the plan
+logit), and those of the fused head + loss (``mist::linear_cross_entropy`` with a split weight,
+run by ``ops.vocab_parallel``: two small all-reduces forward, the hidden gradient's backward).
+A split value reaching an op that needs all features means pricing and the plan
 disagree: tensor parallelism is then marked unsupported with a message, never priced wrong.
 """
 from __future__ import annotations
@@ -48,7 +50,9 @@ ATTENTION_FORWARD = {
 ATTENTION_BACKWARD = {f"{name}_backward" for name in ATTENTION_FORWARD} | {
     "_flash_attention_backward", "_efficient_attention_backward",
 }
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
+# the LM head fused with its loss (mist_compiler.ops): its FLOPs are the head's matmuls
+FUSED_LOSS, FUSED_LOSS_BACKWARD = "linear_cross_entropy", "linear_cross_entropy_backward"
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", FUSED_LOSS, FUSED_LOSS_BACKWARD}
 NORMS = {"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward"}
 SOFTMAX_LOSS = {"_log_softmax", "_log_softmax_backward_data", "_softmax", "_softmax_backward_data",
                 "nll_loss_forward", "nll_loss_backward", "logsumexp"}
@@ -304,6 +308,15 @@ def propagate_costs(graph: fx.Graph, initial: dict[str, str], symbols: dict[str,
             state = "P" if matrices.count("S") == 2 else ("S" if "S" in matrices else "R")
         elif name == "embedding" and in_states and in_states[0] == "S":
             state = "P"  # vocab-parallel lookup: rows outside this rank's range are zero
+        elif name == FUSED_LOSS and "S" in in_states:
+            rows = tensor_shape(inputs[0].meta["val"], symbols)[0]
+            for what, payload in (("max of the log-sum-exps", 4), ("sums of exponentials and target logits", 8)):
+                collectives.append(Collective("all_reduce", rows * payload, node.name,
+                                              f"{phase}: vocab-parallel fused loss ({what})"))
+            state = "R"
+        elif node.target is operator.getitem and op_name(node.args[0]) == FUSED_LOSS_BACKWARD \
+                and "S" in in_states:
+            state = "P" if node.args[1] == 0 else "S"  # this shard's part of grad_hidden; the weight shard's gradient
         elif name in VOCAB_REDUCTIONS and in_states and in_states[0] == "S":
             rows = sympy.Mul(*tensor_shape(inputs[0].meta["val"], symbols)[:-1]) if inputs[0].meta["val"].dim() > 1 else sympy.Integer(1)
             collectives.append(Collective("all_reduce", rows * 4 * VOCAB_REDUCTIONS[name], node.name,

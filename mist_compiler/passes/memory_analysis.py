@@ -11,14 +11,20 @@ Results per block, sympy expressions in ``b``, ``s``, ``t``:
 - ``saved``: activations the forward keeps for the backward per micro-batch, charged to each
   block whose backward reads them (so a layer keeps its input, as Megatron counts), parameters
   excluded, for the attention kernel asked for: ``flash`` keeps q, k, v, out and the
-  log-sum-exp (what the captured flash op saves); ``math`` also keeps the ``b*h*s*s``
-  probabilities (no log-sum-exp) and needs scores/probabilities as workspace;
+  log-sum-exp (what the captured flash op saves); ``math`` keeps the ``b*h*s*s`` probabilities
+  instead of the log-sum-exp (torch's math kernel: q and k scaled, scores, softmax, matmul);
 - ``forward_peaks``: candidates for the peak, over the block's forward program points, of its
-  saved storages created so far (its input from the start) + live non-saved storages it created;
+  saved storages created so far (its input from the start) + live non-saved storages it created
+  + the op's own workspace where it has one (``mist::linear_cross_entropy``: a chunk of logits;
+  the math attention kernel at its point: the scaled q and k, the scores and the probabilities);
 - ``backward_peaks``: candidates for the peak, over the block's backward program points, of its
   saved storages not yet released + every live gradient-side storage (the incoming gradient,
   intermediates, each parameter gradient at the moment it is produced, before it is
-  accumulated into ``.grad``);
+  accumulated into ``.grad``) + the op's workspace (the fused loss's backward: its chunk and fp32
+  weight-gradient accumulator; the math attention backward at its softmax: the probabilities,
+  their gradient and the scores' gradient). A saved storage is released when the autograd node
+  that saved it is done: after the last backward op with that node's ``seq_nr`` (a matmul's two
+  products, a product's two factors' gradients);
 - ``forward_peaks_weights_free`` / ``backward_peaks_weights_free``: the candidates of the points
   at which the block needs neither its weights nor its parameter gradients: forward points after
   its last read of a parameter (a loss after the head), backward points before its first
@@ -41,7 +47,9 @@ import torch
 import torch.fx as fx
 
 from ..ir.vocabulary import ATTENTION_KERNELS  # noqa: F401 (re-exported)
-from .cost_annotation import ATTENTION_FORWARD, B, S, T, ProgramCosts, is_view, op_name, tensor_bytes, tensor_shape, value_bytes
+from ..ops.linear_cross_entropy import workspace_points
+from .cost_annotation import (ATTENTION_BACKWARD, ATTENTION_FORWARD, FUSED_LOSS, FUSED_LOSS_BACKWARD, B, S, T, ProgramCosts,
+                              is_view, op_name, tensor_bytes, tensor_shape, value_bytes)
 
 MATMUL_BACKWARD_OPS = {"mm", "bmm", "addmm", "baddbmm"}
 
@@ -109,21 +117,71 @@ def _last_uses(graph: fx.Graph) -> dict[fx.Node, int]:
     return last
 
 
-def _attention_extras(forward: fx.Graph, names: set[str], states: dict[str, str], symbols) -> tuple[sympy.Expr, sympy.Expr]:
-    """(probabilities bytes, log-sum-exp bytes) of a block's attention ops, for the math kernel."""
-    probs, lse = sympy.Integer(0), sympy.Integer(0)
-    for node in forward.nodes:
-        if node.name not in names or op_name(node) not in ATTENTION_FORWARD:
-            continue
-        query = node.args[0].meta["val"]
-        batch, heads, seq, _ = tensor_shape(query, symbols)
-        key_seq = tensor_shape(node.args[1].meta["val"], symbols)[2]
-        state = states.get(node.name)
-        probs += _scaled(batch * heads * seq * key_seq * query.element_size(), state)
-        values = node.meta.get("val")
-        if isinstance(values, (tuple, list)) and len(values) > 1 and isinstance(values[1], torch.Tensor):
-            lse += _scaled(tensor_bytes(values[1], symbols), state)
-    return probs, lse
+@dataclass
+class _Attention:
+    """Bytes of one attention op of a block, for the math kernel's adjustments of the flash points."""
+
+    probs: sympy.Expr  # the b*h*s*s probabilities (one score-sized tensor)
+    lse: sympy.Expr  # the flash kernel's log-sum-exp
+    out: sympy.Expr  # its output
+    query_key: sympy.Expr  # q + k (the math kernel scales both into new tensors)
+    value: sympy.Expr
+
+    @property
+    def saved_change(self) -> sympy.Expr:
+        """What math keeps instead of flash: the probabilities, no log-sum-exp (the output's storage
+        becomes the contiguous copy the o-projection saves: the same bytes)."""
+        return self.probs - self.lse
+
+    @property
+    def forward_point(self) -> sympy.Expr:
+        """At the kernel, against flash's point there (which holds out and lse): q, k and their scaled
+        copies, the scores and the probabilities at the softmax, no output yet."""
+        return self.query_key + 2 * self.probs - self.out - self.lse
+
+    @property
+    def backward_point(self) -> sympy.Expr:
+        """At the softmax backward, against flash's point at its backward op (saved q, k, v, out, lse and
+        the q/k/v gradients): v and the output released, no q/k gradient yet; the probabilities,
+        their gradient and the scores' gradient."""
+        return 3 * self.probs - self.value - self.out - self.lse - self.query_key
+
+
+def _attention_of(node: fx.Node, state: str | None, symbols) -> _Attention:
+    query, key, value = (arg.meta["val"] for arg in node.args[:3])
+    batch, heads, seq, _ = tensor_shape(query, symbols)
+    key_seq = tensor_shape(key, symbols)[2]
+    outputs = node.meta.get("val")
+    outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    lse = tensor_bytes(outputs[1], symbols) if len(outputs) > 1 and isinstance(outputs[1], torch.Tensor) else 0
+    parts = (batch * heads * seq * key_seq * query.element_size(), lse, tensor_bytes(outputs[0], symbols),
+             tensor_bytes(query, symbols) + tensor_bytes(key, symbols), tensor_bytes(value, symbols))
+    return _Attention(*(_scaled(sympy.sympify(part), state) for part in parts))
+
+
+def _fused_loss_workspace(node: fx.Node, states: dict[str, str], phase: str, symbols) -> list[sympy.Expr]:
+    """``mist::linear_cross_entropy`` (forward / backward): the op's own transient at its point."""
+    offset = 0 if phase == "forward" else 1  # the backward op takes the loss gradient first
+    hidden, weight = node.args[offset], node.args[offset + 1]
+    rows, width = tensor_shape(hidden.meta["val"], symbols)
+    vocab = tensor_shape(weight.meta["val"], symbols)[0]
+    vocab = _scaled(vocab, states.get(weight.name, states.get(_base(weight).name)))
+    return [sympy.expand(w) for w in workspace_points(rows, vocab, width, hidden.meta["val"].element_size(),
+                                                      weight.meta["val"].element_size(), phase)]
+
+
+WORKSPACE_OPS = {FUSED_LOSS: "forward", FUSED_LOSS_BACKWARD: "backward"}
+
+
+def _node_bytes(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
+    """Bytes of a node's outputs on one device (``1/t`` of a sharded value). The fused loss's backward
+    returns the replicated hidden's gradient and the weight shard's."""
+    if op_name(node) == FUSED_LOSS_BACKWARD:
+        grad_hidden, grad_weight = node.meta["val"]
+        weight = node.args[2]
+        return tensor_bytes(grad_hidden, symbols) + _scaled(tensor_bytes(grad_weight, symbols),
+                                                             states.get(weight.name, states.get(_base(weight).name)))
+    return _scaled(value_bytes(node, symbols), states.get(node.name))
 
 
 @dataclass
@@ -179,24 +237,34 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
     live_total = {label: sympy.Integer(0) for label in blocks}
     saved_so_far = {label: sympy.Add(*(saved.size[b] for b in saved_of[label] if block_of.get(b.name) != label))
                     for label in blocks}
-    forward_points: dict[str, list[sympy.Expr]] = {label: [] for label in blocks}
-    forward_needs_weights: dict[str, list[bool]] = {label: [] for label in blocks}
+    forward_points: dict[str, list[_Point]] = {label: [] for label in blocks}
     param_nodes = {n for n in fw_placeholders if n.name in params}
     last_weight_read = _last_param_reads(forward.graph, param_nodes, block_of)
     output_bytes = {label: sympy.Integer(0) for label in blocks}
+    attentions: dict[str, list[_Attention]] = {label: [] for label in blocks}
+    math_change = {label: sympy.Integer(0) for label in blocks}  # math - flash after the attentions so far
     for node in forward.graph.nodes:
         if node.op != "call_function" or is_view(node):
             continue
         label = block_of.get(node.name)
-        size = _scaled(value_bytes(node, symbols), fw_states.get(node.name))
+        size = _node_bytes(node, fw_states, symbols)
         if label is not None:
             if node in saved.size and label in saved.readers[node]:
                 saved_so_far[label] += saved.size[node]
             elif size != 0:
                 live[node] = size
                 live_total[label] += size
-            forward_points[label].append(saved_so_far[label] + live_total[label])
-            forward_needs_weights[label].append(order[node] <= last_weight_read.get(label, -1))
+            here = saved_so_far[label] + live_total[label]
+            needs = order[node] <= last_weight_read.get(label, -1)
+            math = here + math_change[label]
+            if op_name(node) in ATTENTION_FORWARD:
+                attention = _attention_of(node, fw_states.get(node.name), symbols)
+                attentions[label].append(attention)
+                math = here + math_change[label] + attention.forward_point
+                math_change[label] += attention.saved_change
+            forward_points[label].append(_Point(here, math, needs))
+            for extra in _workspace(node, fw_states, symbols):
+                forward_points[label].append(_Point(here + extra, math + extra, needs))
             if any(block_of.get(user.name) not in (label, None) and not is_view(user) for user in node.users) \
                     or any(block_of.get(u.name) not in (label, None) for v in node.users if is_view(v) for u in v.users):
                 output_bytes[label] = size  # the value handed to the next block
@@ -214,11 +282,16 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
     release: dict[fx.Node, int] = {}  # forward saved base -> index of its last backward use
     bw_nodes = list(backward.graph.nodes)
     next_op = _next_ops(bw_nodes)
+    node_done = _autograd_node_ends(bw_nodes)
     for base, holders in saved.holders.items():
         end = max(bw_last.get(h, -1) for h in holders)
-        # autograd frees a node's saved tensors when the node is done: a matmul's backward computes
-        # the weight and the input gradient, so what the first of the two reads lives through both
-        follower = next_op.get(end)
+        # autograd frees a node's saved tensors when the node is done: every op of its backward (same
+        # ``seq_nr``: a matmul's weight and input gradients, a product's two factors' gradients) runs first
+        done = node_done.get(end)
+        if done is not None:
+            release[base] = done
+            continue
+        follower = next_op.get(end)  # no seq_nr: a matmul's backward is its two products
         paired = (0 <= end and follower is not None and op_name(bw_nodes[end]) in MATMUL_BACKWARD_OPS
                   and op_name(bw_nodes[follower]) in MATMUL_BACKWARD_OPS)
         release[base] = follower if paired else end
@@ -231,8 +304,8 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
             grad_live[node] = value_bytes(node, symbols)
             grad_total += grad_live[node]
     produced_at: dict[fx.Node, int] = {}  # parameter gradient -> index of the op that produced it
-    backward_points: dict[str, list[sympy.Expr]] = {label: [] for label in blocks}
-    backward_needs_weights: dict[str, list[bool]] = {label: [] for label in blocks}
+    backward_points: dict[str, list[_Point]] = {label: [] for label in blocks}
+    pending = {label: list(attentions[label]) for label in blocks}  # attentions whose backward is to come
     fw_by_name = {n.name: n for n in forward.graph.nodes}
     mapping = backward_inputs or {}
     bw_param_nodes = {n for n in backward.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")
@@ -243,13 +316,21 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
         if node.op != "call_function" or is_view(node):
             continue
         label = block_of.get(node.name)
-        size = _scaled(value_bytes(node, symbols), bw_states.get(node.name))
+        size = _node_bytes(node, bw_states, symbols)
         if size != 0:
             grad_live[node] = size
             grad_total += size
         if label is not None:
-            backward_points[label].append(alive_saved[label] + grad_total)
-            backward_needs_weights[label].append(index >= first_weight_use.get(label, len(backward.graph.nodes)))
+            here = alive_saved[label] + grad_total
+            needs = index >= first_weight_use.get(label, len(backward.graph.nodes))
+            change = sympy.Add(*(attention.saved_change for attention in pending[label]))
+            math = here + change
+            if op_name(node) in ATTENTION_BACKWARD and pending[label]:
+                attention = pending[label].pop()
+                math = here + change - attention.saved_change + attention.backward_point
+            backward_points[label].append(_Point(here, math, needs))
+            for extra in _workspace(node, bw_states, symbols):
+                backward_points[label].append(_Point(here + extra, math + extra, needs))
         for base, end in release.items():
             if end <= index and base not in released:
                 released.add(base)
@@ -269,37 +350,46 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
     for label, names in blocks.items():
         saved_total = sympy.expand(sympy.Add(*(saved.size[b] for b in saved_of[label])))
         input_bytes = sympy.expand(sympy.Add(*(saved.size[b] for b in saved_of[label] if block_of.get(b.name) != label)))
-        probs, lse = _attention_extras(forward.graph, names, fw_states, symbols)
-        fw = forward_points[label] or [saved_total]
-        bw = backward_points[label] or [saved_total]
-        fw_weights = [p for p, needs in zip(fw, forward_needs_weights[label]) if needs] or [saved_total]
-        fw_free = [p for p, needs in zip(fw, forward_needs_weights[label]) if not needs]
-        bw_weights = [p for p, needs in zip(bw, backward_needs_weights[label]) if needs] or [saved_total]
-        bw_free = [p for p, needs in zip(bw, backward_needs_weights[label]) if not needs]
+        change = sympy.Add(*(attention.saved_change for attention in attentions[label]))
+        fallback = [_Point(saved_total, saved_total + change, True)]
+        fw = forward_points[label] or fallback
+        bw = backward_points[label] or fallback
         save_order = _save_order(saved_of[label], names, order)
 
-        def by_kernel(points: list[sympy.Expr], math_extra: list[sympy.Expr]) -> dict[str, list[sympy.Expr]]:
-            if not points:
+        def by_kernel(points: list[_Point], needs: bool | None = None, default: list[_Point] = ()) -> dict:
+            chosen = [p for p in points if needs is None or p.needs_weights == needs] or list(default)
+            if not chosen:
                 return {"flash": [], "math": []}
-            return {"flash": prune_candidates(points),
-                    "math": prune_candidates([p + probs - lse for p in points] + math_extra)}
+            return {"flash": prune_candidates([p.flash for p in chosen]),
+                    "math": prune_candidates([p.math for p in chosen])}
 
         results[label] = BlockMemory(
-            saved={"flash": saved_total, "math": sympy.expand(saved_total + probs - lse)},
-            forward_peaks=by_kernel(fw, [saved_total + 2 * probs]),
-            backward_peaks=by_kernel(bw, [saved_total + 3 * probs]),
+            saved={"flash": saved_total, "math": sympy.expand(saved_total + change)},
+            forward_peaks=by_kernel(fw), backward_peaks=by_kernel(bw),
             input=input_bytes, output=sympy.expand(output_bytes[label]),
             saved_names=[b.name for b in saved_of[label]],
             saved_sequence=[sympy.expand(saved.size[b]) for b in save_order],
             saved_offloadable=[saved.contiguous[b] for b in save_order],
-            attention_probs=sympy.expand(probs),
-            # the math kernel's score workspace is inside attention, where the weights are in use
-            forward_peaks_weights=by_kernel(fw_weights, [saved_total + 2 * probs]),
-            forward_peaks_weights_free=by_kernel(fw_free, []),
-            backward_peaks_weights=by_kernel(bw_weights, [saved_total + 3 * probs]),
-            backward_peaks_weights_free=by_kernel(bw_free, []),
+            attention_probs=sympy.expand(sympy.Add(*(attention.probs for attention in attentions[label]))),
+            forward_peaks_weights=by_kernel(fw, True, fallback), forward_peaks_weights_free=by_kernel(fw, False),
+            backward_peaks_weights=by_kernel(bw, True, fallback), backward_peaks_weights_free=by_kernel(bw, False),
         )
     return results
+
+
+@dataclass(frozen=True)
+class _Point:
+    """One program point of a block: live bytes with the flash and with the math attention kernel."""
+
+    flash: sympy.Expr
+    math: sympy.Expr
+    needs_weights: bool
+
+
+def _workspace(node: fx.Node, states: dict[str, str], symbols) -> list[sympy.Expr]:
+    """Extra candidates at an op's point for the transient it holds inside (none for most ops)."""
+    phase = WORKSPACE_OPS.get(op_name(node))
+    return _fused_loss_workspace(node, states, phase, symbols) if phase is not None else []
 
 
 def _is_contiguous(value: torch.Tensor) -> bool:
@@ -318,6 +408,27 @@ def _save_order(bases: list[fx.Node], names: set[str], order: dict[fx.Node, int]
                    if user.name in names and user in order and not is_view(user)]
         return min(readers, default=order.get(base, -1))
     return sorted(bases, key=first_reader)
+
+
+def _autograd_node_ends(nodes: list[fx.Node]) -> dict[int, int]:
+    """Index of each backward op -> index of the last op of the same autograd node (same ``seq_nr``,
+    consecutive in the graph), for ops that carry one."""
+    ends: dict[int, int] = {}
+    run: list[int] = []
+    current = None
+    for index, node in enumerate(nodes):
+        if node.op != "call_function" or is_view(node):
+            continue
+        seq = node.meta.get("seq_nr")
+        if seq is None or seq != current:
+            for member in run:
+                ends[member] = run[-1]
+            run, current = ([index] if seq is not None else []), seq
+        else:
+            run.append(index)
+    for member in run:
+        ends[member] = run[-1]
+    return ends
 
 
 def _next_ops(nodes: list[fx.Node]) -> dict[int, int]:

@@ -64,6 +64,7 @@ _POINTWISE = {
 _VIEWS = {"view", "reshape", "view_as", "flatten", "unflatten", "expand", "expand_as"}
 _REDUCTIONS = {"mean", "sum", "amax", "amin", "max", "min", "norm", "var", "std", "logsumexp", "prod", "argmax", "argmin"}
 _ALONG_DIM = {"softmax", "log_softmax", "cumsum"}
+FUSED_LOSS = "linear_cross_entropy.default"  # op_of(torch.ops.mist.linear_cross_entropy.default)
 _NORMS = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm"}
 _LINEAR = {"linear"}
 _SDPA = {"scaled_dot_product_attention"}
@@ -580,6 +581,10 @@ def recognise_post(model: ModelGraph) -> RegionSharding:
                 _vocab_loss(walk, node)
                 losses.append(node.name)
                 continue
+            if op == FUSED_LOSS and walk.state(node.args[0]) == R and node.args[1].name in params:
+                _vocab_fused_loss(walk, node)
+                losses.append(node.name)
+                continue
             _step(walk, node)
     except NotShardable:
         return RegionSharding()
@@ -599,6 +604,17 @@ def _vocab_loss(walk: _Walk, node: fx.Node) -> None:
     if kwargs.get("reduction", "mean") not in ("mean", "sum"):
         walk.fail(node, f"uses reduction={kwargs.get('reduction')!r}")
     walk.edit(node, "vocab_loss", data=(kwargs.get("ignore_index", -100), kwargs.get("reduction", "mean")))
+    walk.states[node.name] = R
+
+
+def _vocab_fused_loss(walk: _Walk, node: fx.Node) -> None:
+    """``mist::linear_cross_entropy(hidden, weight, labels, ignore_index, reduction)`` (the head fused
+    with its loss, ``ops.fuse``): the weight split over the vocabulary rows, run by
+    ``tp.linear_cross_entropy`` (which all-reduces the hidden gradient itself: no ``copy_in``)."""
+    if any(not (user.target is operator.getitem and user.args[1] == 0) for user in node.users):
+        walk.fail(node, "reads more of the fused loss than the loss itself")
+    walk.sharding.shards[node.args[1].name] = ShardSpec(0)
+    walk.edit(node, "vocab_fused_loss", data=(node.args[3], node.args[4]))
     walk.states[node.name] = R
 
 

@@ -4,7 +4,7 @@ Input: a :class:`~mist_compiler.ir.stage.StageGraph` and the model's
 :class:`~mist_compiler.ir.model_graph.TensorParallelPlan` (made by ``tp_recognition``, the one
 recogniser); output: the same stage whose units record how each tensor is split
 (``Unit.shards``) and whose graphs call the collectives (``tp.copy``, ``tp.reduce``,
-``tp.embedding``, ``tp.cross_entropy``, see :mod:`mist_compiler.ops.tensor_parallel`), with every
+``tp.embedding``, ``tp.cross_entropy``, ``tp.linear_cross_entropy``, see :mod:`mist_compiler.ops.tensor_parallel`), with every
 size written as a number for a split dimension divided by the degree. Nothing is decided here.
 The vocabulary (embedding and head) is split only when the degree divides it; otherwise those
 stay whole on every rank.
@@ -141,6 +141,11 @@ def apply_edits(graph: fx.Graph, edits: list[GraphEdit], attrs: dict[str, str], 
             node.op, node.target = "call_module", "tp.cross_entropy"
             node.args, node.kwargs = (node.args[0], node.args[1]), {"ignore_index": ignore_index,
                                                                      "reduction": reduction}
+            uses_tp = True
+        elif edit.kind == "vocab_fused_loss":
+            ignore_index, reduction = edit.data
+            node.op, node.target = "call_module", "tp.linear_cross_entropy"
+            node.args, node.kwargs = tuple(node.args[:3]), {"ignore_index": ignore_index, "reduction": reduction}
             uses_tp = True
         else:
             raise TensorParallelError(f"unknown tensor-parallel edit {edit.kind!r}")

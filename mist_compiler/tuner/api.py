@@ -196,8 +196,10 @@ def _memory_diagnosis(cost_model: StageCostModel, work: Workload, cluster: Clust
 def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int, seq_len: int = 2048,
          space: SearchSpace | None = None, dtype: str = "bfloat16", attention: str = "flash",
          cost_model: StageCostModel | None = None, progress: Progress | None = None,
-         workload: Workload | None = None) -> TuneResult:
-    """Search the fastest plan. ``hardware`` is a profile name/path or a HardwareProfile.
+         workload: Workload | None = None, grad_dtype: str = "float32") -> TuneResult:
+    """Search the fastest plan. ``hardware`` is a profile name/path or a HardwareProfile;
+    ``grad_dtype`` the plans' gradient dtype (``float32``, or ``dtype``: ZeRO 0/1 stages keep
+    low-precision gradients, see ``ir.plan``).
 
     ``cost_model`` overrides the project's stage cost model (tests pass an analytic double);
     ``workload`` then supplies layer and head counts for a model that is not in the zoo.
@@ -217,7 +219,8 @@ def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int
         from ..cost.stage_model import build_stage_cost_model
 
         say(f"analysing {model} (seq {seq_len}, {dtype}, {attention} attention)")
-        cost_model = build_stage_cost_model(model, profile, seq_len=seq_len, dtype=dtype, attention=attention)
+        cost_model = build_stage_cost_model(model, profile, seq_len=seq_len, dtype=dtype, attention=attention,
+                                            grad_dtype=grad_dtype)
     stats_analysis_s = time.perf_counter() - started
     started = time.perf_counter()
     config = None
@@ -344,7 +347,7 @@ def _result(cost_model: StageCostModel, work: Workload, space: SearchSpace, tabl
         ))
         start += layers
     plan = Plan(model=work.model_name, seq_len=work.seq_len, global_batch=work.global_batch, dtype=work.dtype,
-                grad_accum=table.grad_accum, stages=tuple(stages))
+                grad_accum=table.grad_accum, stages=tuple(stages), grad_dtype=getattr(cost_model, "grad_dtype", "float32"))
     predicted = pipeline_iteration_time(estimates.stable_s, estimates.delta_s, table.grad_accum)
     reports = [
         StageReport(i, float(estimates.stable_s[i]), float(estimates.delta_s[i]), float(estimates.peak_memory_bytes[i]),

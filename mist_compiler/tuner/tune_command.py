@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequence length (default: the model's maximum positions, else 2048)")
     parser.add_argument("--dtype", choices=TRAINING_DTYPES, default="bfloat16",
                         help="compute dtype (default bfloat16; float16 trains with dynamic loss scaling)")
+    parser.add_argument("--grad-dtype", choices=TRAINING_DTYPES, default="float32",
+                        help="gradients ZeRO 0/1 keep between micro-batches: float32 (default) or --dtype (as Mist)")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash", help="target attention kernel")
     parser.add_argument("--memory-limit", help="memory a plan may use per device, e.g. 70GB or 64GiB (default: the "
                         "profile's device memory minus its headroom for context, NCCL, workspaces, fragmentation)")
@@ -83,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("nodes", "gpus_per_node", "global_batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.grad_dtype not in ("float32", args.dtype):
+        raise ValueError(f"--grad-dtype must be float32 or --dtype ({args.dtype}), got {args.grad_dtype}")
     if args.seq is not None and args.seq < 1:
         raise ValueError(f"--seq must be >= 1, got {args.seq}")
     if args.output:
@@ -92,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     program = driver.capture(args.model, dtype=args.dtype, attention=args.attention, seq_len=args.seq)
     seq = args.seq or program.seq_len
     driver.check_sequence(program, seq)
-    cost_model = driver.analyse(program, hardware_from_args(args), seq_len=seq, attention=args.attention)
+    cost_model = driver.analyse(program, hardware_from_args(args), seq_len=seq, attention=args.attention,
+                                grad_dtype=args.grad_dtype)
     work = driver.workload(program, args.global_batch, seq)
     if args.space != "full":
         from .baselines import tune_baseline

@@ -1,0 +1,18 @@
+"""Custom torch ops that may appear in captured graphs (a leaf package: imports torch, triton and
+numpy only, nothing else of ours).
+
+- ``mist::linear_cross_entropy`` (:mod:`.linear_cross_entropy`): the LM head's matmul fused with
+  the cross-entropy loss, chunked over rows so that no ``N x V`` logits exist; its backward
+  recomputes each chunk; registered fake, autograd and FLOP formulas, and the closed form of its
+  transient memory;
+- :mod:`.chunk_kernels`: the per-chunk softmax / loss / gradient math (Triton, torch twins);
+- :mod:`.vocab_parallel`: the same loss over a vocabulary shard of the head (tensor parallelism);
+- :mod:`.fuse`: ``fuse_linear_cross_entropy(gm)``, the rewrite of a dynamo torch-level graph that
+  puts the op in place of head-linear -> [float] -> [view/reshape] -> cross_entropy.
+"""
+from .fuse import fuse_linear_cross_entropy
+from .linear_cross_entropy import chunk_rows, linear_cross_entropy, workspace_points
+from .vocab_parallel import vocab_parallel_linear_cross_entropy
+
+__all__ = ["chunk_rows", "fuse_linear_cross_entropy", "linear_cross_entropy", "vocab_parallel_linear_cross_entropy",
+           "workspace_points"]
