@@ -11,7 +11,9 @@ backend (``backends/zero.py``, one flat bucket per unit) holds at each point of 
   Adam moments, ``1/dp`` from ZeRO-1 on, an ``opt`` fraction on the host;
 - **transient weights**: under ZeRO-3 or weight offload a block's full weights are materialised
   for its forward and backward with the next block's prefetched (pre: itself + a layer; layer:
-  two layers; the post block: itself, whose loss runs after its head is released);
+  two layers; the post block: itself, whose loss runs after its head is released); a unit's
+  weights are released when its backward is done, and the backward prefetches one unit ahead,
+  so the pre block's backward holds only its own units (the token embedding's alone at its end);
 - **gradients**, allocated when a block's backward begins: the block's micro-batch gradient
   buffer (param dtype, plus an fp32 reduction copy in mixed precision) while its backward runs;
   the reduced gradient each finished block keeps until the step (ZeRO-0: all of it; ZeRO-1: the
@@ -313,8 +315,16 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
              layer_weights(ckpt > 0), base + layers_done(plain) + running(p_layer) + after_first(plain + 1)),
             (np.where(ckpt > 0, pre_acts + recomputed, zeros),
              layer_weights(ckpt > 0), base + layers_done(np.maximum(n - 1, 0)) + running(p_layer) + after_first(n)),
-            (has_pre * pre.backward_peak, has_pre * weights_at["pre"], base + layers_done(n) + running(p_pre)
-             + after_first(n + 1)),
+            # the pre block's backward (its peak: the token embedding's dense gradient, charged at both of
+            # these points since the analysis gives the block's peak, not its unit). The last layer's weights
+            # were released and its unit's reduction is drained when the next unit finishes, and the runtime
+            # prefetches nothing past pre: (a) its earlier units (positions) running, the last one's weights
+            # prefetched, the last layer's reduction in flight; (b) its last unit (the token embedding)
+            # running alone, the earlier units reduced (their reduction in flight)
+            (has_pre * pre.backward_peak, has_pre * transient * p_pre,
+             base + layers_done(n) + running(p_pre - pre_last) + after_first(n + 1)),
+            (has_pre * pre.backward_peak, has_pre * transient * pre_last,
+             has_pre * (base + layers_done(n) + done(p_pre - pre_last) + running(pre_last) + before_pre_last)),
             # the moments a block's gradients are reduced (its backward done): the post block with every
             # layer's activations still alive, a layer, and pre at the very end
             (has_post * before_post, zeros, base + running(p_post) + reducing(p_post)),
