@@ -21,6 +21,7 @@ naming it; a rank that dies is found by its stale heartbeat and named the same w
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from dataclasses import dataclass
@@ -167,7 +168,8 @@ class Engine:
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
         """The micro-batch schedule (forward and backward); gradients are reduced, not yet applied."""
         self.flush_optimizer_step()
-        return self._guarded(self._forward_backward, batch)
+        with math_attention_in_compute_dtype():
+            return self._guarded(self._forward_backward, batch)
 
     def optimizer_step(self) -> None:
         """Apply the reduced gradients (AdamW) and sync tied weights."""
@@ -380,6 +382,25 @@ class Engine:
         remove = getattr(self.runtime, "remove_hooks", None)
         if remove is not None:
             remove()
+
+
+@contextlib.contextmanager
+def math_attention_in_compute_dtype():
+    """Within the block, torch's math attention kernel keeps fp16/bf16 inputs in their dtype, as the
+    memory model prices it (and as torch did before 2.5, when Mist measured its runtime). By default
+    it copies q, k and v to fp32 and keeps fp32 scores and probabilities: twice the bytes of the
+    ``b*h*s*s`` tensors a recomputed or stored attention holds. The switch is process-wide
+    (autograd's device threads read it during backward), so it is restored on the way out."""
+    flag = getattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp", None)
+    if flag is None:
+        yield
+        return
+    before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    flag(True)
+    try:
+        yield
+    finally:
+        flag(before)
 
 
 def _in_dtype(values: list, dtype: torch.dtype) -> list:
