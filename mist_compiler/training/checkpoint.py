@@ -95,6 +95,11 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
+    def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
+        # the default set-up walks the state dict and replaces values of unknown types (ours) by None
+        super().set_up_planner({}, metadata, is_coordinator)
+        self.state_dict = self.original_state_dict = state_dict
+
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return _lookup(self.state_dict, index)
 
