@@ -229,6 +229,16 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _test_stall(step: int) -> float:
+    """Seconds to sleep between writing and publishing the save of ``step``: ``MIST_CHECKPOINT_STALL=S:T``
+    stalls step S's save T seconds (tests kill ranks there)."""
+    spec = os.environ.get("MIST_CHECKPOINT_STALL", "")
+    if ":" not in spec:
+        return 0.0
+    at, seconds = spec.split(":", 1)
+    return float(seconds) if int(at) == step else 0.0
+
+
 # ---- the saver ------------------------------------------------------------------------------------
 @dataclass
 class SaveTiming:
@@ -281,9 +291,7 @@ class Checkpointer:
             os.makedirs(tmp, exist_ok=True)
             metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
                                 planner=ChunkSavePlanner(), process_group=self.group)
-            stall = float(os.environ.get("MIST_CHECKPOINT_STALL_S", "0") or 0)  # tests: a save that takes long
-            if stall:
-                time.sleep(stall)
+            time.sleep(_test_stall(step))
             if self.rank == 0:
                 shapes = {k[len("model."):]: list(v.size) for k, v in metadata.state_dict_metadata.items()
                           if k.startswith("model.")}
