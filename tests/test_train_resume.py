@@ -47,6 +47,7 @@ def test_resume_on_2_ranks_under_another_dp_pp_and_zero(tmp_path):
     _check(results, reference_first_norm("gpt-tiny", saved_under))
 
 
+@pytest.mark.heavy  # 55-70 s on two cores
 @pytest.mark.distributed
 def test_resume_on_4_ranks_under_another_tp_dp_pp_zero_and_offload(tmp_path):
     saved_under = plan([stage((0, 4), dp=2, tp=2, zero=2)])

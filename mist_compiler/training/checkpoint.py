@@ -131,7 +131,16 @@ def stage_state(engine: Any, views: list[BucketView]) -> dict[str, Any]:
     return state
 
 
-def load_state(engine: Any, views: list[BucketView], path: str, same_world: bool) -> None:
+def checkpoint_group(timeout_s: float) -> dist.ProcessGroup | None:
+    """The gloo group DCP's own collectives run on (CPU tensors, never interleaved with training's).
+    Collective: every rank creates it, in the same order."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def load_state(engine: Any, views: list[BucketView], path: str, same_world: bool,
+               group: dist.ProcessGroup | None = None) -> None:
     """Fill this rank's master weights and moments from the checkpoint at ``path`` (any plan's),
     then rebuild the compute weights. Collective: every rank calls it."""
     metadata = dcp.FileSystemReader(path).read_metadata()
@@ -153,7 +162,7 @@ def load_state(engine: Any, views: list[BucketView], path: str, same_world: bool
     rng_keys = [k for k in (f"rng.rank{rank}", f"rng_cuda.rank{rank}") if k in saved] if same_world else []
     for key in rng_keys:
         wanted[key] = torch.empty(saved[key].size, dtype=torch.uint8)
-    dcp.load(wanted, storage_reader=dcp.FileSystemReader(path), planner=ChunkLoadPlanner())
+    dcp.load(wanted, storage_reader=dcp.FileSystemReader(path), planner=ChunkLoadPlanner(), process_group=group)
     for view in views:
         buffers = _buffers(view)
         for piece in view.held:
@@ -250,16 +259,15 @@ class SaveTiming:
 class Checkpointer:
     """Saves (asynchronously unless ``blocking``) into ``save_dir``; one save in flight at a time."""
 
-    def __init__(self, engine: Any, save_dir: str | None, timeout_s: float, blocking: bool = False) -> None:
+    def __init__(self, engine: Any, save_dir: str | None, group: dist.ProcessGroup | None,
+                 blocking: bool = False) -> None:
         self.engine = engine
         self.save_dir = save_dir
         self.blocking = blocking
         self.views = bucket_views(engine)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        # DCP's own collectives run on their own group: a background save never interleaves with training's
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)) \
-            if dist.is_initialized() else None
+        self.group = group  # see checkpoint_group: a background save never interleaves with training's collectives
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.timings: list[SaveTiming] = []

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..ir.plan import Plan, load_plan
-from .checkpoint import Checkpointer, CheckpointError, load_state, read_meta, resolve
+from .checkpoint import Checkpointer, CheckpointError, checkpoint_group, load_state, read_meta, resolve
 from .data import SAMPLE_TEXT, TokenSampler, open_tokens
 from .optim import LRSchedule, OptimConfig, TrainingOptimizer
 
@@ -58,6 +58,14 @@ class TrainConfig:
         return cls(**{**data, "optim": OptimConfig(**optim)})
 
 
+def _rows_up_to(path: str, step: int) -> list[str]:
+    """The lines of a metrics file up to ``step`` (those after it belong to the run being redone)."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as handle:
+        return [line for line in handle if line.strip() and json.loads(line).get("step", 0) <= step]
+
+
 def _peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -90,7 +98,8 @@ class Trainer:
         cfg = config.optim
         self.schedule = LRSchedule(cfg.lr, config.steps, cfg.warmup, cfg.min_lr)
         self.optimizer = TrainingOptimizer(self.engine, cfg)
-        self.checkpointer = Checkpointer(self.engine, config.save_dir, config.timeout_s, config.blocking_save) \
+        self.group = checkpoint_group(config.timeout_s) if config.save_dir or config.resume else None
+        self.checkpointer = Checkpointer(self.engine, config.save_dir, self.group, config.blocking_save) \
             if config.save_dir else None
         self.step = 0
         if config.resume:
@@ -120,7 +129,7 @@ class Trainer:
         if self.config.resume_exact and not same_plan:
             raise CheckpointError(f"--resume-exact: checkpoint {path!r} was saved under another plan "
                                   f"({meta.get('world')} ranks); bit-exact resumption needs the same plan")
-        load_state(self.engine, self.optimizer.views, path, same_world=meta.get("world") == self.world)
+        load_state(self.engine, self.optimizer.views, path, same_world=meta.get("world") == self.world, group=self.group)
         self.step = int(meta["step"])
         self.engine.runtime.optimizer.step_count = int(meta["optimizer_steps"])
         scaler = self.engine.loss_scaler
@@ -163,7 +172,9 @@ class Trainer:
         metrics = None
         if cfg.metrics and self.rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics)), exist_ok=True)
-            metrics = open(cfg.metrics, "a" if self.step else "w")
+            kept = _rows_up_to(cfg.metrics, self.step) if self.step else []  # a resumed run redoes later steps
+            metrics = open(cfg.metrics, "w")
+            metrics.writelines(kept)
         try:
             while self.step < cfg.steps:
                 row = self.train_step()
