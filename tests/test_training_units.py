@@ -65,6 +65,8 @@ def test_token_files_text_files_and_their_errors(tmp_path):
         TokenSampler(ids, global_batch=8, seq_len=128)
     with pytest.raises(DataError, match="vocabulary has 256"):
         TokenSampler(ids, global_batch=2, seq_len=16).check_vocab(256)
+    with pytest.raises(DataError, match="vocabulary has 300"):  # the ranks' per-batch check
+        [TokenSampler(ids, global_batch=2, seq_len=16, vocab=300).batch(step) for step in range(20)]
 
 
 def test_batches_depend_on_seed_and_step_only():

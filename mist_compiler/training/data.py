@@ -84,6 +84,7 @@ class TokenSampler:
     seq_len: int
     seed: int = 0
     path: str = "<tokens>"
+    vocab: int | None = None  # when set, every batch is checked against it (cheap; check_vocab reads the file)
 
     def __post_init__(self) -> None:
         self.span = len(self.tokens) - self.seq_len  # number of valid start offsets
@@ -104,5 +105,8 @@ class TokenSampler:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, self.span, (self.global_batch,), generator=generator).tolist()
         window = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        if self.vocab is not None and int(window.max()) >= self.vocab:
+            raise DataError(f"data {self.path!r} holds token id {int(window.max())} but the model's vocabulary has "
+                            f"{self.vocab} entries (wrong --data-dtype or tokenizer?)")
         window = torch.from_numpy(window)
         return {"input_ids": window[:, :-1].contiguous(), "labels": window[:, 1:].contiguous()}

@@ -94,7 +94,7 @@ class Trainer:
                                     self.plan.global_batch, self.plan.seq_len, config.seed, path)
         from ..backends.check import vocab_size
 
-        self.sampler.check_vocab(vocab_size(self.program))
+        self.sampler.vocab = vocab_size(self.program)  # batch by batch: the launcher read the whole file already
         cfg = config.optim
         self.schedule = LRSchedule(cfg.lr, config.steps, cfg.warmup, cfg.min_lr)
         self.optimizer = TrainingOptimizer(self.engine, cfg)
