@@ -127,3 +127,12 @@ def test_one_rank_trains_like_torch_adamw_with_groups_and_clipping():
     for name, tensor in got["weights"].items():  # an embedding or norm decayed by mistake would be off by ~1e-3
         want = named[name].detach()
         assert float((torch.from_numpy(tensor) - want).norm() / want.norm()) < 1e-4, name
+
+
+def test_python_api_exports_train_and_trainer():
+    import mist_compiler
+    from mist_compiler.training.trainer import Trainer
+
+    assert mist_compiler.Trainer is Trainer and {"train", "Trainer", "TrainConfig"} <= set(mist_compiler.__all__)
+    with pytest.raises(TypeError, match="unknown option"):
+        mist_compiler.train("gpt-tiny", steps=2, no_such_flag=1)

@@ -132,7 +132,8 @@ class BucketView:
             spec = shards.get(slot.name)
             name = fqn.get(slot.name, slot.name)
             shape = tuple(slot.shape)
-            for target, lo, hi in ((self.held, self.base, self.base + bucket.master.numel), (self.owned, shard_lo, shard_hi)):
+            ranges = ((self.held, self.base, self.base + bucket.master.numel), (self.owned, shard_lo, shard_hi))
+            for target, lo, hi in ranges:
                 if target is self.owned and spec is None and tp > 1 and tp_index != 0:
                     continue  # every tp rank holds it whole: tp rank 0 speaks for it
                 a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)

@@ -122,7 +122,8 @@ def validate(args: argparse.Namespace) -> dict:
     vocab = vocab_size(compiled.program)
     needed = token_vocab(data, args.tokenizer)
     if needed is not None and needed > vocab:
-        raise RunArgumentError(f"--data: the tokenizer has {needed} tokens but {args.model} has a vocabulary of {vocab}")
+        raise RunArgumentError(f"--data: the tokenizer has {needed} tokens but {args.model} has a vocabulary of "
+                               f"{vocab}")
     sampler.check_vocab(vocab)
     return {"model": args.model, "plan": plan.to_dict(), "train": config.to_dict()}
 

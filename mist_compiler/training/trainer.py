@@ -79,7 +79,9 @@ class Trainer:
                  say: Callable[[str], None] | None = None) -> None:
         from .. import driver
 
-        self.plan = load_plan(plan) if isinstance(plan, str) else Plan.from_dict(plan) if isinstance(plan, dict) else plan
+        if isinstance(plan, dict):
+            plan = Plan.from_dict(plan)
+        self.plan = load_plan(plan) if isinstance(plan, str) else plan
         self.config = config
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.say = say or (lambda line: print(f"mist: {line}", flush=True))
@@ -124,12 +126,14 @@ class Trainer:
         path = resolve(where)
         meta = read_meta(path)
         if meta.get("model") != self.model_name:
-            raise CheckpointError(f"checkpoint {path!r} was saved for model {meta.get('model')!r}, not {self.model_name!r}")
+            raise CheckpointError(f"checkpoint {path!r} was saved for model {meta.get('model')!r}, "
+                                  f"not {self.model_name!r}")
         same_plan = meta.get("plan") == self.plan.to_dict()
         if self.config.resume_exact and not same_plan:
             raise CheckpointError(f"--resume-exact: checkpoint {path!r} was saved under another plan "
                                   f"({meta.get('world')} ranks); bit-exact resumption needs the same plan")
-        load_state(self.engine, self.optimizer.views, path, same_world=meta.get("world") == self.world, group=self.group)
+        load_state(self.engine, self.optimizer.views, path, same_world=meta.get("world") == self.world,
+                   group=self.group)
         self.step = int(meta["step"])
         self.engine.runtime.optimizer.step_count = int(meta["optimizer_steps"])
         scaler = self.engine.loss_scaler
