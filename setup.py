@@ -7,7 +7,7 @@ setup(
     description="Automatic distributed-training compiler for large language models",
     python_requires=">=3.10",
     packages=find_packages(include=["mist_compiler", "mist_compiler.*"]),
-    package_data={"mist_compiler.cost": ["profiles/*.yaml"]},
+    package_data={"mist_compiler.cost": ["profiles/*.yaml"], "mist_compiler.training": ["data/*.txt"]},
     install_requires=[
         # torch is not pinned here: 2.11 to 2.13 are supported (CI pins 2.13.0).
         "torch>=2.11",

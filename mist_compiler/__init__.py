@@ -3,7 +3,8 @@
 The Python API, the same pipeline (``mist_compiler.driver``) the CLI and the ``torch.compile``
 backend run: ``capture`` (model -> Mist IR), ``analyze`` (model + plan -> predicted time and
 memory), ``tune`` (model + cluster -> best plan), ``compile`` (model + plan -> this rank's
-training engine). A model is an ``nn.Module`` or a name (zoo, ``hf:config.json``,
+training engine), ``train`` (launch real training, as ``mistc train``) and ``Trainer`` (one
+rank's training loop with checkpoints). A model is an ``nn.Module`` or a name (zoo, ``hf:config.json``,
 ``package.module:function``).
 """
 from __future__ import annotations
@@ -17,6 +18,9 @@ _API = {
     "analyze": ("mist_compiler.driver", "analyze_plan"),
     "tune": ("mist_compiler.driver", "tune_model"),
     "compile": ("mist_compiler.driver", "build_engine"),
+    "train": ("mist_compiler.training.train_command", "train"),
+    "Trainer": ("mist_compiler.training.trainer", "Trainer"),
+    "TrainConfig": ("mist_compiler.training.trainer", "TrainConfig"),
 }
 
 __all__ = sorted(_API)

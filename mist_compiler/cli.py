@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("mist_compiler.tuner.tune_command", "search the fastest plan for a model and cluster"),
     "explain": ("mist_compiler.tuner.explain_command", "describe a plan: words, breakdown, timeline"),
     "run": ("mist_compiler.backends.run_command", "train a model with a plan through torchrun"),
+    "train": ("mist_compiler.training.train_command", "train for real: data, schedule, clipping, checkpoints"),
     "demo": ("mist_compiler.demo_command", "tune the built-in default and train it on 2 local processes"),
 }
 

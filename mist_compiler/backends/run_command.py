@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from typing import Callable
 
 WORKER_MODULE = "mist_compiler.backends.worker"
 STOP_GRACE_S = 10.0
@@ -38,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     parser.add_argument("--check", action="store_true", help="compare with one-process training (rank 0)")
     parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-3)")
+    add_launch_arguments(parser)
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of every sub-command that launches ranks through torchrun."""
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any rank waits for another (default 300)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node")
     parser.add_argument("--nnodes", type=int, default=1, help="number of nodes")
@@ -56,18 +62,29 @@ def validate(args: argparse.Namespace):
     """Everything that can be checked before a process starts; returns the loaded plan."""
     from mist_compiler.ir.plan import load_plan
 
+    validate_launch(args)
+    if args.lr is not None and not args.lr >= 0:
+        raise RunArgumentError(f"--lr must be >= 0, got {args.lr}")
+    plan = load_plan(args.plan)
+    check_plan_fits(args, plan)
+    return plan
+
+
+def validate_launch(args: argparse.Namespace) -> None:
+    """The launch flags every launching sub-command shares (steps, processes, nodes, port, timeout)."""
     for name in ("steps", "nproc_per_node", "nnodes"):
         if getattr(args, name) < 1:
             raise RunArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.timeout > 0:
         raise RunArgumentError(f"--timeout must be > 0, got {args.timeout}")
-    if args.lr is not None and not args.lr >= 0:
-        raise RunArgumentError(f"--lr must be >= 0, got {args.lr}")
     if not 0 <= args.node_rank < args.nnodes:
         raise RunArgumentError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:
         raise RunArgumentError(f"--master-port must be in 1..65535, got {args.master_port}")
-    plan = load_plan(args.plan)
+
+
+def check_plan_fits(args: argparse.Namespace, plan) -> None:
+    """The plan needs exactly the launched ranks, and the model captures and accepts it."""
     world = args.nproc_per_node * args.nnodes
     if plan.world_size != world:
         raise RunArgumentError(
@@ -75,16 +92,21 @@ def validate(args: argparse.Namespace):
             f"{args.nproc_per_node} launches {world}")
     from mist_compiler import driver
 
-    driver.compile_model(args.model, plan=plan, model_name=args.model, until="plan")
-    return plan
+    return driver.compile_model(args.model, plan=plan, model_name=args.model, until="plan")
+
+
+def torchrun_prefix(args: argparse.Namespace, port: int, module: str) -> list[str]:
+    """``python -m torch.distributed.run ... -m MODULE`` for the launch flags."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
+        f"--master-addr={args.master_addr}", f"--master-port={port}", "-m", module,
+    ]
 
 
 def torchrun_command(args: argparse.Namespace, port: int) -> list[str]:
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
-        f"--master-addr={args.master_addr}", f"--master-port={port}",
-        "-m", WORKER_MODULE, args.model, "--plan", os.path.abspath(args.plan), "--steps", str(args.steps),
+    command = torchrun_prefix(args, port, WORKER_MODULE) + [
+        args.model, "--plan", os.path.abspath(args.plan), "--steps", str(args.steps),
         "--timeout", str(args.timeout),
     ]
     command += ["--check"] if args.check else []
@@ -168,12 +190,19 @@ class Launch:
 
 def run(args: argparse.Namespace) -> int:
     validate(args)
+    return launch(args, lambda port: torchrun_command(args, port), "run")
+
+
+def launch(args: argparse.Namespace, command: Callable[[int], list[str]], name: str) -> int:
+    """Run torchrun (``command(port)``, a free port unless --master-port) with the package importable,
+    forward its stdout, and turn a failure into one line ``mistc NAME: error: ...`` (exit code 1).
+    Shared by every sub-command that launches ranks (``run``, ``train``); call after validating."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     port = args.master_port or free_port()
-    launch = Launch(torchrun_command(args, port), env, getattr(args, "debug", False))
+    launch = Launch(command(port), env, getattr(args, "debug", False))
     received: list[str] = []
 
     def terminated(signum, frame):
@@ -185,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         code = launch.wait()
     except KeyboardInterrupt:
         launch.stop()
-        print(f"mistc run: interrupted ({received[0] if received else 'SIGINT'}); every rank stopped", file=sys.stderr)
+        print(f"mistc {name}: interrupted ({received[0] if received else 'SIGINT'}); every rank stopped", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -194,6 +223,6 @@ def run(args: argparse.Namespace) -> int:
             not any("error:" in line for line in launch.reported)
         if check_failed:
             return 1
-        print(f"mistc run: error: {launch.failure(code)}", file=sys.stderr)
+        print(f"mistc {name}: error: {launch.failure(code)}", file=sys.stderr)
         return 1
     return 0

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Callable
 
 import torch
 
@@ -107,6 +108,13 @@ def check(args, plan, batches, losses, gradients, weights, optimizer) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    return run_rank(lambda rank: train(args, rank), timeout=args.timeout, debug=args.debug)
+
+
+def run_rank(body: Callable[[int], int], *, timeout: float, debug: bool) -> int:
+    """The life of one launched rank (shared by every launched program): follow the launcher, join
+    the process group, run ``body(rank)``, leave cleanly; on any error say it in one line and exit
+    at once, never hanging the others."""
     rank = int(os.environ.get("RANK", 0))
     follow_parent()
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # the launcher reports an interrupt once
@@ -116,15 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         from .device import init_process_group, select_device
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-        init_process_group(args.timeout, select_device())  # NCCL bound to this rank's GPU, gloo on CPU
-        status = train(args, rank)
+        init_process_group(timeout, select_device())  # NCCL bound to this rank's GPU, gloo on CPU
+        status = body(rank)
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
         return status
     except Exception as error:  # report, then leave at once: never hang the others
         say(f"rank {rank}: error: {type(error).__name__}: {error}")
-        if args.debug:
+        if debug:
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,0 +1,324 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP) that any other plan can resume from.
+
+What is saved (one DCP checkpoint per step directory, plus ``mist.json`` written by rank 0):
+
+- ``model.<fqn>``, ``optim.exp_avg.<fqn>``, ``optim.exp_avg_sq.<fqn>``: the fp32 master weights
+  and Adam moments, each a *full-shape logical tensor* of which every rank writes the boxes it
+  owns (:mod:`.layout`: ZeRO shards, tensor-parallel pieces, each element once), offloaded parts
+  included. DCP stores the boxes and, on load, each rank asks for the boxes it holds under its
+  own plan; DCP reads the overlaps (``create_read_items_for_chunk_list``). That is the resharding:
+  dp, tp, pp, ZeRO level and offload may all differ between save and load.
+- ``rng.rank<r>``: each rank's torch RNG state (restored when the world is the same);
+- ``mist.json``: step, optimizer step count, loss scaler, plan, model, shapes, run settings.
+
+The chunks are plain CPU tensors behind a small object implementing DCP's checkpointable hooks
+(``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``) and two planners
+that look them up: DTensor cannot express ZeRO shards that cut across parameters.
+
+Saving is asynchronous and atomic: the state is staged to CPU at the step boundary (a copy), then
+a background thread runs ``dcp.save`` over a dedicated gloo group (never interleaving with the
+training collectives) into ``D/step-000010.tmp``; once every rank has written, rank 0 adds
+``mist.json``, renames the directory to ``D/step-000010`` and replaces ``D/latest`` (os.replace).
+A crash at any point leaves the last complete checkpoint and ``latest`` intact.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from .layout import BucketView, box_view, bucket_views
+
+KINDS = (("model", "master"), ("optim.exp_avg", "exp_avg"), ("optim.exp_avg_sq", "exp_avg_sq"))
+META = "mist.json"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says why."""
+
+
+class Chunks:
+    """A full-shape tensor of which this rank has some boxes (DCP sees it like a sharded tensor)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = torch.Size(shape)
+        self.chunks: dict[torch.Size, torch.Tensor] = {}  # offsets -> contiguous CPU tensor
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def add(self, offsets: tuple[int, ...], tensor: torch.Tensor) -> None:
+        self.chunks[torch.Size(offsets)] = tensor
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, tensor.shape),
+                                                      properties=TensorProperties.create_from_tensor(tensor),
+                                                      size=self.shape))
+                for offsets, tensor in self.chunks.items()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets, tensor.shape) for offsets, tensor in self.chunks.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.chunks[torch.Size(index.offset)]
+
+
+def _lookup(state: dict[str, Any], index: MetadataIndex) -> Any:
+    value = state[index.fqn]
+    return value.__get_tensor_shard__(index) if isinstance(value, Chunks) else value
+
+
+class ChunkSavePlanner(DefaultSavePlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return _lookup(self.state_dict, index)
+
+
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
+        # the default set-up walks the state dict and replaces values of unknown types (ours) by None
+        super().set_up_planner({}, metadata, is_coordinator)
+        self.state_dict = self.original_state_dict = state_dict
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return _lookup(self.state_dict, index)
+
+
+# ---- staging: the engine's state as chunks, and back -------------------------------------------------
+def _buffers(view: BucketView) -> dict[str, Any]:
+    bucket = view.bucket
+    return {"master": bucket.master, "exp_avg": bucket.opt_state.exp_avg, "exp_avg_sq": bucket.opt_state.exp_avg_sq}
+
+
+def stage_state(engine: Any, views: list[BucketView]) -> dict[str, Any]:
+    """This rank's owned master weights and moments as CPU chunks (a copy: training may go on)."""
+    engine.flush_optimizer_step()
+    state: dict[str, Any] = {}
+    cpu = torch.device("cpu")
+    for view in views:
+        buffers = _buffers(view)
+        for piece in view.owned:
+            for prefix, kind in KINDS:
+                flat = buffers[kind].read(piece.lo, piece.hi, cpu, engine.runtime.streams)
+                chunks = state.setdefault(f"{prefix}.{piece.fqn}", Chunks(piece.full_shape))
+                for local, full in piece.boxes(view.tp_index, view.tp):
+                    values = box_view(flat, piece.piece_lo, piece.piece_shape, local)
+                    chunks.add(full[0], values.to(torch.float32).clone(memory_format=torch.contiguous_format))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    state[f"rng.rank{rank}"] = torch.get_rng_state()
+    if engine.device.type == "cuda":
+        state[f"rng_cuda.rank{rank}"] = torch.cuda.get_rng_state(engine.device)
+    return state
+
+
+def checkpoint_group(timeout_s: float) -> dist.ProcessGroup | None:
+    """The gloo group DCP's own collectives run on (CPU tensors, never interleaved with training's).
+    Collective: every rank creates it, in the same order."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def load_state(engine: Any, views: list[BucketView], path: str, same_world: bool,
+               group: dist.ProcessGroup | None = None) -> None:
+    """Fill this rank's master weights and moments from the checkpoint at ``path`` (any plan's),
+    then rebuild the compute weights. Collective: every rank calls it."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    saved = metadata.state_dict_metadata
+    wanted: dict[str, Any] = {}
+    for view in views:
+        for piece in view.held:
+            for prefix, _ in KINDS:
+                key = f"{prefix}.{piece.fqn}"
+                if key not in saved:
+                    raise CheckpointError(f"checkpoint {path!r} has no {key!r}: it was saved for another model")
+                if tuple(saved[key].size) != piece.full_shape:
+                    raise CheckpointError(f"checkpoint {path!r}: {piece.fqn} has shape {tuple(saved[key].size)} there "
+                                          f"but {piece.full_shape} in this model: it was saved for another model")
+                chunks = wanted.setdefault(key, Chunks(piece.full_shape))
+                for _, full in piece.boxes(view.tp_index, view.tp):
+                    chunks.add(full[0], torch.empty(full[1], dtype=torch.float32))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rng_keys = [k for k in (f"rng.rank{rank}", f"rng_cuda.rank{rank}") if k in saved] if same_world else []
+    for key in rng_keys:
+        wanted[key] = torch.empty(saved[key].size, dtype=torch.uint8)
+    dcp.load(wanted, storage_reader=dcp.FileSystemReader(path), planner=ChunkLoadPlanner(), process_group=group)
+    for view in views:
+        buffers = _buffers(view)
+        for piece in view.held:
+            for prefix, kind in KINDS:
+                chunks = wanted[f"{prefix}.{piece.fqn}"]
+                flat = torch.empty(piece.hi - piece.lo, dtype=torch.float32)
+                for local, full in piece.boxes(view.tp_index, view.tp):
+                    box_view(flat, piece.piece_lo, piece.piece_shape, local).copy_(chunks.chunks[torch.Size(full[0])])
+                buffers[kind].write(piece.lo, flat.to(buffers[kind].dtype))
+    for view in views:
+        for buffer in _buffers(view).values():
+            buffer.sync_host()
+    pendings = [view.bucket.write_back() for view in views]  # master -> compute weights (and ZeRO gathers)
+    for pending in pendings:
+        if pending is not None:
+            pending.wait(engine.timeout_s)
+    if engine.tied is not None:
+        engine.tied.after_step()  # the last stage's copy of a tied weight from the first stage
+    if f"rng.rank{rank}" in wanted:
+        torch.set_rng_state(wanted[f"rng.rank{rank}"])
+    if f"rng_cuda.rank{rank}" in wanted:
+        torch.cuda.set_rng_state(wanted[f"rng_cuda.rank{rank}"], engine.device)
+
+
+# ---- directories ----------------------------------------------------------------------------------
+def step_dir(save_dir: str, step: int) -> str:
+    return os.path.join(save_dir, f"step-{step:06d}")
+
+
+def _complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META)) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def resolve(path: str) -> str:
+    """The complete checkpoint ``path`` names: a step directory, or a save directory (its ``latest``,
+    else its highest complete step)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--resume: {path!r} is not a directory")
+    if _complete(path):
+        return path
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as handle:
+            named = os.path.join(path, handle.read().strip())
+        if _complete(named):
+            return named
+    steps = sorted((int(m.group(1)), name) for name in os.listdir(path) if (m := STEP_DIR.match(name))
+                   and _complete(os.path.join(path, name)))
+    if not steps:
+        raise CheckpointError(f"--resume: {path!r} holds no complete checkpoint")
+    return os.path.join(path, steps[-1][1])
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, META)) as handle:
+        return json.load(handle)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _test_stall(step: int) -> float:
+    """Seconds to sleep between writing and publishing the save of ``step``: ``MIST_CHECKPOINT_STALL=S:T``
+    stalls step S's save T seconds (tests kill ranks there)."""
+    spec = os.environ.get("MIST_CHECKPOINT_STALL", "")
+    if ":" not in spec:
+        return 0.0
+    at, seconds = spec.split(":", 1)
+    return float(seconds) if int(at) == step else 0.0
+
+
+# ---- the saver ------------------------------------------------------------------------------------
+@dataclass
+class SaveTiming:
+    step: int
+    stage_s: float  # the training step waited this long (staging to CPU, plus any wait for the previous save)
+    write_s: float = 0.0  # the background write, start to rename
+
+
+class Checkpointer:
+    """Saves (asynchronously unless ``blocking``) into ``save_dir``; one save in flight at a time."""
+
+    def __init__(self, engine: Any, save_dir: str | None, group: dist.ProcessGroup | None,
+                 blocking: bool = False) -> None:
+        self.engine = engine
+        self.save_dir = save_dir
+        self.blocking = blocking
+        self.views = bucket_views(engine)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.group = group  # see checkpoint_group: a background save never interleaves with training's collectives
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.timings: list[SaveTiming] = []
+
+    def save(self, step: int, meta: dict) -> SaveTiming:
+        started = time.perf_counter()
+        self.wait()
+        state = stage_state(self.engine, self.views)
+        timing = SaveTiming(step, 0.0)
+        self.timings.append(timing)
+        self.thread = threading.Thread(target=self._write, args=(step, state, meta, timing),
+                                       name=f"mist-checkpoint-{step}", daemon=True)
+        self.thread.start()
+        if self.blocking:
+            self.wait()
+        timing.stage_s = time.perf_counter() - started
+        return timing
+
+    def _write(self, step: int, state: dict, meta: dict, timing: SaveTiming) -> None:
+        started = time.perf_counter()
+        try:
+            final = step_dir(self.save_dir, step)
+            tmp = final + ".tmp"
+            if self.rank == 0:
+                os.makedirs(self.save_dir, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving
+            if self.group is not None:
+                dist.barrier(group=self.group)
+            os.makedirs(tmp, exist_ok=True)
+            metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
+                                planner=ChunkSavePlanner(), process_group=self.group)
+            time.sleep(_test_stall(step))
+            if self.rank == 0:
+                shapes = {k[len("model."):]: list(v.size) for k, v in metadata.state_dict_metadata.items()
+                          if k.startswith("model.")}
+                _write_atomically(os.path.join(tmp, META), json.dumps({**meta, "step": step, "shapes": shapes},
+                                                                        indent=1))
+                _fsync_dir(tmp)
+                shutil.rmtree(final, ignore_errors=True)  # an older save of the same step
+                os.rename(tmp, final)
+                _fsync_dir(self.save_dir)
+                _write_atomically(os.path.join(self.save_dir, "latest"), os.path.basename(final) + "\n")
+        except BaseException as error:  # reported on the training thread at the next wait()
+            self.error = error
+        timing.write_s = time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; re-raise its error."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise CheckpointError(f"saving a checkpoint failed: {type(error).__name__}: {error}") from error

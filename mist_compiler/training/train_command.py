@@ -1,0 +1,179 @@
+"""Train a model for real: data, schedule, clipping, metrics, checkpoints (``mistc train``).
+
+MODEL is a zoo name, hf:path/to/config.json or package.module:function. Without --plan, a plan
+saved in the checkpoint given to --resume is used, else a plain data-parallel one over the
+launched processes (fp32, ZeRO-0, global batch 8, sequence 64). Without --data, the sample text
+shipped with the package is trained on (byte-level). --steps is the total number of steps, also
+when resuming. Everything the launcher can check (plan, model, data, checkpoint) is checked
+before any process starts; errors end in one line and a non-zero exit code.
+
+Data: a ``.bin`` file of uint16 tokens (``.u32.bin`` or --data-dtype uint32 for uint32), memory
+mapped; any other file is UTF-8 text, tokenised byte-level or with --tokenizer (Hugging Face).
+Checkpoints: --save-dir D --save-every K write D/step-000010 (asynchronously, atomically) and
+D/latest; --resume D (or a step directory) continues from the last complete one under any plan;
+--resume-exact insists on the checkpoint's own plan (bit-for-bit continuation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from typing import Any
+
+from ..backends import run_command
+from ..backends.run_command import RunArgumentError
+
+WORKER_MODULE = "mist_compiler.training.worker"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="zoo name, hf:path/to/config.json or package.module:function")
+    parser.add_argument("--plan", default=None, help="plan file (default: the checkpoint's, else plain data parallel)")
+    parser.add_argument("--data", default=None, help="token .bin file or text file (default: the bundled sample text)")
+    parser.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
+                        help="token width of a .bin file (default: uint16, uint32 for *.u32.bin)")
+    parser.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer for a text file (default: bytes)")
+    parser.add_argument("--steps", type=int, required=True, help="total training steps (also when resuming)")
+    parser.add_argument("--seed", type=int, default=0, help="data sampling seed (default 0)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    parser.add_argument("--min-lr", type=float, default=None, help="final learning rate of the cosine (default lr/10)")
+    parser.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default 0)")
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices (default 0.1)")
+    parser.add_argument("--clip", type=float, default=1.0, help="max global gradient norm, 0 = off (default 1.0)")
+    parser.add_argument("--log-every", type=int, default=1, help="print a line every N steps (default 1)")
+    parser.add_argument("--metrics", default=None, help="append one JSON object per step to this file")
+    parser.add_argument("--save-dir", default=None, help="checkpoint directory")
+    parser.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end)")
+    parser.add_argument("--blocking-save", action="store_true", help="save synchronously (default: in the background)")
+    parser.add_argument("--resume", default=None, help="checkpoint directory (or step directory) to continue from")
+    parser.add_argument("--resume-exact", action="store_true", help="require the checkpoint's plan (bit-exact resume)")
+    parser.add_argument("--export", default=None, help="write the final full state dict here (rank 0)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per device, for MFU")
+    run_command.add_launch_arguments(parser)
+
+
+def default_plan(model: str, world: int, program: Any) -> dict:
+    """A plain data-parallel plan over ``world`` processes (fp32, ZeRO-0)."""
+    seq = min(64, program.max_positions or 64)
+    batch = max(8 // world, 1) * world
+    return {"model": model, "seq_len": seq, "global_batch": batch, "dtype": "float32", "grad_accum": 1,
+            "stages": [{"layers": [0, program.model_graph.num_layers], "nodes": 1, "gpus_per_node": world,
+                        "micro_batch": batch // world, "dp": world, "tp": 1, "zero": 0}]}
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from .optim import OptimConfig
+    from .trainer import TrainConfig
+
+    min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    optim = OptimConfig(lr=args.lr, min_lr=min_lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip)
+    absolute = lambda path: os.path.abspath(path) if path else None  # noqa: E731 (ranks may start elsewhere)
+    return TrainConfig(steps=args.steps, data=absolute(args.data), data_dtype=args.data_dtype,
+                       tokenizer=args.tokenizer, seed=args.seed, optim=optim, log_every=args.log_every,
+                       metrics=absolute(args.metrics), save_dir=absolute(args.save_dir), save_every=args.save_every,
+                       resume=absolute(args.resume), resume_exact=args.resume_exact, blocking_save=args.blocking_save,
+                       export=absolute(args.export), peak_tflops=args.peak_tflops, timeout_s=args.timeout)
+
+
+def validate(args: argparse.Namespace) -> dict:
+    """Everything checkable before launching; returns the worker's spec (model, plan, config)."""
+    from ..ir.plan import Plan, load_plan
+    from .checkpoint import resolve, read_meta
+    from .data import SAMPLE_TEXT, TokenSampler, open_tokens, token_vocab
+
+    run_command.validate_launch(args)
+    for name in ("save_every", "warmup", "log_every"):
+        if getattr(args, name) < (1 if name == "log_every" else 0):
+            raise RunArgumentError(f"--{name.replace('_', '-')} must be >= {1 if name == 'log_every' else 0}")
+    if args.save_every and not args.save_dir:
+        raise RunArgumentError("--save-every needs --save-dir")
+    if args.resume_exact and not args.resume:
+        raise RunArgumentError("--resume-exact needs --resume")
+    config = _config(args)  # checks the optimizer settings
+    meta = None
+    if args.resume:
+        meta = read_meta(resolve(args.resume))
+        if meta.get("model") != args.model:
+            raise RunArgumentError(f"--resume: the checkpoint was saved for model {meta.get('model')!r}, "
+                                   f"not {args.model!r}")
+        if meta["step"] >= args.steps:
+            raise RunArgumentError(f"--resume: the checkpoint is at step {meta['step']}; --steps {args.steps} is the "
+                                   f"total, so there is nothing left to train")
+    world = args.nproc_per_node * args.nnodes
+    if args.plan is not None:
+        plan = load_plan(args.plan)
+    elif meta is not None:
+        plan = Plan.from_dict(meta["plan"])
+    else:
+        from ..frontend.capture import capture
+
+        plan = Plan.from_dict(default_plan(args.model, world, capture(args.model, dtype="float32", analyse=False)))
+    if meta is not None and args.resume_exact and plan.to_dict() != meta["plan"]:
+        raise RunArgumentError(f"--resume-exact: the checkpoint was saved under another plan (on {meta['world']} "
+                               f"rank(s)); this one runs on {plan.world_size}; drop --resume-exact to reshard")
+    compiled = run_command.check_plan_fits(args, plan)
+    _check_shapes(args.model, plan.seq_len, meta)
+    from ..backends.check import vocab_size
+
+    data = config.data or SAMPLE_TEXT
+    sampler = TokenSampler(open_tokens(data, dtype=args.data_dtype, tokenizer=args.tokenizer), plan.global_batch,
+                           plan.seq_len, args.seed, data)
+    vocab = vocab_size(compiled.program)
+    needed = token_vocab(data, args.tokenizer)
+    if needed is not None and needed > vocab:
+        raise RunArgumentError(f"--data: the tokenizer has {needed} tokens but {args.model} has a vocabulary of "
+                               f"{vocab}")
+    sampler.check_vocab(vocab)
+    return {"model": args.model, "plan": plan.to_dict(), "train": config.to_dict()}
+
+
+def _check_shapes(model: str, seq_len: int, meta: dict | None) -> None:
+    """A checkpoint whose parameters differ from the model's (same name, other configuration)."""
+    if meta is None or not meta.get("shapes"):
+        return
+    import torch
+
+    from ..models import build_model
+
+    with torch.device("meta"):
+        module = build_model(model, seq_len=seq_len, seed=None)
+    mine = {name: list(p.shape) for name, p in module.named_parameters()}
+    saved = meta["shapes"]
+    wrong = sorted(name for name in saved if mine.get(name) != saved[name])
+    if wrong:
+        name = wrong[0]
+        raise RunArgumentError(f"--resume: the checkpoint does not fit {model}: {name} is {saved[name]} there, "
+                               f"{mine.get(name, 'absent')} here (a checkpoint of another model?)")
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = validate(args)
+    handle, path = tempfile.mkstemp(prefix="mist-train-", suffix=".json")
+    with os.fdopen(handle, "w") as out:
+        json.dump(spec, out)
+    try:
+        def command(port: int) -> list[str]:
+            extra = ["--debug"] if getattr(args, "debug", False) else []
+            return run_command.torchrun_prefix(args, port, WORKER_MODULE) + [
+                "--config", path, "--timeout", str(args.timeout), *extra]
+
+        return run_command.launch(args, command, "train")
+    finally:
+        os.unlink(path)
+
+
+def train(model: str, *, steps: int, plan: str | None = None, nproc_per_node: int = 1, **options: Any) -> int:
+    """``mist_compiler.train``: what ``mistc train`` does, from Python (launches the ranks, returns
+    the exit code). ``options`` are the command's flags with underscores (``save_dir=``, ``metrics=``...)."""
+    parser = argparse.ArgumentParser(prog="mist_compiler.train")
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([model, "--steps", str(steps)]))
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise TypeError(f"mist_compiler.train: unknown option(s) {unknown}")
+    args = argparse.Namespace(**{**defaults, **options, "plan": plan, "nproc_per_node": nproc_per_node})
+    return run(args)
+
+
+__all__ = ["add_arguments", "default_plan", "run", "train", "validate"]
