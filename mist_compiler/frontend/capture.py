@@ -184,12 +184,14 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
 def build_fake_model(state: CaptureState) -> CaptureState:
     """Pass: the model with FakeTensor weights, in the requested dtype."""
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
-    config = None
+    config = native = None
     if isinstance(state.source, str):
         spec = resolve_model(state.source, state.seq_len)
         with fake_mode:
             model = spec.build()
         config = spec.config.to_dict() if spec.config is not None else None
+        if spec.config is not None:  # a zoo model built for a longer seq_len still has only its own positions
+            native = resolve_model(state.source).config.max_seq
     elif isinstance(state.source, nn.Module):
         model = fake_copy(state.source, fake_mode)
         cfg = getattr(state.source, "config", None)
@@ -202,7 +204,7 @@ def build_fake_model(state: CaptureState) -> CaptureState:
         with fake_mode:
             cast_floating(model, DTYPES[state.dtype])
     dtype = state.dtype or _param_dtype(model)
-    max_positions = _max_seq(config)  # callers refuse longer sequences (plans, --seq), naming their field
+    max_positions = native if native is not None else _max_seq(config)  # callers refuse longer sequences (plans, --seq), naming their field
     seq_len = state.seq_len or max_positions or 2048
     return replace(state, model=model, fake_mode=fake_mode, config=config, dtype=dtype, seq_len=seq_len,
                    max_positions=max_positions)
