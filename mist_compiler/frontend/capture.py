@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -337,15 +338,28 @@ def _example_tokens(state: CaptureState) -> tuple[torch.Tensor, torch.Tensor]:
 def check_model_output(state: CaptureState) -> PassResult:
     """Pass (check): one eager fake forward; the output must be a scalar loss or logits."""
     input_ids, labels = _example_tokens(state)
+    extra = model_call_kwargs(state.model)
+    try:
+        signature = inspect.signature(state.model.forward)
+        signature.bind(input_ids=input_ids, labels=labels, **extra)
+    except TypeError:
+        raise CaptureError(f"capture: {state.model_name} is not a language model Mist can train: its forward must "
+                           f"accept input_ids and labels and return the loss, not "
+                           f"{type(state.model).__name__}.forward{signature}") from None
+    except ValueError:  # no signature to inspect: call it
+        pass
     try:
         with state.fake_mode, torch.no_grad():
-            output = state.model(input_ids=input_ids, labels=labels, **model_call_kwargs(state.model))
+            output = state.model(input_ids=input_ids, labels=labels, **extra)
     except FAKE_TENSOR_LIMITS as error:
         caused = [line.strip() for line in str(error).splitlines() if "Caused by" in line]
         raise CaptureError(
             f"capture: {state.model_name}'s forward cannot run without real data (it depends on tensor values): "
             f"{str(error).splitlines()[0]} {' '.join(caused)}".rstrip()
         ) from None
+    except TypeError as error:  # e.g. a keyword the forward passes on to a module that does not take it
+        raise CaptureError(f"capture: {state.model_name}'s forward(input_ids=..., labels=...) raised TypeError: "
+                           f"{(str(error).splitlines() or [''])[0]}") from None
     loss_of(output, state.model_name)
     return PassResult(state, modified=False)
 
