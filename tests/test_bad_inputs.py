@@ -200,7 +200,7 @@ def _cli_cases(plan: str, out_dir: str) -> list[tuple[str, list[str], list[str]]
         ("tune seq beyond positions", tune + ["--nodes", "1", "--gpus-per-node", "1", "--global-batch", "4",
                                               "--seq", "100000"], ["--seq", "100000"]),
         ("tune batch not divisible", tune + ["--nodes", "1", "--gpus-per-node", "2", "--global-batch", "3",
-                                             "--seq", "16"], ["global batch 3"]),
+                                             "--seq", "16", "--space", "zero3"], ["global batch 3"]),
         ("tune dtype int8", tune + ["--nodes", "1", "--gpus-per-node", "1", "--global-batch", "4", "--dtype", "int8"],
          ["--dtype"]),
         ("tune unknown space", tune + ["--nodes", "1", "--gpus-per-node", "1", "--global-batch", "4",
