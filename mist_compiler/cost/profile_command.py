@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mist_compiler.ir.files import check_output
 
-    check_output(args.output, "-o")  # a directory, a missing folder: refused before minutes of measuring
+    check_output(args.output, "-o/--output")  # a directory, a missing folder: refused before minutes of measuring
     if args.timeout <= 0:
         raise ValueError(f"--timeout: must be positive, got {args.timeout}")
     options = ProfilerOptions(quick=args.quick, device=args.device, world_sizes=args.world_sizes, name=args.name,
