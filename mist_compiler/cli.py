@@ -25,9 +25,16 @@ def _chosen_command(argv: list[str]) -> str | None:
     return next((token for token in argv if not token.startswith("-")), None)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments end in one line naming the option (the usage text is what --help is for)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The top-level parser; only the chosen command's module is imported (keeps --help fast)."""
-    parser = argparse.ArgumentParser(prog="mistc", description="mist-compiler: automatic distributed training for LLMs")
+    parser = _Parser(prog="mistc", description="mist-compiler: automatic distributed training for LLMs")
     parser.add_argument("--debug", action="store_true", help="show full Python tracebacks on errors")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = _chosen_command(argv)
@@ -51,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mistc: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
+    except (ValueError, OSError, RuntimeError) as error:
         # Errors of ours carry a message that names the field or constraint; show it plainly.
         if getattr(args, "debug", False):
             raise

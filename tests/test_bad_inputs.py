@@ -87,7 +87,7 @@ PLAN_CASES = [
     ("ckpt beyond layers", plan_with(stage={"ckpt_layers": 9}), ["stages[0].ckpt_layers"]),
     ("tp not dividing heads", plan_with(stage={"dp": 1, "tp": 2, "micro_batch": 2}),
      []),  # gpt-tiny: 4 heads, tp=2 is fine: the next case is the real one
-    ("tp 8 on 4 heads", plan_with(global_batch=2, grad_accum=2, stage={"dp": 1, "tp": 8, "gpus_per_node": 8,
+    ("tp 8 on 4 heads", plan_with(global_batch=2, grad_accum=2, stage={"dp": 1, "tp": 8, "nodes": 4, "gpus_per_node": 2,
                                                                        "micro_batch": 1}),
      ["stages[0].tp", "tp=8"]),
     ("gpus per node beyond profile", plan_with(global_batch=32, grad_accum=1,
@@ -200,7 +200,7 @@ def _cli_cases(plan: str, out_dir: str) -> list[tuple[str, list[str], list[str]]
         ("tune seq beyond positions", tune + ["--nodes", "1", "--gpus-per-node", "1", "--global-batch", "4",
                                               "--seq", "100000"], ["--seq", "100000"]),
         ("tune batch not divisible", tune + ["--nodes", "1", "--gpus-per-node", "2", "--global-batch", "3",
-                                             "--seq", "16"], ["global batch 3"]),
+                                             "--seq", "16", "--space", "zero3"], ["global batch 3"]),
         ("tune dtype int8", tune + ["--nodes", "1", "--gpus-per-node", "1", "--global-batch", "4", "--dtype", "int8"],
          ["--dtype"]),
         ("tune unknown space", tune + ["--nodes", "1", "--gpus-per-node", "1", "--global-batch", "4",

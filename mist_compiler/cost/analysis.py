@@ -76,6 +76,9 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
     classes = {}
     for kind in BLOCK_KINDS:
         class_ids = sorted({block.class_id for block in program.blocks if block.kind == kind})
+        if not class_ids and kind == "layer":
+            raise StageModelError(f"model {program.model_name!r} has no layer blocks: Mist needs the model's layers "
+                                  "in one nn.ModuleList of identical blocks (block(x) -> x)")
         if not class_ids:
             raise StageModelError(f"captured program {program.model_name!r} has no {kind} block")
         if len(class_ids) > 1:

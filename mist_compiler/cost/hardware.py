@@ -362,6 +362,8 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     import yaml
 
     path = name_or_path
+    if os.path.isdir(path):
+        raise ProfileError(f"hardware profile {path!r} is a directory, not a profile YAML file")
     if not os.path.isfile(path):
         path = os.path.join(PROFILE_DIR, f"{name_or_path}.yaml")
     if not os.path.isfile(path):
@@ -381,6 +383,8 @@ def save_profile(profile: HardwareProfile, path: str) -> None:
     """Write ``profile`` as YAML that :func:`load_profile` reads back to an equal profile."""
     import yaml
 
+    if os.path.isdir(path):
+        raise ProfileError(f"cannot write the hardware profile to {path!r}: it is a directory")
     data = profile.to_dict()
     HardwareProfile.from_dict(data, source=path)  # never write a file we would refuse to load
     with open(path, "w") as handle:

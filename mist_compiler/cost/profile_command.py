@@ -40,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from mist_compiler.backends.profiler import ProfilerOptions, launched_by_torchrun, profile_cluster, profile_machine
 
-    directory = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(directory):
-        raise ValueError(f"-o/--output: directory {directory!r} does not exist")
+    from mist_compiler.ir.files import check_output
+
+    check_output(args.output, "-o/--output")  # a directory, a missing folder: refused before minutes of measuring
     if args.timeout <= 0:
         raise ValueError(f"--timeout: must be positive, got {args.timeout}")
     options = ProfilerOptions(quick=args.quick, device=args.device, world_sizes=args.world_sizes, name=args.name,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -184,12 +185,14 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
 def build_fake_model(state: CaptureState) -> CaptureState:
     """Pass: the model with FakeTensor weights, in the requested dtype."""
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
-    config = None
+    config = native = None
     if isinstance(state.source, str):
         spec = resolve_model(state.source, state.seq_len)
         with fake_mode:
             model = spec.build()
         config = spec.config.to_dict() if spec.config is not None else None
+        if spec.config is not None:  # a zoo model built for a longer seq_len still has only its own positions
+            native = resolve_model(state.source).config.max_seq
     elif isinstance(state.source, nn.Module):
         model = fake_copy(state.source, fake_mode)
         cfg = getattr(state.source, "config", None)
@@ -202,7 +205,7 @@ def build_fake_model(state: CaptureState) -> CaptureState:
         with fake_mode:
             cast_floating(model, DTYPES[state.dtype])
     dtype = state.dtype or _param_dtype(model)
-    max_positions = _max_seq(config)  # callers refuse longer sequences (plans, --seq), naming their field
+    max_positions = native if native is not None else _max_seq(config)  # callers refuse longer sequences (plans, --seq), naming their field
     seq_len = state.seq_len or max_positions or 2048
     return replace(state, model=model, fake_mode=fake_mode, config=config, dtype=dtype, seq_len=seq_len,
                    max_positions=max_positions)
@@ -335,15 +338,28 @@ def _example_tokens(state: CaptureState) -> tuple[torch.Tensor, torch.Tensor]:
 def check_model_output(state: CaptureState) -> PassResult:
     """Pass (check): one eager fake forward; the output must be a scalar loss or logits."""
     input_ids, labels = _example_tokens(state)
+    extra = model_call_kwargs(state.model)
+    try:
+        signature = inspect.signature(state.model.forward)
+        signature.bind(input_ids=input_ids, labels=labels, **extra)
+    except TypeError:
+        raise CaptureError(f"capture: {state.model_name} is not a language model Mist can train: its forward must "
+                           f"accept input_ids and labels and return the loss, not "
+                           f"{type(state.model).__name__}.forward{signature}") from None
+    except ValueError:  # no signature to inspect: call it
+        pass
     try:
         with state.fake_mode, torch.no_grad():
-            output = state.model(input_ids=input_ids, labels=labels, **model_call_kwargs(state.model))
+            output = state.model(input_ids=input_ids, labels=labels, **extra)
     except FAKE_TENSOR_LIMITS as error:
         caused = [line.strip() for line in str(error).splitlines() if "Caused by" in line]
         raise CaptureError(
             f"capture: {state.model_name}'s forward cannot run without real data (it depends on tensor values): "
             f"{str(error).splitlines()[0]} {' '.join(caused)}".rstrip()
         ) from None
+    except TypeError as error:  # e.g. a keyword the forward passes on to a module that does not take it
+        raise CaptureError(f"capture: {state.model_name}'s forward(input_ids=..., labels=...) raised TypeError: "
+                           f"{(str(error).splitlines() or [''])[0]}") from None
     loss_of(output, state.model_name)
     return PassResult(state, modified=False)
 

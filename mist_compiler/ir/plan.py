@@ -232,18 +232,33 @@ def load_plan(path: str) -> Plan:
     """Read a plan from a JSON or YAML file (by extension), validating it."""
     if not os.path.isfile(path):
         raise PlanError(f"plan file {path!r} does not exist")
-    with open(path) as handle:
-        text = handle.read()
     try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
         if path.endswith((".yaml", ".yml")):
             import yaml
 
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
+    except UnicodeDecodeError as error:
+        raise PlanError(f"plan file {path!r} cannot be parsed: not UTF-8 text "
+                        f"(byte {error.object[error.start]:#04x} at offset {error.start})") from None
     except Exception as error:  # both parsers raise their own error types
-        raise PlanError(f"plan file {path!r} cannot be parsed: {error}") from None
+        raise PlanError(f"plan file {path!r} cannot be parsed: {_parse_problem(error)}") from None
     return Plan.from_dict(data)
+
+
+def _parse_problem(error: Exception) -> str:
+    """One line from a parser's error: YAML's problem and context with their positions, no marker lines."""
+    problem = getattr(error, "problem", None)
+    if problem:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        context = getattr(error, "context", None)
+        return f"{context + ': ' if context else ''}{problem}{where}"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def save_plan(plan: Plan, path: str) -> None:

@@ -99,18 +99,30 @@ def _hf_builder(path: str) -> Callable[[], nn.Module]:
         raise ModelSpecError(f"hf: config file {path!r} does not exist")
     try:
         with open(path) as handle:
-            json.load(handle)
-    except json.JSONDecodeError as error:
+            data = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ModelSpecError(f"hf: config file {path!r} is not valid JSON: {error}") from None
+    model_type = data.get("model_type") if isinstance(data, dict) else None
 
     def build() -> nn.Module:
         try:
             import transformers
         except ImportError:
             raise ModelSpecError("hf: models need the 'transformers' package (pip install transformers)") from None
-        config = transformers.AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)) if os.path.basename(path) == "config.json" else path)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        return model
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        if not isinstance(model_type, str):
+            raise ModelSpecError(f"hf:{path}: the config has no model_type (a Hugging Face config.json names one)")
+        if model_type not in CONFIG_MAPPING:
+            raise ModelSpecError(f"hf:{path}: model_type {model_type!r} is not an architecture transformers "
+                                 f"{transformers.__version__} knows")
+        try:
+            config = transformers.AutoConfig.from_pretrained(
+                os.path.dirname(os.path.abspath(path)) if os.path.basename(path) == "config.json" else path)
+            return transformers.AutoModelForCausalLM.from_config(config)
+        except (ValueError, KeyError, OSError, TypeError) as error:  # transformers' text spans paragraphs
+            first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+            raise ModelSpecError(f"hf:{path} (model_type {model_type!r}): {first}") from None
 
     return build
 
