@@ -29,7 +29,7 @@ from ..models import resolve_model
 from ..passes.block_discovery import BlockPartition, block_discovery, wl_hash
 from ..passes.manager import PassManager, PassResult
 from ..passes.shape_prop import shape_prop
-from ..passes.tp_recognition import recognise
+from ..passes.tp_model import recognise
 from .boundaries import install_boundary_hooks
 from .joint import CaptureError, JointCapture, loss_of, model_call_kwargs, trace_joint
 from .layer_stack import LayerStackError, find_layer_stack
