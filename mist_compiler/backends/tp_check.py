@@ -20,6 +20,7 @@ from ..ir.model_graph import BUFFER, PARAMETER, ModelGraph
 from ..ir.plan import Plan
 from ..ir.program import MistProgram
 from ..ops.tensor_parallel import ThreadGroup
+from ..passes.tp_model import derives_from
 from ..passes.tp_sharding import TensorParallelError, check_degree
 from .materialize import TensorSource, build_stage, shard
 from .topology import RankCoord
@@ -151,19 +152,6 @@ def _vocabulary(model: ModelGraph) -> int:
     for node in model.graph.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "__name__", "") == "embedding":
             weight = node.args[1]
-            if _reads(node.args[0], ids) and weight.name in model.tensors:
+            if derives_from(node.args[0], ids) and weight.name in model.tensors:
                 return int(by_name[weight.name].meta["example_value"].shape[0])
     return 2
-
-
-def _reads(node, names: set[str]) -> bool:
-    todo, seen = [node], set()
-    while todo:
-        current = todo.pop()
-        if not hasattr(current, "all_input_nodes") or current.name in seen:
-            continue
-        if current.name in names:
-            return True
-        seen.add(current.name)
-        todo.extend(current.all_input_nodes)
-    return False

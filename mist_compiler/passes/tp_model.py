@@ -30,13 +30,14 @@ def recognise_pre(model: ModelGraph) -> RegionSharding:
         index, weight = node.args[0], node.args[1]
         if not (isinstance(weight, fx.Node) and model.tensors.get(weight.name, ("", ""))[0] == PARAMETER):
             continue
-        if _derives_from(index, ids):
+        if derives_from(index, ids):
             sharding.shards[weight.name] = ShardSpec(0)
             sharding.edits.append(GraphEdit(node.name, "vocab_embedding"))
     return sharding
 
 
-def _derives_from(node, sources: set[str]) -> bool:
+def derives_from(node, sources: set[str]) -> bool:
+    """Whether ``node`` reads (through any chain of inputs) a node named in ``sources``."""
     todo, seen = [node], set()
     while todo:
         current = todo.pop()
@@ -150,4 +151,4 @@ def tp_recognition(program):
     return PassResult(program, True)
 
 
-__all__ = ["recognise", "tp_recognition"]
+__all__ = ["derives_from", "recognise", "tp_recognition"]
