@@ -30,7 +30,7 @@ def plan_dict(model: str, global_batch: int, grad_accum: int, stages: list, seq:
 def train_and_check(rank: int, world: int, plans: list[dict], by_module: bool = False, sabotage=None) -> list:
     """On every rank: train each plan; rank 0 returns each verdict (as a dict)."""
     from mist_compiler import driver
-    from mist_compiler.backends.check import Run, check_run, synthetic_batch, vocab_size
+    from mist_compiler.backends.check import vocab_size
     from mist_compiler.backends.optimizer import AdamWConfig
     from mist_compiler.ir.plan import Plan
     from mist_compiler.models import build_model
@@ -43,21 +43,28 @@ def train_and_check(rank: int, world: int, plans: list[dict], by_module: bool = 
         engine = compiled.engine
         if sabotage is not None:
             sabotage(engine)
-        vocab = vocab_size(compiled.program)
-        batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, s) for s in range(STEPS)]
-        losses, gradients = [], None
-        for step, batch in enumerate(batches):
-            losses.append(engine.forward_backward(batch))
-            if step == 0:
-                gradients = engine.gather_full_gradients()
-            engine.optimizer_step()
-        weights = engine.gather_full_state()
-        engine.close()
-        if rank == 0:
-            verdict = check_run(plan.model, plan, batches, Run(losses, gradients, weights), LR)
+        verdict = train_engine_and_check(engine, plan, vocab_size(compiled.program), rank)
+        if verdict is not None:
             results.append({"stages": data["stages"], "ok": verdict.ok, "line": verdict.line(),
                             "ratio": verdict.worst_ratio})
     return results
+
+
+def train_engine_and_check(engine, plan, vocab: int, rank: int, lr: dict = LR):
+    """Train ``engine`` for ``STEPS`` steps (first-step gradients and final weights gathered), close it;
+    (``lr``: the optimizer settings it trained with) rank 0 returns ``--check``'s verdict against one-process training, the others None."""
+    from mist_compiler.backends.check import Run, check_run, synthetic_batch
+
+    batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, s) for s in range(STEPS)]
+    losses, gradients = [], None
+    for step, batch in enumerate(batches):
+        losses.append(engine.forward_backward(batch))
+        if step == 0:
+            gradients = engine.gather_full_gradients()
+        engine.optimizer_step()
+    weights = engine.gather_full_state()
+    engine.close()
+    return check_run(plan.model, plan, batches, Run(losses, gradients, weights), lr) if rank == 0 else None
 
 
 def run_plans(world: int, plans: list[dict], timeout_s: float = 300, **options) -> list[dict]:

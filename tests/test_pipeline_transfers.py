@@ -8,6 +8,7 @@ import pytest
 
 from mist_compiler.ir.plan import Plan
 from tests.dist_utils import run_ranks
+from tests.plan_runs import train_engine_and_check
 from tests.test_backend_engine import LR, assert_all_match, plan_dict, report, stage
 
 
@@ -39,7 +40,7 @@ def equal_tags():
 
 def _train_with_equal_tags(rank, world, cases):
     """Each case is (plan dict, schedule name); rank 0 judges the run against one-process training."""
-    from mist_compiler.backends.check import Run, check_run, synthetic_batch, vocab_size
+    from mist_compiler.backends.check import vocab_size
     from mist_compiler.backends.engine import compile as compile_plan
     from mist_compiler.backends.optimizer import AdamWConfig
 
@@ -49,18 +50,8 @@ def _train_with_equal_tags(rank, world, cases):
             plan = Plan.from_dict(data)
             engine = compile_plan(plan.model, plan, optimizer=AdamWConfig(**LR), timeout_s=60)
             engine.set_schedule(schedule)
-            vocab = vocab_size(engine.captured)
-            batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, s) for s in range(3)]
-            losses, gradients = [], None
-            for step, batch in enumerate(batches):
-                losses.append(engine.forward_backward(batch))
-                if step == 0:
-                    gradients = engine.gather_full_gradients()
-                engine.optimizer_step()
-            state = engine.gather_full_state()
-            engine.close()
-            if rank == 0:
-                verdict = check_run(plan.model, plan, batches, Run(losses, gradients, state), LR)
+            verdict = train_engine_and_check(engine, plan, vocab_size(engine.captured), rank, LR)
+            if verdict is not None:
                 results.append({"stages": data["stages"], "schedule": schedule, "ok": verdict.ok,
                                 "line": verdict.line()})
     return results
