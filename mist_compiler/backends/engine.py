@@ -35,7 +35,7 @@ from mist_compiler.ir.model_graph import ShardSpec
 from mist_compiler.ir.plan import Plan, PlanError, load_plan
 from mist_compiler.ir.program import MistProgram
 
-from ..ops.tensor_parallel import ProcessGroup
+from ..ops.groups import ProcessGroup
 from .codegen import check_plan_against_program, lower
 from .device import DTYPES, init_process_group, select_device, warm_up_world
 from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error

@@ -5,7 +5,7 @@ size computed from a split dimension and used in arithmetic, a layer-specific tr
 plan with ``tp > 1`` runs, :func:`prove_tensor_parallel` runs the captured program itself, one
 layer per group of identical layers plus the embedding and the head, at the model's real shapes
 on a tiny batch: once whole, and once split over ``degree`` ranks played by threads of this
-process (:class:`~mist_compiler.ops.tensor_parallel.ThreadGroup`), through the very lowering
+process (:class:`~mist_compiler.ops.groups.ThreadGroup`), through the very lowering
 passes and modules the ranks will run. The loss and every gradient (each rank's slice of a
 split tensor) must agree; otherwise the plan is refused, naming the tensor that differs.
 """
@@ -19,7 +19,7 @@ import torch
 from ..ir.model_graph import BUFFER, PARAMETER, ModelGraph
 from ..ir.plan import Plan
 from ..ir.program import MistProgram
-from ..ops.tensor_parallel import ThreadGroup
+from ..ops.groups import ThreadGroup
 from ..passes.tp_model import derives_from
 from ..passes.tp_sharding import TensorParallelError, check_degree
 from .materialize import TensorSource, build_stage, shard

@@ -24,34 +24,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .groups import Group, ProcessGroup
 from .linear_cross_entropy import REDUCTIONS, backward_rows, forward_rows
 
 
-def _as_group(group):
+def _as_group(group) -> Group:
     """A :class:`Group` for ``group`` (see the module docstring)."""
-    if group is None or not dist.is_available() or not dist.is_initialized():
-        return _ONE if group is None or not hasattr(group, "all_reduce") else group
     if hasattr(group, "all_reduce") and hasattr(group, "world"):
         return group
-    return _TorchGroup(group)
-
-
-class _TorchGroup:
-    def __init__(self, group) -> None:
-        self.group, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
-
-
-class _OneDevice:
-    rank, world = 0, 1
-
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
-        return None
-
-
-_ONE = _OneDevice()
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return ProcessGroup(None, 0, 1)
+    return ProcessGroup(group, dist.get_rank(group), dist.get_world_size(group))
 
 
 class VocabParallelLinearCrossEntropy(torch.autograd.Function):
