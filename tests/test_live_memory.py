@@ -87,15 +87,15 @@ def _peak_rank(rank: int, world: int, plan: Plan) -> float:
     return peak
 
 
-def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8) -> Plan:
+def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype: str = "float32") -> Plan:
     built, start = [], 0
     for stage in stages:
-        dp = stage.get("dp", 1)
-        built.append(StagePlan(layers=(start, start + stage["layers"]), nodes=1, gpus_per_node=dp, dp=dp, tp=1,
+        dp, tp = stage.get("dp", 1), stage.get("tp", 1)
+        built.append(StagePlan(layers=(start, start + stage["layers"]), nodes=1, gpus_per_node=dp * tp, dp=dp, tp=tp,
                                micro_batch=global_batch // (dp * grad_accum), zero=stage.get("zero", 0),
                                ckpt_layers=stage.get("ckpt", 0), offload=stage.get("offload", Offload())))
         start += stage["layers"]
-    return Plan("gpt-small", 128, global_batch, "float32", grad_accum, tuple(built))
+    return Plan("gpt-small", 128, global_batch, dtype, grad_accum, tuple(built))
 
 
 @pytest.mark.distributed
@@ -103,7 +103,10 @@ def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8) -> Pla
     _plan([{"layers": 4, "dp": 2, "zero": 3, "ckpt": 2}]),
     _plan([{"layers": 4, "dp": 2, "zero": 2, "offload": Offload(grads=0.5, opt=0.5, acts=0.5)}], grad_accum=2),
     _plan([{"layers": 2, "ckpt": 1}, {"layers": 2}], grad_accum=4),
-], ids=["zero3-ckpt", "zero2-offload-accumulate", "pipeline"])
+    _plan([{"layers": 4, "tp": 2, "ckpt": 2}]),
+    # mixed precision, accumulating: the first micro-batch's fp32 copy becomes the accumulator (not copied)
+    _plan([{"layers": 2}, {"layers": 2}], grad_accum=2, dtype="bfloat16"),
+], ids=["zero3-ckpt", "zero2-offload-accumulate", "pipeline", "tp2-ckpt", "pipeline-bf16-accumulate"])
 def test_backend_peak_matches_the_memory_model(plan):
     from mist_compiler.cost.analyze import analyze
     from mist_compiler.cost.hardware import load_profile

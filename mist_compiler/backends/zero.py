@@ -251,7 +251,9 @@ class UnitBucket:
         self.in_backward = False
         release_grads = self.grads.free if reuse else (lambda: None)
         if ctx.zero <= 1 and not last:
-            self._accumulate(comm)
+            # a fresh fp32 copy (mixed precision) becomes the accumulator on the step's first micro-batch
+            # rather than being copied into a new one (two full fp32 buffers at once)
+            self._accumulate(comm, adoptable=not reuse)
             release_grads()
             return
         if ctx.zero <= 1:
