@@ -163,10 +163,8 @@ PRECISION_CONFIGS: list[PlanConfig] = [
     PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=2, ckpt=1), StageSpec(2, dp=2, zero=1)),
                dtype="bfloat16", grad_dtype="bfloat16"),
 ]
-# tensor parallelism: the backend runs the LM head and the vocabulary-parallel loss of the fx re-trace
-# (tensor_parallel.VocabParallelCrossEntropy), which keeps one more logits-sized buffer than the
-# captured graph's loss the cost model prices; the fused vocab-parallel op (ops.vocab_parallel) is what
-# the cost model prices once the lowering runs the captured graph (reported as its own group)
+# tensor parallelism: the lowering shards the captured graph the cost model prices (one recogniser),
+# the LM head and loss as the fused vocabulary-parallel cross-entropy (tp.linear_cross_entropy)
 TP_CONFIGS: list[PlanConfig] = [
     PlanConfig("llama-small", 256, 8, 1, _stages(StageSpec(4, tp=2))),
     PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, tp=2, ckpt=2))),

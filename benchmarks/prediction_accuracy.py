@@ -371,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, 2 rounds")
     parser.add_argument("--ranks", type=int, choices=(1, 2, 4), help="only the plans on this many ranks")
+    parser.add_argument("--tp", action="store_true", help="only the tensor-parallel plans")
     parser.add_argument("--hardware", default="cpu", help="hardware profile of this machine")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="use the shipped profile as is (default: re-measure compute rates and collectives first)")
@@ -380,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_only:
         args.rounds, args.no_calibrate = 1, True
     torch.set_num_threads(1)
-    configs = [c for c in (QUICK if args.quick else CONFIGS) if args.ranks in (None, c.world)]
+    configs = [c for c in (QUICK if args.quick else CONFIGS)
+               if args.ranks in (None, c.world) and (c.tensor_parallel or not args.tp)]
     rounds = args.rounds or (2 if args.quick else 3)
     worlds = sorted({c.world for c in configs if c.world > 1 and c.timed and not args.memory_only})
     links = None
