@@ -35,7 +35,6 @@ from mist_compiler.cost.hardware import load_profile  # noqa: E402
 from mist_compiler.cost.op_time import matmul_time, op_class_time, peak_flops  # noqa: E402
 from mist_compiler.cost.stage_model import build_stage_cost_model  # noqa: E402
 from mist_compiler.ir.plan import Offload, Plan, StagePlan  # noqa: E402
-from mist_compiler.models import parameter_count  # noqa: E402
 from mist_compiler.passes.cost_annotation import B, S, T  # noqa: E402
 from mist_compiler.tuner.api import tune, workload_of  # noqa: E402
 from mist_compiler.tuner.flops import model_flops_per_iteration  # noqa: E402
@@ -62,11 +61,13 @@ def layer_table(cost_model, profile, dtype: str, seq: int, tp: int, micro_batch:
 
 
 def layer_flops(config, seq: int, tp: int, micro_batch: int) -> float:
-    """Model FLOPs of one layer, one micro-batch, forward + backward, on one tensor-parallel rank
-    (the count of whole plans' MFU, ``tuner.flops``: 6 N per token + 12 hidden seq for attention)."""
+    """Model FLOPs of one layer, one micro-batch, forward + backward, on one tensor-parallel rank: the
+    count of whole plans' MFU (``tuner.flops``) less the embeddings' and head's 6 N per token."""
+    plan = Plan(model="layer", seq_len=seq, global_batch=micro_batch, dtype="bfloat16", grad_accum=1,
+                stages=(StagePlan(layers=(0, config.layers), nodes=1, gpus_per_node=1, micro_batch=micro_batch,
+                                  dp=1, tp=1),))
     embeddings = config.vocab * config.hidden * (1 if config.tied_head else 2) + config.hidden  # + final norm
-    layer_params = (parameter_count(config) - embeddings) / config.layers
-    return seq * micro_batch * (6 * layer_params + 12 * config.hidden * seq) / tp
+    return (model_flops_per_iteration(config, plan) - 6 * seq * micro_batch * embeddings) / config.layers / tp
 
 
 def published_plan(model: str, seq: int, global_batch: int, tp: int, pp: int, dp: int, ckpt: int,
