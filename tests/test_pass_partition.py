@@ -125,5 +125,55 @@ def test_code_between_layers_is_refused_naming_it():
                 x = layer(x) * 0.5  # runs between the layers
             return F.cross_entropy(self.head(x).view(-1, 16), labels.reshape(-1))
 
-    with pytest.raises(ValueError, match="code runs between the layers of layers"):
+    with pytest.raises(ValueError, match=r"code runs between the layers of layers \(after layers.0: mul at "
+                                         r".*test_pass_partition.py:\d+"):
         capture(Interleaved(), seq_len=4)
+
+
+class PairLayer(nn.Module):
+    """Returns (hidden, gate); the model below feeds the gate to the next layer."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, gate=None):
+        y = x + torch.tanh(self.proj(x))
+        return (y if gate is None else y * gate), torch.sigmoid(y)
+
+
+def test_a_layer_reading_what_the_previous_layer_returned_besides_its_hidden_state_is_refused():
+    class Gated(SkipModel):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(PairLayer(8) for _ in range(3))
+
+        def forward(self, input_ids, labels):
+            x, gate = self.embed(input_ids), None
+            for layer in self.layers:
+                x, gate = layer(x, gate)  # the gate crosses from one layer to the next
+            return F.cross_entropy(self.head(x).view(-1, 16), labels.reshape(-1))
+
+    with pytest.raises(ValueError, match="layers.0 reads a tensor layers.0 returned besides its hidden state"):
+        capture(Gated(), seq_len=4)
+
+
+def test_a_layer_not_called_on_the_previous_layers_output_is_refused():
+    class Parallel(SkipModel):
+        def forward(self, input_ids, labels):
+            e = self.embed(input_ids)
+            outs = [layer(e) for layer in self.layers]  # every layer reads the embedding
+            return F.cross_entropy(self.head(torch.stack(outs).sum(0)).view(-1, 16), labels.reshape(-1))
+
+    with pytest.raises(ValueError, match="layers.0 is not called on the hidden state layers.0 returned"):
+        capture(Parallel(), seq_len=4)
+
+
+def test_users_own_layer_hooks_run_inside_the_layer_not_between_layers():
+    model = SkipModel()
+    for layer in model.layers:
+        layer.register_forward_hook(lambda _m, _a, out: out * 1.0)  # a user's hook: part of the layer
+        layer.register_forward_pre_hook(lambda _m, args: (args[0] + 0.0,))
+    program = capture(model, seq_len=4)
+    assert program.model_graph.num_layers == 3
+    assert not model.layers[0]._forward_hooks_with_kwargs and len(model.layers[0]._forward_hooks) == 1  # untouched

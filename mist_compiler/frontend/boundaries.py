@@ -33,44 +33,65 @@ def layer_boundary(value: torch.Tensor, side: int, layer: int) -> torch.Tensor:
     return value.view_as(value)
 
 
+def hidden_argument(args: tuple, kwargs: dict, path: str) -> int | str:
+    """Where a layer call passes its hidden state: the first positional argument (0) when it is a
+    tensor, else the first of :data:`HIDDEN_KWARGS` given as a tensor (its name)."""
+    if args and isinstance(args[0], torch.Tensor):
+        return 0
+    for key in HIDDEN_KWARGS:
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return key
+    raise LayerContractError(
+        f"layer {path} is called without a tensor as its first argument (or hidden_states=...); "
+        "a pipeline stage needs layers called as layer(hidden, ...)")
+
+
+def hidden_output(output: Any, path: str) -> torch.Tensor:
+    """The hidden state a layer returns: the output itself or the first item of a returned tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise LayerContractError(f"layer {path} returns {type(output).__name__}; a pipeline stage needs a tensor "
+                             "(or a tuple whose first item is the hidden state)")
+
+
 def _mark_inputs(layer_index: int, path: str):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
-        if args and isinstance(args[0], torch.Tensor):
+        where = hidden_argument(args, kwargs, path)
+        if where == 0:
             return (layer_boundary(args[0], 0, layer_index), *args[1:]), kwargs
-        for key in HIDDEN_KWARGS:
-            if isinstance(kwargs.get(key), torch.Tensor):
-                return args, {**kwargs, key: layer_boundary(kwargs[key], 0, layer_index)}
-        raise LayerContractError(
-            f"layer {path} is called without a tensor as its first argument (or hidden_states=...); "
-            "a pipeline stage needs layers called as layer(hidden, ...)")
+        return args, {**kwargs, where: layer_boundary(kwargs[where], 0, layer_index)}
     hook.mist_boundary = True
     return hook
 
 
 def _mark_output(layer_index: int, path: str):
     def hook(module: nn.Module, args: tuple, output: Any):
-        if isinstance(output, torch.Tensor):
-            return layer_boundary(output, 1, layer_index)
-        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-            return type(output)([layer_boundary(output[0], 1, layer_index), *output[1:]])
-        raise LayerContractError(f"layer {path} returns {type(output).__name__}; a pipeline stage needs a tensor "
-                                 "(or a tuple whose first item is the hidden state)")
+        marked = layer_boundary(hidden_output(output, path), 1, layer_index)
+        return marked if isinstance(output, torch.Tensor) else type(output)([marked, *output[1:]])
     hook.mist_boundary = True
     return hook
+
+
+def private_hook_tables(layer: nn.Module) -> None:
+    """Give a (copied) layer hook tables of its own, without markers an earlier call installed:
+    hooks registered on it from now on are not seen by the module it was copied from."""
+    def own(table: dict) -> OrderedDict:
+        return OrderedDict((k, v) for k, v in table.items() if not getattr(v, "mist_boundary", False))
+
+    layer._forward_pre_hooks = own(layer._forward_pre_hooks)
+    layer._forward_pre_hooks_with_kwargs = OrderedDict(layer._forward_pre_hooks_with_kwargs)
+    layer._forward_hooks = own(layer._forward_hooks)
+    layer._forward_hooks_with_kwargs = OrderedDict(layer._forward_hooks_with_kwargs)
+    layer._forward_hooks_always_called = OrderedDict(layer._forward_hooks_always_called)
 
 
 def install_boundary_hooks(layers: nn.ModuleList, path: str) -> None:
     """Hook every layer of ``layers`` (modules of capture's own copy: their hook tables are made
     private first, so the user's modules never see these hooks)."""
-    def own(table: dict) -> OrderedDict:  # a private copy, without markers an earlier call installed
-        return OrderedDict((k, v) for k, v in table.items() if not getattr(v, "mist_boundary", False))
-
     for index, layer in enumerate(layers):
-        layer._forward_pre_hooks = own(layer._forward_pre_hooks)
-        layer._forward_pre_hooks_with_kwargs = OrderedDict(layer._forward_pre_hooks_with_kwargs)
-        layer._forward_hooks = own(layer._forward_hooks)
-        layer._forward_hooks_with_kwargs = OrderedDict(layer._forward_hooks_with_kwargs)
-        layer._forward_hooks_always_called = OrderedDict(layer._forward_hooks_always_called)
+        private_hook_tables(layer)
         layer.register_forward_pre_hook(_mark_inputs(index, f"{path}.{index}"), with_kwargs=True)
         layer.register_forward_hook(_mark_output(index, f"{path}.{index}"))
 

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 
 class UninitializedError(ValueError):
@@ -66,10 +67,18 @@ def _init_module(model: nn.Module, name: str, module: nn.Module, seed: int) -> N
         rule()
 
 
+def holds_values(tensor: torch.Tensor) -> bool:
+    """Whether a tensor has values to initialise (not a meta-device or FakeTensor stand-in)."""
+    return not tensor.is_meta and not is_fake(tensor)
+
+
 def initialize(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Initialise every module of a model in place with the seeded per-module rules; returns it."""
+    """Initialise every module of a model in place with the seeded per-module rules; returns it.
+    Modules whose tensors hold no values (built on the meta device or under a fake mode, as
+    capture and the ranks of a plan build the whole model) are left alone: there is nothing to set."""
     for name, module in model.named_modules():
-        if _owned(module):
+        owned = _owned(module)
+        if owned and any(holds_values(tensor) for tensor in owned):
             _init_module(model, name, module, seed)
     return model
 
