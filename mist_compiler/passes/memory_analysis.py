@@ -71,9 +71,17 @@ def _coefficients_nonnegative(expr: sympy.Expr) -> bool:
     return all(c >= 0 for c in sympy.Poly(sympy.expand(numerator), B, S, T).coeffs())
 
 
+# positive (b, s, t) at which a dominance is first tried numerically: a negative difference at any
+# of them refutes it without the polynomial algebra (most pairs of candidates are refuted so)
+_PROBES = ({B: 1, S: 1, T: 1}, {B: 1, S: 8192, T: 8}, {B: 64, S: 1, T: 1}, {B: 1, S: 1, T: 64})
+
+
 def dominates(a: sympy.Expr, b: sympy.Expr) -> bool:
     """``a >= b`` for all positive b, s, t, decided on the coefficients of ``a - b``."""
-    return _coefficients_nonnegative(a - b)
+    difference = a - b
+    if any(difference.xreplace(point) < 0 for point in _PROBES):
+        return False
+    return _coefficients_nonnegative(difference)
 
 
 def prune_candidates(candidates: list[sympy.Expr]) -> list[sympy.Expr]:
