@@ -118,10 +118,10 @@ def test_zero3_gathers_blocks_and_reductions_make_room():
     assert float(gathered.buffers[0]) == pytest.approx(2 * LAYER * 2)  # a layer in use and the next prefetched
     assert float(memory(zero=2, layer=acts(saved=1.0, fwd=50 * P)).buffers[0]) == 0.0
     # no activations: the largest point is pre's reduce-scatter at the end of the backward: every other
-    # block's fp32 shard, the last layer's reduce-scatter still in flight (its fp32 input), and pre's fp16
+    # block's fp32 shard (the last layer's reduce-scatter finished before pre's is launched), and pre's fp16
     # buffer with its fp32 copy, or, the buffer freed, the copy, the fresh shard and the library's copy
     static = 2 * P + 12 * P / 4
-    others = ACCUMULATOR_BYTES * (P - PRE) / 4 + ACCUMULATOR_BYTES * LAYER
+    others = ACCUMULATOR_BYTES * (P - PRE) / 4
     cast = (2 + ACCUMULATOR_BYTES) * PRE
     for copies in (1.0, 0.0):
         scattered = (ACCUMULATOR_BYTES + ACCUMULATOR_BYTES / 4 + copies * ACCUMULATOR_BYTES) * PRE
@@ -185,13 +185,14 @@ def test_low_precision_gradients_accumulate_in_the_param_dtype():
 
 def test_low_precision_zero1_reduces_the_last_micro_batch_in_fp32():
     # no activations: every block's fp16 buffer; the post block's reduction casts it into an fp32 copy, then
-    # trades it for a 1/dp fp32 shard (4/dp = 1 byte per parameter); the copy stays until the next unit's
-    # reduction is launched, which is the largest point: the last layer's, with its own fp32 copy
+    # trades it for a 1/dp fp32 shard (4/dp = 1 byte per parameter); that reduction is finished (the copy
+    # freed) before the next unit's is launched, so the last layer's reduction, with its own fp32 copy, does
+    # not stack on it and the post block's (the largest unit) is the largest point
     static = 2 * P + 12 * P / 4
     post_reduction = 2 * P + ACCUMULATOR_BYTES * POST
-    layer_reduction = 2 * P + POST * (ACCUMULATOR_BYTES / 4 - 2) + ACCUMULATOR_BYTES * POST + ACCUMULATOR_BYTES * LAYER
-    assert layer_reduction > post_reduction
-    assert float(low_memory(zero=1, accum=4).peak[0]) == pytest.approx(static + layer_reduction)
+    layer_reduction = 2 * P + POST * (ACCUMULATOR_BYTES / 4 - 2) + ACCUMULATOR_BYTES * LAYER
+    assert post_reduction > layer_reduction
+    assert float(low_memory(zero=1, accum=4).peak[0]) == pytest.approx(static + post_reduction)
 
 
 def test_low_precision_zero0_keeps_the_buffer_until_the_step():
@@ -211,8 +212,8 @@ def test_micro_batches_between_the_first_and_the_last_keep_full_accumulators():
     static = 2 * p + 12 * p / 4
     cast_pre = (2 + ACCUMULATOR_BYTES) * PRE
     middle = ACCUMULATOR_BYTES * p + cast_pre
-    # last: layer 0's accumulator still being reduce-scattered when pre is cast
-    last = ACCUMULATOR_BYTES * p + N * LAYER * (ACCUMULATOR_BYTES / 4 - ACCUMULATOR_BYTES) + cast_pre + ACCUMULATOR_BYTES * LAYER
+    # last: layer 0's reduce-scatter finished (its accumulator traded for a shard) before pre is cast
+    last = ACCUMULATOR_BYTES * p + N * LAYER * (ACCUMULATOR_BYTES / 4 - ACCUMULATOR_BYTES) + cast_pre
     assert middle > last
     assert float(memory(zero=1, accum=3, has_post=False).peak[0]) == pytest.approx(static + middle)
     assert float(memory(zero=1, accum=2, has_post=False).peak[0]) == pytest.approx(static + last)

@@ -241,16 +241,19 @@ class StageRuntime:
 
     def _unit_backward_done(self, index: int) -> None:
         bucket = self.buckets[index]
+        # the reductions launched before this one have had a whole unit's backward to finish: wait for
+        # them before launching this unit's (one group runs its collectives in order anyway), so their
+        # buffers are gone when this one's are made: one reduction in flight at a time, overlapping the
+        # next unit's backward (gloo's reduce-scatter never reports completion to a non-blocking check)
+        for other_index, other in enumerate(self.buckets):
+            if other_index != index:
+                other.drain(block=True)
         bucket.reduce(self._last)
         for needed in self._need_buckets[index]:
             needed.bwd_holds = max(0, needed.bwd_holds - 1)
             needed.maybe_release_weights()
         self.activations[self.unit_names[index]].backward_done(self.unit_names[index])
-        # the reductions launched before this one have had a whole unit's backward to finish: wait for
-        # them, so at most two units' full gradient buffers are alive (and never all of them on gloo,
-        # whose reduce-scatter never reports completion to a non-blocking check)
-        for other_index, other in enumerate(self.buckets):
-            other.drain(block=other_index != index)
+        bucket.drain(block=False)
 
     def _flush_incomplete(self) -> None:
         """Units whose backward began but some parameter got no gradient: reduce what they have."""

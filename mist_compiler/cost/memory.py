@@ -326,12 +326,13 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
             (has_pre * pre.backward_peak, has_pre * transient * pre_last,
              has_pre * (base + layers_done(n) + done(p_pre - pre_last) + running(pre_last) + before_pre_last)),
             # the moments a block's gradients are reduced (its backward done): the post block with every
-            # layer's activations still alive, a layer, and pre at the very end
+            # layer's activations still alive, a layer, and pre at the very end. The runtime finishes the
+            # reduction in flight before it launches this one, so none is pending here
             (has_post * before_post, zeros, base + running(p_post) + reducing(p_post)),
             (np.where(plain > 0, kept_before(ckpt, plain - 1), zeros), zeros,
-             np.where(plain > 0, base + done_post + running(p_layer) + reducing(p_layer) + after_post, 0.0)),
+             np.where(plain > 0, base + done_post + running(p_layer) + reducing(p_layer), 0.0)),
             (zeros, zeros, has_pre * (base + layers_done(n) + done(p_pre - pre_last) + running(pre_last)
-                                      + reducing(pre_last) + before_pre_last)),
+                                      + reducing(pre_last))),
         ]
         return [(acts + boundary_output, weights_here, grad) for acts, weights_here, grad in points]
 
