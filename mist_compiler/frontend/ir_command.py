@@ -11,7 +11,8 @@ import sys
 
 from ..ir.vocabulary import ATTENTION_KERNELS, TRAINING_DTYPES as DTYPE_CHOICES
 CAPTURE_PASSES = ("build_fake_model", "group_layers", "keep_one_layer_per_group", "cast_weights", "check_model_output",
-                  "check_layer_chain", "trace_joint_graph", "find_model_graph", "recognise_tensor_parallel", "shape_prop", "block_discovery", "lower_to_ir")
+                  "check_layer_chain", "trace_joint_graph", "find_model_graph", "recognise_tensor_parallel",
+                  "shape_prop", "block_discovery", "lower_to_ir")
 # The plan-driven lowering passes of the backend (backends/codegen.py); they need --plan.
 LOWERING_PASSES = ("partition", "tp_sharding", "checkpoint", "offload_insertion")
 
