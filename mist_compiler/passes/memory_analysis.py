@@ -72,7 +72,7 @@ def _coefficients_nonnegative(expr: sympy.Expr) -> bool:
 
 
 # positive (b, s, t) at which a dominance is first tried numerically: a negative difference at any
-# of them refutes it without the polynomial algebra (most pairs of candidates are refuted so)
+# of them refutes it without the polynomial algebra (about half the pairs gpt2-22b prunes end there)
 _PROBES = ({B: 1, S: 1, T: 1}, {B: 1, S: 8192, T: 8}, {B: 64, S: 1, T: 1}, {B: 1, S: 1, T: 64})
 
 
