@@ -38,6 +38,6 @@ WORKDIR /opt/mist-compiler
 COPY . .
 # the test extra as CI installs it; flash-attn (the gpu extra's) is already there when asked for
 RUN pip install -e ".[test,plot]" \
- && python -c "import mist_compiler.backends.engine, mist_compiler.models.attention as a; print('flash-attn', a.FLASH_ATTN_VERSION)"
+ && python -c "import mist_compiler.runtime.engine, mist_compiler.models.attention as a; print('flash-attn', a.FLASH_ATTN_VERSION)"
 
 CMD ["python", "benchmarks/gpu_check.py", "--smoke"]

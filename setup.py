@@ -24,6 +24,6 @@ setup(
     },
     entry_points={
         "console_scripts": ["mistc = mist_compiler.cli:main"],
-        "torch_dynamo_backends": ["mist = mist_compiler.frontend.dynamo_backend:mist_backend"],
+        "torch_dynamo_backends": ["mist = mist_compiler.torch_compile.backend:mist_backend"],
     },
 )

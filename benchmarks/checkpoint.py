@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mist_compiler.backends.local_ranks import run_ranks  # noqa: E402
+from mist_compiler.launch.local_ranks import run_ranks  # noqa: E402
 
 
 def _plan(model: str, seq: int) -> dict:

@@ -164,9 +164,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _attention_kernel(engine, plan) -> str:
-    from mist_compiler.backends.device import DTYPES
     from mist_compiler.models import zoo_config
     from mist_compiler.models.attention import attention_kernel
+    from mist_compiler.runtime.device import DTYPES
 
     head_dim = zoo_config(plan.model).head_dim
     return attention_kernel(torch.empty(1, 1, 1, head_dim, device=engine.device, dtype=DTYPES[plan.dtype]))
@@ -177,10 +177,10 @@ def run_job(rank: int, world: int, job: Job) -> dict:
     import torch.distributed as dist
 
     from mist_compiler import driver
-    from mist_compiler.backends.check import Run, check_run, synthetic_batch, vocab_size
-    from mist_compiler.backends.live_memory import DevicePeakMemory
-    from mist_compiler.backends.optimizer import AdamWConfig
     from mist_compiler.ir.plan import Plan
+    from mist_compiler.profiling.live_memory import DevicePeakMemory
+    from mist_compiler.runtime.optimizer import AdamWConfig
+    from mist_compiler.verify.check import Run, check_run, synthetic_batch, vocab_size
 
     plan = Plan.from_dict(job.plan)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if job.device == "cuda" else torch.device("cpu")
@@ -222,8 +222,8 @@ def run_job(rank: int, world: int, job: Job) -> dict:
 
 
 def run(job: Job, world: int, settings: Settings) -> Outcome:
-    from mist_compiler.backends.local_ranks import run_ranks
     from mist_compiler.ir.plan import Plan
+    from mist_compiler.launch.local_ranks import run_ranks
 
     results = run_ranks(run_job, world=world, args=(job,), timeout_s=1800.0, collective_timeout_s=600.0,
                         backend=settings.backend if world > 1 else "gloo")
@@ -244,7 +244,7 @@ def run(job: Job, world: int, settings: Settings) -> Outcome:
 def calibrated(settings: Settings):
     """The hardware profile with its compute side measured on this device now (seconds)."""
     from mist_compiler.cost.hardware import load_profile
-    from mist_compiler.backends.profiler import ProfilerOptions, recalibrate_compute
+    from mist_compiler.profiling.profiler import ProfilerOptions, recalibrate_compute
 
     base = load_profile(settings.hardware)
     options = ProfilerOptions(quick=settings.device == "cpu", device=settings.device, log=lambda message: None)
@@ -381,7 +381,7 @@ def multi_device_section(settings: Settings, profile, log) -> list[dict]:
 
 def smoke() -> int:
     """CUDA, NCCL over every local GPU, flash-attn: present and working."""
-    from mist_compiler.backends.local_ranks import run_ranks
+    from mist_compiler.launch.local_ranks import run_ranks
     from mist_compiler.models.attention import FLASH_ATTN_VERSION
 
     if not torch.cuda.is_available():

@@ -16,7 +16,7 @@ are calibrated in fp32); tensor-parallel plans are summarised as their own group
 not yet the one the cost model prices: ``accuracy_configs.TP_CONFIGS``). ``--memory-only``: one
 round, no timing, no calibration (a few minutes).
 
-- Peak memory: ``backends.live_memory.DevicePeakMemory`` (every storage an op creates or touches,
+- Peak memory: ``profiling.live_memory.DevicePeakMemory`` (every storage an op creates or touches,
   resized flat buffers re-read, the runtime's host buffers left out; CUDA memory statistics on a
   GPU) over one whole training step after a warm-up step, per rank; the model is built on the host
   and dropped after ``compile``, as a GPU run would. Reported per pipeline stage, the largest over
@@ -67,17 +67,38 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mist_compiler.backends.host_allocator import keep_freed_host_memory
 from mist_compiler.cost.hardware import HardwareProfile, load_profile
 from mist_compiler.cost.stage_model import StageCostModel
+from mist_compiler.runtime.host_allocator import keep_freed_host_memory
 
 try:  # run as a script (benchmarks/ on the path) or imported as benchmarks.prediction_accuracy
-    from benchmarks.accuracy_configs import (CONFIGS, FACTORIES, ONE_RANK_CONFIGS, PLAN_CONFIGS,  # noqa: F401
-                                             PRECISION_CONFIGS, QUICK, TP_CONFIGS, PlanConfig, StageSpec, _stages,
-                                             one_rank)
+    from benchmarks.accuracy_configs import (  # noqa: F401
+        CONFIGS,
+        FACTORIES,
+        ONE_RANK_CONFIGS,
+        PLAN_CONFIGS,
+        PRECISION_CONFIGS,
+        QUICK,
+        TP_CONFIGS,
+        PlanConfig,
+        StageSpec,
+        _stages,
+        one_rank,
+    )
 except ImportError:
-    from accuracy_configs import (CONFIGS, FACTORIES, ONE_RANK_CONFIGS, PLAN_CONFIGS,  # noqa: F401
-                                  PRECISION_CONFIGS, QUICK, TP_CONFIGS, PlanConfig, StageSpec, _stages, one_rank)
+    from accuracy_configs import (  # noqa: F401
+        CONFIGS,
+        FACTORIES,
+        ONE_RANK_CONFIGS,
+        PLAN_CONFIGS,
+        PRECISION_CONFIGS,
+        QUICK,
+        TP_CONFIGS,
+        PlanConfig,
+        StageSpec,
+        _stages,
+        one_rank,
+    )
 
 @dataclass
 class Outcome:
@@ -116,7 +137,7 @@ def calibrated_profile(name: str) -> HardwareProfile:
     time so that other work on the shared machine does not distort them; links and copies stay
     as shipped.
     """
-    from mist_compiler.backends.profiler import ComputeMeasurements, _efficiencies, adamw_params_per_s
+    from mist_compiler.profiling.profiler import ComputeMeasurements, _efficiencies, adamw_params_per_s
 
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -183,7 +204,7 @@ def _compute_share_rank(rank: int, world: int, seconds: float) -> float:
 def measured_compute_share(world: int, seconds: float = 2.0) -> float:
     """The fraction of a lone rank's compute rate each of ``world`` ranks got when all computed at
     once (wall clock; printed next to the share the predictions use, as a check)."""
-    from mist_compiler.backends.local_ranks import run_ranks
+    from mist_compiler.launch.local_ranks import run_ranks
 
     alone = run_ranks(_compute_share_rank, 1, args=(seconds,), timeout_s=120.0)[0]
     together = run_ranks(_compute_share_rank, world, args=(seconds,), timeout_s=120.0)
@@ -210,8 +231,8 @@ class LinkCalibration:
 def measure_links(worlds: list[int], log: Callable[[str], None] = print) -> LinkCalibration:
     """``mistc profile``'s full (not --quick: quick gloo fits on this shared machine swing 10x)
     collective and slowdown measurements, the slowdowns with as many ranks as a plan has."""
-    from mist_compiler.backends.profile_comm import fit_collectives, run_collective_group
-    from mist_compiler.backends.profile_timing import ProfilerOptions
+    from mist_compiler.profiling.comm import fit_collectives, run_collective_group
+    from mist_compiler.profiling.timing import ProfilerOptions
 
     options = ProfilerOptions(quick=False, device="cpu", log=lambda message: None)
     results = {world: run_collective_group(world, "cpu", options, measure_concurrency=world in worlds, timeout_s=300.0)
@@ -263,10 +284,11 @@ def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, meas
     rates are measured while the others run too, as they will while training)."""
     import torch.distributed as dist
 
-    from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.check import synthetic_batch, vocab_size as model_vocab
-    from mist_compiler.backends.live_memory import DevicePeakMemory
     from mist_compiler.models import build_model
+    from mist_compiler.profiling.live_memory import DevicePeakMemory
+    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler.verify.check import synthetic_batch
+    from mist_compiler.verify.check import vocab_size as model_vocab
 
     plan = config.plan()
     calibration = None
@@ -307,8 +329,8 @@ def measure_plan(config: PlanConfig, timed_steps: int, measure_memory: bool, cal
     """Spawn the plan's ranks; step time is the slowest rank's, median over the timed steps; the
     peak is per stage, the largest over the stage's ranks (``Outcome.stage_peaks``); with
     ``calibrate``, the ranks' calibrations averaged (``Outcome.calibration``)."""
-    from mist_compiler.backends.local_ranks import run_ranks
-    from mist_compiler.backends.topology import Topology
+    from mist_compiler.ir.topology import Topology
+    from mist_compiler.launch.local_ranks import run_ranks
 
     results = run_ranks(_plan_rank, config.world, args=(config, timed_steps, measure_memory, calibrate),
                         timeout_s=900.0, collective_timeout_s=300.0)

@@ -32,10 +32,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mist_compiler.backends.optimizer import AdamWConfig  # noqa: E402
-from mist_compiler.backends.check import synthetic_batch  # noqa: E402
 from mist_compiler.ir.plan import Plan  # noqa: E402
 from mist_compiler.models import build_model, zoo_config  # noqa: E402
+from mist_compiler.runtime.optimizer import AdamWConfig  # noqa: E402
+from mist_compiler.verify.check import synthetic_batch  # noqa: E402
 
 ADAMW = AdamWConfig(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
@@ -93,7 +93,7 @@ def timed(step: Callable[[int], None], steps: int, warmup: int, device: torch.de
 
 # ------------------------------------------------------------------------------ mist
 def run_mist(cfg: Config, args, device: torch.device) -> float:
-    from mist_compiler.backends.engine import compile as compile_plan
+    from mist_compiler.runtime.engine import compile as compile_plan
 
     plan = make_plan(cfg, args.model, zoo_config(args.model).layers, args.batch, args.seq)
     engine = compile_plan(build_model(args.model, seq_len=args.seq), plan, optimizer=ADAMW, device=device)

@@ -61,8 +61,8 @@ def measure_rank(plan_json: str, rank: int, device: str) -> dict:
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the 'fake' backend)
 
-    from mist_compiler.backends.engine import Engine
     from mist_compiler.ir.plan import Plan
+    from mist_compiler.runtime.engine import Engine
 
     plan = Plan.from_dict(json.loads(plan_json))
     before = rss_bytes()

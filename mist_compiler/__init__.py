@@ -18,7 +18,7 @@ _API = {
     "analyze": ("mist_compiler.driver", "analyze_plan"),
     "tune": ("mist_compiler.driver", "tune_model"),
     "compile": ("mist_compiler.driver", "build_engine"),
-    "train": ("mist_compiler.training.train_command", "train"),
+    "train": ("mist_compiler.cli.train", "train"),
     "Trainer": ("mist_compiler.training.trainer", "Trainer"),
     "TrainConfig": ("mist_compiler.training.trainer", "TrainConfig"),
 }

@@ -105,8 +105,8 @@ def check_sequence(program: MistProgram, seq_len: int, field: str = "--seq") -> 
 def check_plan(program: MistProgram, plan: Plan, *, model_name: str | None = None, prove: bool = True,
                buffers=None) -> None:
     """Step 4: refuse a plan made for another model or one the captured model cannot run."""
-    from .backends.codegen import check_plan_against_program
-    from .backends.tp_check import prove_tensor_parallel
+    from .lowering.lower import check_plan_against_program
+    from .verify.tp_check import prove_tensor_parallel
 
     if model_name is not None and plan.model != model_name:
         raise PlanError(f"plan field model: the plan was made for {plan.model!r}, not for {model_name!r}")
@@ -142,7 +142,7 @@ def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes
     compiled = Compiled(program, plan, tuning, cost_model)
     if until == "plan":
         return compiled
-    from .backends.engine import Engine
+    from .runtime.engine import Engine
 
     compiled.engine = Engine(model, plan, program=program, **runtime)
     return compiled

@@ -6,7 +6,7 @@ per plan, the check's verdict against one-process training.
 """
 from __future__ import annotations
 
-from mist_compiler.backends.local_ranks import run_ranks
+from mist_compiler.launch.local_ranks import run_ranks
 
 STEPS = 3
 LR = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1}
@@ -30,10 +30,10 @@ def plan_dict(model: str, global_batch: int, grad_accum: int, stages: list, seq:
 def train_and_check(rank: int, world: int, plans: list[dict], by_module: bool = False, sabotage=None) -> list:
     """On every rank: train each plan; rank 0 returns each verdict (as a dict)."""
     from mist_compiler import driver
-    from mist_compiler.backends.check import vocab_size
-    from mist_compiler.backends.optimizer import AdamWConfig
     from mist_compiler.ir.plan import Plan
     from mist_compiler.models import build_model
+    from mist_compiler.runtime.optimizer import AdamWConfig
+    from mist_compiler.verify.check import vocab_size
 
     results = []
     for data in plans:
@@ -53,7 +53,7 @@ def train_and_check(rank: int, world: int, plans: list[dict], by_module: bool = 
 def train_engine_and_check(engine, plan, vocab: int, rank: int, lr: dict = LR):
     """Train ``engine`` for ``STEPS`` steps (first-step gradients and final weights gathered), close it;
     (``lr``: the optimizer settings it trained with) rank 0 returns ``--check``'s verdict against one-process training, the others None."""
-    from mist_compiler.backends.check import Run, check_run, synthetic_batch
+    from mist_compiler.verify.check import Run, check_run, synthetic_batch
 
     batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, s) for s in range(STEPS)]
     losses, gradients = [], None

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
-from mist_compiler.backends.stage_runtime import AdamWConfig, StageRuntime
 from mist_compiler.ir.plan import Offload
 from mist_compiler.models import build_model
+from mist_compiler.runtime.stage_runtime import AdamWConfig, StageRuntime
 
 
 class Pre(nn.Module):
@@ -137,7 +137,7 @@ def train_with_runtime(rank: int, world: int, case: Case, batches, adamw: AdamWC
         runtime.register_grad_transform(name, lambda g: g.mul_(2.0))
         runtime.register_grad_transform(name, lambda g: g.mul_(0.5))
     if case.reduce_scatter_fallback:
-        from mist_compiler.backends import dist_compat
+        from mist_compiler.runtime import dist_compat
 
         dist_compat._reduce_scatter_native[str(dist.get_backend())] = False
     memory = {}
@@ -234,7 +234,7 @@ def timeout_worker(rank: int, world: int) -> str:
     """Rank 1 skips a ZeRO-3 all-gather: rank 0 must get a CollectiveError naming unit and collective."""
     import time
 
-    from mist_compiler.backends.dist_compat import CollectiveError
+    from mist_compiler.runtime.dist_compat import CollectiveError
 
     model = build_model("gpt-tiny", seed=0)
     runtime = StageRuntime(make_units(model), dp_group=dist.group.WORLD, zero=3, offload=Offload(),

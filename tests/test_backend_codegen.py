@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from mist_compiler.backends.codegen import LOWERING_PASSES, dump_lowered
 from mist_compiler.ir.plan import Plan
+from mist_compiler.lowering.lower import LOWERING_PASSES, dump_lowered
 
 PLAN = Plan.from_dict({
     "model": "llama-tiny", "seq_len": 16, "global_batch": 8, "dtype": "float32", "grad_accum": 2,

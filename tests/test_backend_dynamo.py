@@ -104,7 +104,7 @@ def test_torch_compile_with_a_plan_and_hugging_face_outputs(tmp_path):
 
 
 def test_options_are_checked_and_named():
-    from mist_compiler.torch_compile import DynamoRuntimeError, parse_options
+    from mist_compiler.torch_compile.plan_runtime import DynamoRuntimeError, parse_options
 
     with pytest.raises(DynamoRuntimeError, match=r"unknown option\(s\) \['zero_level'\]"):
         parse_options({"plan": "plan.json", "zero_level": 3})
@@ -117,7 +117,7 @@ def test_options_are_checked_and_named():
 def test_an_optimizer_the_plan_cannot_run_is_refused_in_one_line():
     import torch
 
-    from mist_compiler.torch_compile import DynamoRuntimeError, optimizer_settings
+    from mist_compiler.torch_compile.plan_runtime import DynamoRuntimeError, optimizer_settings
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     assert optimizer_settings(torch.optim.AdamW(params, lr=0.5)).lr == 0.5

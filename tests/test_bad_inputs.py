@@ -264,7 +264,7 @@ OPTION_CASES = [
 
 @pytest.mark.parametrize("options, named", OPTION_CASES, ids=[str(sorted(o)) for o, _ in OPTION_CASES])
 def test_bad_torch_compile_options_are_named(options, named):
-    from mist_compiler.torch_compile import parse_options
+    from mist_compiler.torch_compile.plan_runtime import parse_options
 
     with pytest.raises(ValueError) as error:
         parse_options(options)

@@ -1,16 +1,15 @@
 """capture(): blocks, classes, exact parameter counts, symbolic shapes, saved bytes, clear errors."""
 from __future__ import annotations
 
+import pytest
 import sympy
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import pytest
-
 from mist_compiler.frontend.capture import capture
 from mist_compiler.frontend.joint import CaptureError, ModelOutputError
-from mist_compiler.frontend.lowering import UnsupportedOpError
+from mist_compiler.frontend.to_ir import UnsupportedOpError
 from mist_compiler.ir.program import B, S
 from mist_compiler.models import ModelSpecError, TransformerLM, parameter_count, zoo_config
 

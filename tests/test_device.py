@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mist_compiler.backends import device as device_module
-from mist_compiler.backends.device import DeviceError, select_device
+from mist_compiler.runtime import device as device_module
+from mist_compiler.runtime.device import DeviceError, select_device
 
 
 def test_cpu_machine_selects_the_cpu(monkeypatch):
@@ -54,10 +54,10 @@ def test_a_step_waits_for_the_device_once_whatever_the_micro_batch_count(monkeyp
     loss, with 2 or 8 micro-batches (on a GPU each would stall the host until the device catches up)."""
     import torch.distributed as dist
 
-    from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.check import synthetic_batch
     from mist_compiler.ir.plan import Plan
     from mist_compiler.models import build_model
+    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler.verify.check import synthetic_batch
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

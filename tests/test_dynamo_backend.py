@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-import mist_compiler.frontend.dynamo_backend as dynamo_backend
+import mist_compiler.torch_compile.backend as dynamo_backend
 from mist_compiler.ir.program import B, S
 from mist_compiler.models import build_model, parameter_count, zoo_config
 
@@ -72,25 +72,16 @@ def test_backend_is_registered_under_mist():
 
 def test_plan_option_is_handed_to_the_runtime(monkeypatch):
     calls = []
-    runtime = types.ModuleType("fake_runtime")
+    from mist_compiler.torch_compile import plan_runtime
 
     def compile_with_plan(gm, example_inputs, options):
         calls.append(options)
         return gm.forward
 
-    runtime.compile_with_plan = compile_with_plan
-    monkeypatch.setitem(sys.modules, "fake_runtime", runtime)
-    monkeypatch.setattr(dynamo_backend, "RUNTIME_MODULE", "fake_runtime")
+    monkeypatch.setattr(plan_runtime, "compile_with_plan", compile_with_plan)
     compiled = torch.compile(lambda x: (x * 2).sum(), backend="mist", options={"plan": "plan.json"})
     assert compiled(torch.ones(3)).item() == 6.0
     assert calls == [{"plan": "plan.json"}]
-
-
-def test_missing_runtime_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(dynamo_backend, "RUNTIME_MODULE", "mist_compiler.backends.no_such_runtime")
-    compiled = torch.compile(lambda x: (x * 2).sum(), backend="mist", options={"plan": "plan.json"})
-    with pytest.raises(Exception, match="need the distributed runtime .*no_such_runtime.*not available"):
-        compiled(torch.ones(3))
 
 
 def test_bad_attention_option():

@@ -50,7 +50,7 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("imports", ["", "\nimport mist_compiler", "\nimport mist_compiler.frontend.dynamo_backend as b"
+@pytest.mark.parametrize("imports", ["", "\nimport mist_compiler", "\nimport mist_compiler.torch_compile.backend as b"
                                                                      "\nb.register()"])
 def test_the_backend_registers_once_however_it_is_reached(imports, tmp_path):
     result = subprocess.run([sys.executable, "-c", COMPILE_SNIPPET.format(imports=imports)], capture_output=True,

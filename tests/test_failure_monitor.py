@@ -7,8 +7,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from mist_compiler.backends import failure
-from mist_compiler.backends.failure import FailureMonitor
+from mist_compiler.runtime import failure
+from mist_compiler.runtime.failure import FailureMonitor
 
 BEAT = 0.05
 

@@ -6,8 +6,15 @@ import copy
 import pytest
 import yaml
 
-from mist_compiler.cost.hardware import (CHANNELS, PROFILE_DIR, HardwareProfile, ProfileError, load_profile,
-                                         save_profile, shipped_profiles)
+from mist_compiler.cost.hardware import (
+    CHANNELS,
+    PROFILE_DIR,
+    HardwareProfile,
+    ProfileError,
+    load_profile,
+    save_profile,
+    shipped_profiles,
+)
 
 SHIPPED = ["a100-40gb", "a100-80gb", "cpu", "h100-80gb", "h200", "l4", "v100-32gb"]
 OP_CLASSES = ("matmul", "attention", "elementwise", "reduction", "default")
@@ -200,7 +207,7 @@ def test_memory_limit_parsing_and_override():
 def test_tune_command_defaults_to_bf16_and_applies_the_memory_limit():
     import argparse
 
-    from mist_compiler.tuner.tune_command import add_arguments, hardware_from_args
+    from mist_compiler.cli.tune import add_arguments, hardware_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -7,15 +7,15 @@ import sys
 
 import pytest
 
-from mist_compiler.backends import host_allocator
-from mist_compiler.backends.host_allocator import keep_freed_host_memory
+from mist_compiler.runtime import host_allocator
+from mist_compiler.runtime.host_allocator import keep_freed_host_memory
 
 GLIBC = sys.platform.startswith("linux") and host_allocator._glibc() is not None
 
 # Resident bytes a freed, touched 256 MB tensor leaves behind: glibc's defaults unmap it at once
 _PROBE = """
 import torch
-from mist_compiler.backends.host_allocator import keep_freed_host_memory
+from mist_compiler.runtime.host_allocator import keep_freed_host_memory
 
 def resident() -> int:
     with open("/proc/self/status") as status:

@@ -6,10 +6,10 @@ import json
 import pytest
 import sympy
 
+from mist_compiler.frontend.to_ir import ATTENTION_BACKWARD_OPS, ATTENTION_FORWARD_OPS
 from mist_compiler.ir import MistProgram, TensorInfo
 from mist_compiler.ir.printer import format_program
-from mist_compiler.ir.program import B, S, AttentionInfo, IRError, attention_saved_tensors, parse_expr
-from mist_compiler.frontend.lowering import ATTENTION_BACKWARD_OPS, ATTENTION_FORWARD_OPS
+from mist_compiler.ir.program import AttentionInfo, B, IRError, S, attention_saved_tensors, parse_expr
 
 
 def test_json_round_trip_keeps_everything(gpt_tiny_program):

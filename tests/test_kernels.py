@@ -1,7 +1,7 @@
 """Triton kernels (under TRITON_INTERPRET=1, in a fresh subprocess) against their torch references.
 
 The interpreter must be switched on before ``@triton.jit`` runs, and other tests of this session
-import ``mist_compiler.backends.kernels`` without it, so the checks run in a subprocess.
+import ``mist_compiler.runtime.kernels`` without it, so the checks run in a subprocess.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import sys
 import pytest
 import torch
 
-from mist_compiler.backends import kernels
+from mist_compiler.runtime import kernels
 
 CHECKS = r"""
 import json, torch
-from mist_compiler.backends import kernels
+from mist_compiler.runtime import kernels
 assert kernels.INTERPRET and kernels.HAVE_TRITON, "interpreter not active"
 torch.manual_seed(0)
 out = {}
@@ -118,8 +118,8 @@ def test_pack_and_unpack_torch_fallback_round_trip():
 RUNTIME_STEP = r"""
 import json, sys, torch
 sys.path.insert(0, "tests")
-from mist_compiler.backends import kernels
-from mist_compiler.backends.stage_runtime import AdamWConfig
+from mist_compiler.runtime import kernels
+from mist_compiler.runtime.stage_runtime import AdamWConfig
 from mist_compiler.ir.plan import Offload
 from stage_runtime_cases import Case, make_batches, train_with_runtime
 assert kernels.INTERPRET
@@ -132,9 +132,10 @@ print("RESULT" + json.dumps({k: v.float().tolist() for k, v in weights.items()})
 def test_runtime_step_through_triton_kernels_matches_the_torch_path():
     """One fp16-compute training step with the runtime's kernel calls (pack-scale, cast, AdamW) in Triton."""
     pytest.importorskip("triton")
-    from mist_compiler.backends.stage_runtime import AdamWConfig
-    from mist_compiler.ir.plan import Offload
     from stage_runtime_cases import Case, make_batches, train_with_runtime
+
+    from mist_compiler.ir.plan import Offload
+    from mist_compiler.runtime.stage_runtime import AdamWConfig
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")

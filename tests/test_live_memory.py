@@ -1,4 +1,4 @@
-"""The live-memory probe (``backends.live_memory``) on CPU, and the backend's measured peaks against ``analyze``.
+"""The live-memory probe (``profiling.live_memory``) on CPU, and the backend's measured peaks against ``analyze``.
 
 The probe is what ``benchmarks/prediction_accuracy.py`` compares the cost model with, so it is
 checked on exact byte counts; the distributed test is a small end-to-end version of that benchmark.
@@ -9,11 +9,11 @@ import gc
 
 import pytest
 import torch
-
 from dist_utils import run_ranks
-from mist_compiler.backends.streams import host_empty
-from mist_compiler.backends.live_memory import DevicePeakMemory
+
 from mist_compiler.ir.plan import Offload, Plan, StagePlan
+from mist_compiler.profiling.live_memory import DevicePeakMemory
+from mist_compiler.runtime.streams import host_empty
 
 
 def test_counts_storages_frees_and_peaks():
@@ -68,9 +68,10 @@ def test_backward_is_seen():
 
 
 def _peak_rank(rank: int, world: int, plan: Plan) -> float:
-    from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.check import synthetic_batch, vocab_size as model_vocab
     from mist_compiler.models import build_model
+    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler.verify.check import synthetic_batch
+    from mist_compiler.verify.check import vocab_size as model_vocab
 
     with DevicePeakMemory() as probe:
         model = build_model(plan.model, seq_len=plan.seq_len)
@@ -112,9 +113,9 @@ def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype:
 ], ids=["zero3-ckpt", "zero2-offload-accumulate", "pipeline", "tp2-ckpt", "pipeline-bf16-accumulate",
         "pipeline-dp2-zero2-bf16"])
 def test_backend_peak_matches_the_memory_model(plan):
-    from mist_compiler.backends.topology import Topology
     from mist_compiler.cost.analyze import analyze
     from mist_compiler.cost.hardware import load_profile
+    from mist_compiler.ir.topology import Topology
 
     peaks = run_ranks(_peak_rank, world=plan.world_size, args=(plan,), timeout_s=240)
     estimate = analyze(plan.model, plan, load_profile("cpu"))  # the program that runs: head and loss fused
@@ -125,8 +126,8 @@ def test_backend_peak_matches_the_memory_model(plan):
 
 
 def test_activation_offload_moves_each_storage_once_and_counts_activations_only():
-    from mist_compiler.backends.offload import ActivationOffloader, HostMemory
-    from mist_compiler.backends.streams import Streams
+    from mist_compiler.runtime.offload import ActivationOffloader, HostMemory
+    from mist_compiler.runtime.streams import Streams
 
     weight = torch.randn(256, 256, requires_grad=True)
     x = torch.randn(256, 256, requires_grad=True)

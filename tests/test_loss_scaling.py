@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from mist_compiler.backends.loss_scaling import DynamicLossScaler, LossScaleConfig, loss_scaler_for
 from mist_compiler.ir.plan import Plan
+from mist_compiler.runtime.loss_scaling import DynamicLossScaler, LossScaleConfig, loss_scaler_for
 from tests.dist_utils import run_ranks
 from tests.test_backend_engine import plan_dict, stage
 
@@ -44,9 +44,9 @@ def test_only_float16_is_scaled():
 
 
 def _fp16_pipeline_skips_together(rank, world, data):
-    from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.check import synthetic_batch
     from mist_compiler.models import build_model
+    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler.verify.check import synthetic_batch
 
     plan = Plan.from_dict(data)
     engine = compile_plan(build_model(plan.model, seq_len=plan.seq_len), plan, timeout_s=60)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import run_ranks
 from stage_runtime_cases import Case, make_batches, train_with_runtime
-from mist_compiler.backends.stage_runtime import AdamWConfig, StageRuntime, StageRuntimeError
+
 from mist_compiler.ir.plan import Offload
 from mist_compiler.models import build_model
+from mist_compiler.runtime.stage_runtime import AdamWConfig, StageRuntime, StageRuntimeError
 
 GRAD_ACCUM = 4
 

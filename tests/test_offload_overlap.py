@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from mist_compiler.backends.optimizer import AdamWConfig
-from mist_compiler.backends.stage_runtime import StageRuntime
-from mist_compiler.backends.zero import UnitOffload
+from mist_compiler.runtime.optimizer import AdamWConfig
+from mist_compiler.runtime.stage_runtime import StageRuntime
+from mist_compiler.runtime.zero import UnitOffload
 
 WIDTH = 768
 UNITS = 6

@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from mist_compiler.backends.live_memory import DevicePeakMemory
 from mist_compiler.ops import chunk_rows, linear_cross_entropy, vocab_parallel_linear_cross_entropy, workspace_points
 from mist_compiler.ops.linear_cross_entropy import flops, reference_loss
+from mist_compiler.profiling.live_memory import DevicePeakMemory
 
 
 def _inputs(n=37, h=16, v=300, dtype=torch.float32, seed=0):
@@ -200,7 +200,7 @@ def _vocab_parallel_rank(rank: int, world: int, reduction: str) -> dict:
 @pytest.mark.distributed
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_vocab_parallel_on_two_ranks_matches_one_device(reduction):
-    from mist_compiler.backends.local_ranks import run_ranks
+    from mist_compiler.launch.local_ranks import run_ranks
 
     results = run_ranks(_vocab_parallel_rank, 2, args=(reduction,))
     hidden, weight, labels = _inputs(v=300)

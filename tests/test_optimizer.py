@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mist_compiler.backends.offload import HostMemory, SplitBuffer
-from mist_compiler.backends.optimizer import AdamWConfig, FlatAdamW, FlatGrads, ShardState
-from mist_compiler.backends.streams import Streams
+from mist_compiler.runtime.offload import HostMemory, SplitBuffer
+from mist_compiler.runtime.optimizer import AdamWConfig, FlatAdamW, FlatGrads, ShardState
+from mist_compiler.runtime.streams import Streams
 
 
 @pytest.mark.parametrize("opt_fraction", [0.0, 0.4, 1.0])

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mist_compiler.backends.materialize import ModuleTensors, build_stage
 from mist_compiler.ir.plan import Plan
+from mist_compiler.lowering.materialize import ModuleTensors, build_stage
 from mist_compiler.models import build_model
 from mist_compiler.passes.checkpoint import ActivationCheckpoint, CheckpointError, checkpoint_block
 from mist_compiler.passes.partition import Partition

@@ -8,10 +8,10 @@ import sympy
 import torch
 
 from mist_compiler.cost.analysis import analyse_program
-from mist_compiler.frontend.capture import capture
+from mist_compiler.cost.hardware import load_profile
 from mist_compiler.cost.stage_api import StageCandidates
 from mist_compiler.cost.stage_model import StageCostModel
-from mist_compiler.cost.hardware import load_profile
+from mist_compiler.frontend.capture import capture
 from mist_compiler.models import build_model, zoo_config
 from mist_compiler.passes.cost_annotation import B, S, T
 from mist_compiler.passes.memory_analysis import dominates, memory_analysis, prune_candidates
@@ -110,8 +110,8 @@ def test_predicted_peak_matches_a_real_run(fused):
     gradients appear during the backward, as in the backend), with the unfused loss (eager) and with
     the fused head + loss (the dynamo graph with ``mist::linear_cross_entropy``, run eagerly)."""
     from mist_compiler.cost.analysis import analyse_program, capture_program
-    from mist_compiler.backends.live_memory import DevicePeakMemory
     from mist_compiler.frontend.joint import loss_fusion
+    from mist_compiler.profiling.live_memory import DevicePeakMemory
 
     with loss_fusion(fused):
         blocks, num_layers = analyse_program(capture_program("gpt-tiny", seq_len=SEQ, dtype="float32"))

@@ -7,10 +7,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from mist_compiler.backends.materialize import ModuleTensors, build_stage
 from mist_compiler.frontend.capture import capture
 from mist_compiler.frontend.layer_stack import LayerStackError, find_layer_stack
 from mist_compiler.ir.plan import Plan
+from mist_compiler.lowering.materialize import ModuleTensors, build_stage
 from mist_compiler.passes.partition import HIDDEN, Partition, PartitionError
 
 

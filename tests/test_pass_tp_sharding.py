@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mist_compiler.backends.tp_check import prove_tensor_parallel
 from mist_compiler.frontend.capture import capture
 from mist_compiler.ir.model_graph import RegionSharding
 from mist_compiler.passes.tp_recognition import map_view_dim
 from mist_compiler.passes.tp_sharding import TensorParallelError, check_degree
+from mist_compiler.verify.tp_check import prove_tensor_parallel
 from tests.user_models import fused_gpt
 
 

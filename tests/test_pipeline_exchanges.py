@@ -7,10 +7,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from mist_compiler.backends.pipeline import (BACKWARD, FORWARD, SCHEDULES, ExchangeError, check_exchanges,
-                                             exchange_plan, one_f_one_b)
-from mist_compiler.backends.topology import Topology
 from mist_compiler.ir.plan import Plan
+from mist_compiler.ir.topology import Topology
+from mist_compiler.runtime.pipeline import (
+    BACKWARD,
+    FORWARD,
+    SCHEDULES,
+    ExchangeError,
+    check_exchanges,
+    exchange_plan,
+    one_f_one_b,
+)
 
 
 @dataclass(frozen=True)

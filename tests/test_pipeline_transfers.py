@@ -40,9 +40,9 @@ def equal_tags():
 
 def _train_with_equal_tags(rank, world, cases):
     """Each case is (plan dict, schedule name); rank 0 judges the run against one-process training."""
-    from mist_compiler.backends.check import vocab_size
-    from mist_compiler.backends.engine import compile as compile_plan
-    from mist_compiler.backends.optimizer import AdamWConfig
+    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler.runtime.optimizer import AdamWConfig
+    from mist_compiler.verify.check import vocab_size
 
     results = []
     with equal_tags():

@@ -9,9 +9,9 @@ import pytest
 from mist_compiler.cost import profile_command
 from mist_compiler.cost.comm import collective_time
 from mist_compiler.cost.hardware import CHANNELS, ProfileError, load_profile
-from mist_compiler.backends.profile_comm import fit_alpha_beta, fit_collectives
-from mist_compiler.backends.profile_timing import ProfilerOptions
-from mist_compiler.backends.profiler import profile_machine
+from mist_compiler.profiling.comm import fit_alpha_beta, fit_collectives
+from mist_compiler.profiling.profiler import profile_machine
+from mist_compiler.profiling.timing import ProfilerOptions
 
 
 def _run_command(argv: list[str]) -> int:
@@ -69,7 +69,7 @@ def test_quick_profile_writes_a_loadable_profile(tmp_path, capfd):
 
 
 def test_single_device_profile_borrows_links(monkeypatch):
-    monkeypatch.setattr("mist_compiler.backends.profiler.measure_compute", _fake_compute)
+    monkeypatch.setattr("mist_compiler.profiling.profiler.measure_compute", _fake_compute)
     profile = profile_machine(ProfilerOptions(quick=True, world_sizes=(), links_from="l4", log=lambda m: None))
     l4 = load_profile("l4")
     assert profile.links == l4.links and profile.gpus_per_node == l4.gpus_per_node
@@ -81,9 +81,9 @@ def test_single_device_profile_borrows_links(monkeypatch):
 
 
 def test_recalibrate_compute_keeps_links_and_replaces_compute(monkeypatch):
-    from mist_compiler.backends.profiler import recalibrate_compute
+    from mist_compiler.profiling.profiler import recalibrate_compute
 
-    monkeypatch.setattr("mist_compiler.backends.profiler.measure_compute", _fake_compute)
+    monkeypatch.setattr("mist_compiler.profiling.profiler.measure_compute", _fake_compute)
     l4 = load_profile("l4")
     profile = recalibrate_compute(l4, ProfilerOptions(device="cpu", log=lambda m: None))
     assert profile.links == l4.links and profile.slowdown == l4.slowdown and profile.h2d_bandwidth == l4.h2d_bandwidth
@@ -120,7 +120,7 @@ def test_world_sizes_option_parsing():
 
 
 def _fake_compute(device, options):
-    from mist_compiler.backends.profiler import ComputeMeasurements
+    from mist_compiler.profiling.profiler import ComputeMeasurements
 
     return ComputeMeasurements({"float32": 5e10}, 4e10, 2e10, 2e10, 1.6e10, 1.8e10, 1e10, 1e10, "float32", 1.2e10, 1.4e10, 4e-6)
 
@@ -129,7 +129,7 @@ def _fake_compute(device, options):
 def test_overrunning_ranks_are_killed_with_a_clear_error(monkeypatch):
     import subprocess
 
-    from mist_compiler.backends import profile_comm
+    from mist_compiler.profiling import comm as profile_comm
 
     started: list[subprocess.Popen] = []
     real_popen = subprocess.Popen
@@ -153,7 +153,7 @@ def test_torchrun_over_two_simulated_nodes_measures_the_inter_node_shape(tmp_pat
     import subprocess
     import sys
 
-    from mist_compiler.backends.profile_timing import _free_port
+    from mist_compiler.profiling.timing import _free_port
 
     script = tmp_path / "profile_rank.py"
     script.write_text("import argparse, sys\n"
@@ -190,7 +190,7 @@ def test_overlap_model_predicts_three_cpu_channels_run_together():
 
     from mist_compiler.cost.hardware import HardwareProfile
     from mist_compiler.cost.overlap import overlap
-    from mist_compiler.backends.profile_comm import _Channel, measure_slowdowns
+    from mist_compiler.profiling.comm import _Channel, measure_slowdowns
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -224,7 +224,7 @@ def test_overlap_model_predicts_three_cpu_channels_run_together():
 def test_collective_slowdown_channel_uses_the_largest_timed_message(quick):
     """The collective that slowdowns are measured with is in the bandwidth regime of gradient buckets
     (a small gloo all-reduce is latency-bound and barely competes with compute for the cores)."""
-    from mist_compiler.backends.profile_comm import _Channel, _message_sizes
+    from mist_compiler.profiling.comm import _Channel, _message_sizes
 
     channel = _Channel("collective", "cpu", quick)
     assert channel.buffer.numel() * channel.buffer.element_size() == max(_message_sizes("cpu", quick))

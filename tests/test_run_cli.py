@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mist_compiler.backends import run_command
+from mist_compiler.cli import run as run_command
 from tests.dist_utils import free_port
 
 PLAN = {"model": "gpt-tiny", "seq_len": 16, "global_batch": 4, "dtype": "float32", "grad_accum": 2,
@@ -64,4 +64,4 @@ def test_torchrun_command_names_the_worker_and_rendezvous(tmp_path):
     assert command[1:3] == ["-m", "torch.distributed.run"]
     for flag in ("--nproc-per-node=2", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=1234"):
         assert flag in command
-    assert "mist_compiler.backends.worker" in command and "--check" in command
+    assert "mist_compiler.launch.worker" in command and "--check" in command

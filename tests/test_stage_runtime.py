@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from dist_utils import run_ranks
 from stage_runtime_cases import Case, compare_cases_worker, make_units
-from mist_compiler.backends.stage_runtime import AdamWConfig, StageRuntime, StageRuntimeError
+from torch import nn
+
 from mist_compiler.ir.plan import Offload
 from mist_compiler.models import build_model
+from mist_compiler.runtime.stage_runtime import AdamWConfig, StageRuntime, StageRuntimeError
 
 TOLERANCE = 1e-5
 WHOLE_BATCH_TOLERANCE = 1e-5
@@ -130,7 +130,7 @@ def test_a_missing_rank_gives_a_timeout_error_naming_unit_and_collective():
 
 
 def test_state_dict_round_trip_resumes_training_exactly():
-    from stage_runtime_cases import make_batches, train_with_runtime, _forward, reference_name
+    from stage_runtime_cases import _forward, make_batches, reference_name, train_with_runtime
 
     adamw = AdamWConfig(lr=1e-3, weight_decay=0.1)
     batches = make_batches(2, 2, 16, 512)
@@ -195,7 +195,7 @@ def test_zero3_prefetches_one_unit_ahead_and_frees_after_use():
 
 
 def test_zero_grad_by_the_caller_does_not_break_the_buckets():
-    from stage_runtime_cases import make_batches, max_relative_error, reference_training, train_with_runtime, _forward
+    from stage_runtime_cases import _forward, make_batches, max_relative_error, reference_training, train_with_runtime
 
     adamw = AdamWConfig(lr=1e-4, weight_decay=0.1)
     batches = make_batches(2, 2, 16, 512)

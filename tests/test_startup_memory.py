@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from mist_compiler.backends.local_ranks import run_ranks
+from mist_compiler.launch.local_ranks import run_ranks
 
 PLAN = {"model": "gpt-tiny", "seq_len": 16, "global_batch": 4, "dtype": "float32", "grad_accum": 2,
         "stages": [{"layers": [0, 2], "nodes": 1, "gpus_per_node": 2, "micro_batch": 1, "dp": 2, "tp": 1, "zero": 3},
@@ -23,10 +23,10 @@ def _start(rank: int, world: int) -> dict:
     from torch import nn
     from torch._subclasses.fake_tensor import is_fake
 
-    from mist_compiler.backends.engine import Engine
-    from mist_compiler.backends.materialize import InitTensors
     from mist_compiler.ir.model_graph import PARAMETER
     from mist_compiler.ir.plan import Plan
+    from mist_compiler.lowering.materialize import InitTensors
+    from mist_compiler.runtime.engine import Engine
 
     class Recording(InitTensors):
         def __init__(self, *args):

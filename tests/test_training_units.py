@@ -99,10 +99,10 @@ def _one_rank(rank: int, world: int, config: dict) -> dict:
 
 
 def test_one_rank_trains_like_torch_adamw_with_groups_and_clipping():
-    from mist_compiler.backends.check import loss_of
     from mist_compiler.frontend.joint import model_call_kwargs
     from mist_compiler.models import build_model
     from mist_compiler.training.data import SAMPLE_TEXT
+    from mist_compiler.verify.check import loss_of
 
     optim = {"lr": 1e-2, "min_lr": 1e-3, "warmup": 1, "weight_decay": 0.1, "clip": 0.5}
     got = run_ranks(_one_rank, world=1, args=({"steps": 4, "optim": optim, "timeout_s": 60},), timeout_s=120)[0]

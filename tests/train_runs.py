@@ -1,7 +1,7 @@
 """Training jobs run on local gloo ranks for the trainer tests (module level: spawned ranks import it)."""
 from __future__ import annotations
 
-from mist_compiler.backends.check import NOISE_FACTOR, ULPS
+from mist_compiler.verify.check import NOISE_FACTOR, ULPS
 
 SEQ = 16
 
@@ -38,10 +38,10 @@ def reference_first_norm(model: str, plan_dict: dict) -> float:
     """One process, float64: the gradient norm of step 1's global batch (what clipping must see)."""
     import torch
 
-    from mist_compiler.backends.check import loss_of
     from mist_compiler.frontend.joint import model_call_kwargs
     from mist_compiler.models import build_model
     from mist_compiler.training.data import SAMPLE_TEXT, TokenSampler, open_tokens
+    from mist_compiler.verify.check import loss_of
 
     module = build_model(model, seq_len=plan_dict["seq_len"]).double()
     batch = TokenSampler(open_tokens(SAMPLE_TEXT), plan_dict["global_batch"], plan_dict["seq_len"]).batch(0)

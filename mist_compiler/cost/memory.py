@@ -4,7 +4,7 @@ The inner terms come from the memory-analysis pass (per block class, symbolic in
 evaluated per candidate): saved activations ``A`` per micro-batch, the block input ``I``, and the
 peaks of live activation memory inside the block's forward and backward, split by whether the
 block's weights are in use there (``BlockActivationTerms``). The outer terms follow what the
-backend (``backends/zero.py``, one flat bucket per unit) holds at each point of a step:
+backend (``runtime/zero.py``, one flat bucket per unit) holds at each point of a step:
 
 - **static** (the whole step): the weights (ZeRO-3: the ``1/dp`` shard; a weight-offload fraction
   ``w`` lives on the host), the fp32 master (none when fp32 weights are the master) and the two
@@ -43,7 +43,7 @@ import numpy as np
 MIXED_PRECISION_BYTES = (2.0, 2.0, 12.0)  # weight, gradient, optimizer state per parameter
 FP32_BYTES = (4.0, 4.0, 8.0)
 ACCUMULATOR_BYTES = 4.0  # gradients are reduced and accumulated in fp32
-# the backend's torch AdamW updates at most this many elements at once (backends.kernels)
+# the backend's torch AdamW updates at most this many elements at once (runtime.kernels)
 ADAMW_CHUNK_ELEMENTS = 1 << 20
 
 
@@ -128,7 +128,7 @@ class _Gradients:
     """Gradient bytes of the backend at the points of a step, per candidate. Every quantity is linear
     in a block's parameter count, so each is a per-element coefficient computed once.
 
-    Two paths (``backends/zero.py``): the fp32 path (accumulators and reductions in fp32) and, for
+    Two paths (``runtime/zero.py``): the fp32 path (accumulators and reductions in fp32) and, for
     ZeRO 0/1 with ``low_precision_grads``, the param-dtype micro-batch buffer that is the
     accumulator itself until the last micro-batch's fp32 reduction."""
 
@@ -199,7 +199,7 @@ class _Gradients:
 def greedy_offload(saved_sequence: list[np.ndarray], offloadable: list[bool], fraction: np.ndarray) -> np.ndarray:
     """Bytes of one layer's saved activations the backend moves to the host: in save order, a
     contiguous tensor goes if the offloaded bytes then stay within ``fraction`` of the bytes saved
-    so far (``backends.offload.ActivationOffloader``)."""
+    so far (``runtime.offload.ActivationOffloader``)."""
     fraction = np.asarray(fraction, dtype=float)
     saved_so_far = np.zeros_like(fraction)
     offloaded = np.zeros_like(fraction)

@@ -43,7 +43,7 @@ from typing import Callable
 import numpy as np
 import sympy
 
-from ..passes.cost_annotation import B, S, T, BlockCosts
+from ..passes.cost_annotation import B, BlockCosts, S, T
 from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
 from .analysis import analyse_program, capture_program
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
@@ -53,6 +53,7 @@ from .memory import BlockActivationTerms, StageConfig, StageLayout, greedy_offlo
 from .op_time import matmul_time, op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
+
 
 def _lambdify(expr: sympy.Expr) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     expr = sympy.sympify(expr)
@@ -231,7 +232,7 @@ class StageCostModel:
         return math.gcd(*(block.tp_granularity for block in self.blocks.values() if not block.tp_optional))
 
     def _overflow_check_s(self, shard_params: np.ndarray) -> np.ndarray:
-        """fp16 dynamic loss scaling (``backends.loss_scaling``): one read pass over this rank's reduced
+        """fp16 dynamic loss scaling (``runtime.loss_scaling``): one read pass over this rank's reduced
         fp32 gradients per step to find inf/NaN (the unscaling rides on the reduction cast, the flag on
         the loss's all-reduce); other dtypes: nothing."""
         if self.dtype != "float16":
@@ -436,7 +437,7 @@ class StageCostModel:
 
 def optimizer_phase_s(device_and_copies: np.ndarray, host_step: np.ndarray, step_out: np.ndarray,
                       step_in: np.ndarray, units: np.ndarray) -> np.ndarray:
-    """The optimizer step as ``backends.optimizer.FlatAdamW`` runs it: the device parts' update overlaps
+    """The optimizer step as ``runtime.optimizer.FlatAdamW`` runs it: the device parts' update overlaps
     the offloaded parts' copies (``device_and_copies``) and the host threads' AdamW, which starts when the
     first unit's gradients have arrived and ends with the last unit's weights going back (the units'
     copies pipeline with the host updates)."""
@@ -454,7 +455,7 @@ def grad_buffer_bytes_moved(grad_bytes: np.ndarray, dp: np.ndarray) -> np.ndarra
 
 def low_precision_bytes_moved(grad_bytes: np.ndarray, stage_params: np.ndarray, zero: np.ndarray,
                               dp: np.ndarray) -> np.ndarray:
-    """Per iteration, low-precision gradients (ZeRO 0/1, ``backends/zero.py``): the buffer zeroed once,
+    """Per iteration, low-precision gradients (ZeRO 0/1, ``runtime/zero.py``): the buffer zeroed once,
     cast to an fp32 copy for the reduction (a read and an fp32 write), and under ZeRO-0 with data
     parallelism the mean cast back (an fp32 read and a write). Autograd's in-place accumulation of the
     micro-batches belongs to their backward, as on the fp32 path."""

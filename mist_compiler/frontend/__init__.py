@@ -1,8 +1,9 @@
-"""Capture: dynamo backend entry, joint forward+backward ATen graphs under FakeTensorMode, block discovery.
+"""Capture: a model -> the captured program (one dynamo trace: the torch-level model graph and its
+joint forward+backward ATen graph under FakeTensorMode), layers found and proven, the analysis
+passes run. May import ``ir``, ``ops``, ``models`` and ``passes``.
 
 Names are imported lazily (torch is heavy). ``capture`` is also the submodule's name, so use
 ``mist_compiler.capture`` or ``mist_compiler.frontend.capture.capture`` for the function.
-The "mist" torch.compile backend is ``dynamo_backend.mist_backend`` (found through the package's entry point).
 """
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import importlib
 
 _EXPORTS = {
     "CaptureState": "capture",
-    "mist_backend": "dynamo_backend", "last_program": "dynamo_backend",
-    "ModelOutputError": "joint", "UnsupportedOpError": "lowering",
+    "ModelOutputError": "joint", "UnsupportedOpError": "to_ir",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -23,8 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..ir.model_graph import ModelGraph
-from ..ir.vocabulary import TORCH_DTYPES
 from ..ir.program import ATTENTION_KERNELS, IRError, MistProgram
+from ..ir.vocabulary import TORCH_DTYPES
 from ..models import resolve_model
 from ..passes.block_discovery import BlockPartition, block_discovery, wl_hash
 from ..passes.manager import PassManager, PassResult
@@ -34,8 +34,8 @@ from .boundaries import install_boundary_hooks
 from .joint import CaptureError, JointCapture, loss_of, model_call_kwargs, trace_joint
 from .layer_chain import prove_layer_chain
 from .layer_stack import LayerStackError, find_layer_stack
-from .lowering import lower_to_ir
 from .regions import find_regions, with_real_names
+from .to_ir import lower_to_ir
 
 # what a forward that depends on tensor *values* raises under FakeTensorMode
 FAKE_TENSOR_LIMITS = (

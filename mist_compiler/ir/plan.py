@@ -23,8 +23,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from .files import write_atomic
-
-from .vocabulary import OFFLOAD_KINDS, TRAINING_DTYPES as DTYPES  # noqa: F401 (re-exported)
+from .vocabulary import OFFLOAD_KINDS
+from .vocabulary import TRAINING_DTYPES as DTYPES
 
 
 class PlanError(ValueError):

@@ -21,7 +21,7 @@ from typing import Any
 
 import sympy
 
-from .vocabulary import ATTENTION_KERNELS, B, DTYPE_BYTES, S, SYMBOLS, T  # noqa: F401 (re-exported)
+from .vocabulary import ATTENTION_KERNELS, DTYPE_BYTES, SYMBOLS, B, S, T
 
 BLOCK_KINDS = ("pre", "layer", "post")
 

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from . import linear_cross_entropy as _op  # noqa: F401  (registers torch.ops.mist.linear_cross_entropy)
+from . import linear_cross_entropy as _op
 from .linear_cross_entropy import REDUCTIONS
 
 LINEAR_TARGETS = (torch._C._nn.linear, F.linear)

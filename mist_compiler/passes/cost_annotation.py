@@ -35,8 +35,9 @@ from typing import Any, Iterable
 import sympy
 import torch
 import torch.fx as fx
-from ..ir.vocabulary import SYMBOLS, B, S, T  # noqa: F401 (B, S re-exported)
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from ..ir.vocabulary import SYMBOLS, B, S, T
 
 CANONICAL_SYMBOLS = SYMBOLS
 

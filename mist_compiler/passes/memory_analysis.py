@@ -46,10 +46,23 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..ir.vocabulary import ATTENTION_KERNELS  # noqa: F401 (re-exported)
+from ..ir.vocabulary import ATTENTION_KERNELS
 from ..ops.linear_cross_entropy import workspace_points
-from .cost_annotation import (ATTENTION_BACKWARD, ATTENTION_FORWARD, FUSED_LOSS, FUSED_LOSS_BACKWARD, B, S, T, ProgramCosts,
-                              is_view, op_name, tensor_bytes, tensor_shape, value_bytes)
+from .cost_annotation import (
+    ATTENTION_BACKWARD,
+    ATTENTION_FORWARD,
+    FUSED_LOSS,
+    FUSED_LOSS_BACKWARD,
+    B,
+    ProgramCosts,
+    S,
+    T,
+    is_view,
+    op_name,
+    tensor_bytes,
+    tensor_shape,
+    value_bytes,
+)
 
 MATMUL_BACKWARD_OPS = {"mm", "bmm", "addmm", "baddbmm"}
 

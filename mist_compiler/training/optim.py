@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..backends.optimizer import AdamWConfig
+from ..runtime.optimizer import AdamWConfig
 from .layout import BucketView, bucket_views
 
 _EMBEDDING = re.compile(r"(^|\.)(embed\w*|wte|wpe|word_embeddings|position_embeddings|tok_embeddings)(\.|$)")

@@ -94,7 +94,7 @@ class Trainer:
         path = config.data or SAMPLE_TEXT
         self.sampler = TokenSampler(open_tokens(path, dtype=config.data_dtype, tokenizer=config.tokenizer),
                                     self.plan.global_batch, self.plan.seq_len, config.seed, path)
-        from ..backends.check import vocab_size
+        from ..verify.check import vocab_size
 
         self.sampler.vocab = vocab_size(self.program)  # batch by batch: the launcher read the whole file already
         cfg = config.optim

@@ -1,6 +1,6 @@
 """The per-rank program ``mistc train`` launches through torchrun: ``--config FILE`` (written by the
 launcher: model, plan path, :class:`.trainer.TrainConfig`) -> :class:`.trainer.Trainer` ``.fit()``.
-Errors and teardown are those of every launched rank (:func:`mist_compiler.backends.worker.run_rank`)."""
+Errors and teardown are those of every launched rank (:func:`mist_compiler.launch.worker.run_rank`)."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +22,7 @@ def _train(config_path: str, rank: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..backends.worker import run_rank
+    from ..launch.worker import run_rank
 
     parser = argparse.ArgumentParser(prog="mist_compiler.training.worker")
     parser.add_argument("--config", required=True)

@@ -25,12 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import driver
-    from .backends import run_command
-    from .ir.files import check_output_dir
-    from .ir.plan import save_plan
-    from .tuner.api import _stderr_progress
-    from .tuner.report import format_result, save_frontiers
+    from .. import driver
+    from ..ir.files import check_output_dir
+    from ..ir.plan import save_plan
+    from ..tuner.api import _stderr_progress
+    from ..tuner.report import format_result, save_frontiers
+    from . import run as run_command
 
     for name in ("nproc", "global_batch", "seq", "steps"):
         if getattr(args, name) < 1:

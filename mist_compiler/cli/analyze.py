@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..cost.analyze import PlanEstimate
 from ..ir.vocabulary import ATTENTION_KERNELS
-from .analyze import PlanEstimate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +47,8 @@ def format_table(estimate: PlanEstimate) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from .. import driver
+    from ..cost.hardware import load_profile, with_memory_limit
     from ..ir.plan import load_plan
-    from .hardware import load_profile, with_memory_limit
 
     plan = load_plan(args.plan)
     hardware = load_profile(args.hardware)  # a bad profile fails before the capture

@@ -17,13 +17,13 @@ import torch.fx as fx
 from ..ir.plan import Plan, PlanError
 from ..ir.program import MistProgram
 from ..ir.stage import StageGraph
+from ..ir.topology import RankCoord
 from ..passes.checkpoint import ActivationCheckpoint
 from ..passes.manager import PassManager
 from ..passes.offload_insertion import OffloadInsertion
 from ..passes.partition import Partition, PartitionError
 from ..passes.tp_sharding import TensorParallel, check_degree
 from .materialize import StageProgram, TensorSource, build_stage
-from .topology import RankCoord
 
 LOWERING_PASSES = ("partition", "tp_sharding", "checkpoint", "offload_insertion")
 

@@ -53,7 +53,7 @@ def say(message: str) -> None:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="mist_compiler.backends.worker")
+    parser = argparse.ArgumentParser(prog="mist_compiler.launch.worker")
     parser.add_argument("model")
     parser.add_argument("--plan", required=True)
     parser.add_argument("--steps", type=int, default=3)
@@ -67,8 +67,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def train(args: argparse.Namespace, rank: int) -> int:
     from mist_compiler import driver
 
-    from .check import synthetic_batch, vocab_size
-    from .optimizer import AdamWConfig
+    from ..runtime.optimizer import AdamWConfig
+    from ..verify.check import synthetic_batch, vocab_size
 
     plan = load_plan(args.plan)
     optimizer = AdamWConfig() if args.lr is None else AdamWConfig(lr=args.lr)
@@ -99,7 +99,7 @@ def train(args: argparse.Namespace, rank: int) -> int:
 
 
 def check(args, plan, batches, losses, gradients, weights, optimizer) -> int:
-    from .check import Run, check_run
+    from ..verify.check import Run, check_run
 
     verdict = check_run(args.model, plan, batches, Run(losses, gradients, weights), optimizer)
     say(verdict.line())
@@ -121,7 +121,7 @@ def run_rank(body: Callable[[int], int], *, timeout: float, debug: bool) -> int:
     try:
         import torch.distributed as dist
 
-        from .device import init_process_group, select_device
+        from ..runtime.device import init_process_group, select_device
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
         init_process_group(timeout, select_device())  # NCCL bound to this rank's GPU, gloo on CPU

@@ -4,7 +4,7 @@ Without training options, the backend analyses the dynamo graph into a MistProgr
 :func:`last_program`) and runs it on this process exactly like eager: aot_autograd with
 forward/backward compilers that return the partitioned graphs as boxed callables. With
 ``options={"plan": ...}`` or what tuning needs (``hardware``, ``nodes``, ``gpus_per_node``,
-``global_batch``) it hands over to ``mist_compiler.torch_compile.compile_with_plan``:
+``global_batch``) it hands over to ``mist_compiler.torch_compile.plan_runtime.compile_with_plan``:
 tune (if no plan), then train the user's module through the distributed runtime.
 
 Loading it makes dynamo drop logging calls in compiled code (see :func:`_drop_logging_calls`).
@@ -15,23 +15,21 @@ section 9). :func:`register` is for a source tree that is not installed; it is i
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 import torch.fx
 
+from ..frontend.capture import CaptureState
+from ..frontend.joint import JointCapture, joint_backend
+from ..frontend.to_ir import lower_to_ir
 from ..ir.program import ATTENTION_KERNELS, MistProgram
 from ..passes.block_discovery import block_discovery
 from ..passes.manager import PassManager
 from ..passes.shape_prop import shape_prop
-from .capture import CaptureState
-from .joint import JointCapture, joint_backend
-from .lowering import lower_to_ir
 
 ANALYSIS_OPTIONS = {"attention": "target attention kernel for saved-tensor analysis (flash|math)",
                     "name": "model name recorded in the program"}
-RUNTIME_MODULE = "mist_compiler.torch_compile"
 
 _last: dict[str, MistProgram | None] = {"program": None}
 _history: list[MistProgram] = []  # one program per graph compiled, oldest first (bounded)
@@ -71,16 +69,9 @@ def analyse(joint: JointCapture, name: str = "dynamo", attention: str = "flash")
 
 
 def _delegate(gm: torch.fx.GraphModule, example_inputs: list, options: dict):
-    try:
-        runtime = importlib.import_module(RUNTIME_MODULE)
-    except ModuleNotFoundError as error:
-        if error.name != RUNTIME_MODULE:
-            raise
-        raise BackendOptionError(
-            f"mist backend: options {sorted(set(options) - set(ANALYSIS_OPTIONS))} need the distributed runtime "
-            f"({RUNTIME_MODULE}), which is not available in this installation"
-        ) from None
-    return runtime.compile_with_plan(gm, example_inputs, options)
+    from .plan_runtime import compile_with_plan  # the distributed runtime: imported only when training
+
+    return compile_with_plan(gm, example_inputs, options)
 
 
 def mist_backend(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any):
@@ -106,7 +97,7 @@ def _drop_logging_calls() -> None:
     """Logging calls inside compiled code are dropped rather than splitting the model's graph
     (Hugging Face's ``warning_once`` in GPT-2's loss), as capture does; done when the backend is
     loaded, i.e. when a user asks for it, since tracing happens before the backend is called."""
-    from .joint import _logging_functions
+    from ..frontend.joint import _logging_functions
 
     torch._dynamo.config.ignore_logging_functions.update(_logging_functions())
 

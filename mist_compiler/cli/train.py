@@ -21,8 +21,8 @@ import os
 import tempfile
 from typing import Any
 
-from ..backends import run_command
-from ..backends.run_command import RunArgumentError
+from . import run as run_command
+from .run import RunArgumentError
 
 WORKER_MODULE = "mist_compiler.training.worker"
 
@@ -63,8 +63,8 @@ def default_plan(model: str, world: int, program: Any) -> dict:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from .optim import OptimConfig
-    from .trainer import TrainConfig
+    from ..training.optim import OptimConfig
+    from ..training.trainer import TrainConfig
 
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     optim = OptimConfig(lr=args.lr, min_lr=min_lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip)
@@ -79,8 +79,8 @@ def _config(args: argparse.Namespace) -> Any:
 def validate(args: argparse.Namespace) -> dict:
     """Everything checkable before launching; returns the worker's spec (model, plan, config)."""
     from ..ir.plan import Plan, load_plan
-    from .checkpoint import resolve, read_meta
-    from .data import SAMPLE_TEXT, TokenSampler, open_tokens, token_vocab
+    from ..training.checkpoint import read_meta, resolve
+    from ..training.data import SAMPLE_TEXT, TokenSampler, open_tokens, token_vocab
 
     run_command.validate_launch(args)
     for name in ("save_every", "warmup", "log_every"):
@@ -114,7 +114,7 @@ def validate(args: argparse.Namespace) -> dict:
                                f"rank(s)); this one runs on {plan.world_size}; drop --resume-exact to reshard")
     compiled = run_command.check_plan_fits(args, plan)
     _check_shapes(args.model, plan.seq_len, meta)
-    from ..backends.check import vocab_size
+    from ..verify.check import vocab_size
 
     data = config.data or SAMPLE_TEXT
     sampler = TokenSampler(open_tokens(data, dtype=args.data_dtype, tokenizer=args.tokenizer), plan.global_batch,

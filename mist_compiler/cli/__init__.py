@@ -1,7 +1,7 @@
 """``mistc``: the command line, a thin layer over the Python API.
 
-Each sub-command lives next to the code it drives, in a module with ``add_arguments(parser)``
-and ``run(args) -> int``; this file only names them.
+Each sub-command is a module of this package with ``add_arguments(parser)`` and
+``run(args) -> int``; this file only names them. The top layer: may import anything.
 """
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "ir": ("mist_compiler.frontend.ir_command", "capture a model and print its Mist IR"),
-    "analyze": ("mist_compiler.cost.analyze_command", "predict time and memory of a plan"),
-    "profile": ("mist_compiler.cost.profile_command", "measure this machine into a hardware profile"),
-    "tune": ("mist_compiler.tuner.tune_command", "search the fastest plan for a model and cluster"),
-    "explain": ("mist_compiler.tuner.explain_command", "describe a plan: words, breakdown, timeline"),
-    "run": ("mist_compiler.backends.run_command", "train a model with a plan through torchrun"),
-    "train": ("mist_compiler.training.train_command", "train for real: data, schedule, clipping, checkpoints"),
-    "demo": ("mist_compiler.demo_command", "tune the built-in default and train it on 2 local processes"),
+    "ir": ("mist_compiler.cli.ir", "capture a model and print its Mist IR"),
+    "analyze": ("mist_compiler.cli.analyze", "predict time and memory of a plan"),
+    "profile": ("mist_compiler.cli.profile", "measure this machine into a hardware profile"),
+    "tune": ("mist_compiler.cli.tune", "search the fastest plan for a model and cluster"),
+    "explain": ("mist_compiler.cli.explain", "describe a plan: words, breakdown, timeline"),
+    "run": ("mist_compiler.cli.run", "train a model with a plan through torchrun"),
+    "train": ("mist_compiler.cli.train", "train for real: data, schedule, clipping, checkpoints"),
+    "demo": ("mist_compiler.cli.demo", "tune the built-in default and train it on 2 local processes"),
 }
 
 

@@ -16,8 +16,8 @@ from ..cost.stage_api import pipeline_iteration_time
 from ..ir.files import check_output_dir
 from ..ir.plan import Plan, PlanError, load_plan
 from ..ir.vocabulary import ATTENTION_KERNELS
-from .report import describe_stage, frontier_path
-from .timeline import iteration_time, plot_frontiers, plot_timeline, simulate, write_chrome_trace
+from ..tuner.report import describe_stage, frontier_path
+from ..tuner.timeline import iteration_time, plot_frontiers, plot_timeline, simulate, write_chrome_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,10 +41,9 @@ def plan_in_words(plan: Plan) -> list[str]:
 def stage_predictions(plan: Plan, args: argparse.Namespace) -> tuple[list[dict], str] | None:
     """Per-stage stable/delta/forward/backward/memory, from the cost model or the side file."""
     if args.hardware:
+        from .. import driver
         from ..cost.analyze import plan_candidates
         from ..cost.stage_model import build_stage_cost_model
-
-        from .. import driver
 
         program = driver.capture(model_to_price(plan, args.model), dtype=plan.dtype, attention=args.attention,
                                  seq_len=plan.seq_len)

@@ -8,7 +8,7 @@
   touches; each distinct storage is followed with a weak reference until it dies, and its size is
   re-read when the runtime resizes it in place (flat buffers free and re-materialise their storage
   with ``UntypedStorage.resize_``, which is wrapped for the duration). The peak is sampled after
-  every op and every resize. Storages allocated by ``backends.streams.host_empty`` are host memory
+  every op and every resize. Storages allocated by ``runtime.streams.host_empty`` are host memory
   (offloaded states and activations) and are not counted: on CPU host and device share the RAM.
   Custom ops written in Python (``mist_compiler.ops``) run their body under the mode, so their
   own temporaries (a chunk of logits) count as a CUDA allocator would see them.
@@ -26,7 +26,7 @@ from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .streams import allocating_host_memory
+from ..runtime.streams import allocating_host_memory
 
 
 class _StorageTracker(TorchDispatchMode):

@@ -9,11 +9,13 @@ import argparse
 import json
 import sys
 
-from ..ir.vocabulary import ATTENTION_KERNELS, TRAINING_DTYPES as DTYPE_CHOICES
+from ..ir.vocabulary import ATTENTION_KERNELS
+from ..ir.vocabulary import TRAINING_DTYPES as DTYPE_CHOICES
+
 CAPTURE_PASSES = ("build_fake_model", "group_layers", "keep_one_layer_per_group", "cast_weights", "check_model_output",
                   "check_layer_chain", "trace_joint_graph", "find_model_graph", "recognise_tensor_parallel",
                   "shape_prop", "block_discovery", "lower_to_ir")
-# The plan-driven lowering passes of the backend (backends/codegen.py); they need --plan.
+# The plan-driven lowering passes of the backend (lowering/lower.py); they need --plan.
 LOWERING_PASSES = ("partition", "tp_sharding", "checkpoint", "offload_insertion")
 
 
@@ -60,8 +62,8 @@ def summary(program, micro_batch: int, seq: int, attention: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..frontend.capture import capture
     from ..ir.printer import format_program
-    from .capture import capture
 
     if args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
@@ -72,10 +74,9 @@ def run(args: argparse.Namespace) -> int:
     if lowering_after and not args.plan:
         raise ValueError(f"--after {lowering_after[0]} is a lowering pass: it needs --plan PLAN")
     if args.plan:
-        from ..backends.codegen import dump_lowered
-        from ..ir.plan import load_plan
-
         from ..driver import check_plan
+        from ..ir.plan import load_plan
+        from ..lowering.lower import dump_lowered
 
         plan = load_plan(args.plan)
         program = capture(args.model, dtype=plan.dtype, attention=args.attention, seq_len=plan.seq_len, analyse=False)

@@ -35,7 +35,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .topology import Topology
+from ..ir.topology import Topology
 
 FORWARD, BACKWARD = 0, 1
 Action = tuple[int, int]  # (FORWARD | BACKWARD, micro-batch)

@@ -15,9 +15,9 @@ import sys
 
 from ..ir.plan import save_plan
 from ..ir.vocabulary import ATTENTION_KERNELS, TRAINING_DTYPES
-from .api import _stderr_progress
-from .baselines import BASELINE_SPACES
-from .space import OFFLOAD_FAMILIES, SearchSpace
+from ..tuner.api import _stderr_progress
+from ..tuner.baselines import BASELINE_SPACES
+from ..tuner.space import OFFLOAD_FAMILIES, SearchSpace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +80,7 @@ def hardware_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from .. import driver
     from ..ir.files import check_output
-    from .report import format_result, result_to_dict, save_frontiers
+    from ..tuner.report import format_result, result_to_dict, save_frontiers
 
     for name in ("nodes", "gpus_per_node", "global_batch"):
         if getattr(args, name) < 1:
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                                 grad_dtype=args.grad_dtype)
     work = driver.workload(program, args.global_batch, seq)
     if args.space != "full":
-        from .baselines import tune_baseline
+        from ..tuner.baselines import tune_baseline
 
         result = tune_baseline(args.space, args.model, cost_model.hardware, args.nodes, args.gpus_per_node,
                                args.global_batch, seq_len=seq, dtype=args.dtype, attention=args.attention,

@@ -38,9 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mist_compiler.backends.profiler import ProfilerOptions, launched_by_torchrun, profile_cluster, profile_machine
-
     from mist_compiler.ir.files import check_output
+    from mist_compiler.profiling.profiler import ProfilerOptions, launched_by_torchrun, profile_cluster, profile_machine
 
     check_output(args.output, "-o/--output")  # a directory, a missing folder: refused before minutes of measuring
     if args.timeout <= 0:

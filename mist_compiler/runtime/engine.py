@@ -35,16 +35,17 @@ from mist_compiler.ir.model_graph import ShardSpec
 from mist_compiler.ir.plan import Plan, PlanError, load_plan
 from mist_compiler.ir.program import MistProgram
 
+from ..ir.topology import Topology
+from ..lowering.lower import check_plan_against_program, lower
+from ..lowering.materialize import InitTensors, ModuleTensors, StageProgram, TensorSource
 from ..ops.groups import ProcessGroup
-from .codegen import check_plan_against_program, lower
 from .device import DTYPES, init_process_group, select_device, warm_up_world
 from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error
 from .host_allocator import keep_freed_host_memory
 from .loss_scaling import loss_scaler_for
-from .materialize import InitTensors, ModuleTensors, StageProgram, TensorSource
 from .pipeline import BACKWARD, FORWARD, P2P, SCHEDULES
+from .process_groups import ProcessGroups, build_groups
 from .tied_weights import TiedWeights, tied_parameters
-from .topology import ProcessGroups, Topology, build_groups
 
 DEFAULT_TIMEOUT_S = 300.0
 

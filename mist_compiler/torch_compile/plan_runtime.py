@@ -33,9 +33,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .backends.engine import DEFAULT_TIMEOUT_S, Engine
-from .backends.optimizer import AdamWConfig
-from .ir.plan import Plan, PlanError, load_plan
+from ..ir.plan import Plan, PlanError, load_plan
+from ..runtime.engine import DEFAULT_TIMEOUT_S, Engine
+from ..runtime.optimizer import AdamWConfig
 
 PLAN_OPTIONS = {"plan"}
 TUNING_OPTIONS = {"hardware", "nodes", "gpus_per_node", "global_batch", "seq_len", "dtype", "attention"}
@@ -138,7 +138,7 @@ def _engine_for(model: nn.Module, settings: dict) -> Engine:
     for engine in _engines:
         if engine.source_model is model:
             return engine
-    from . import driver
+    from .. import driver
 
     plan = settings.pop("plan", None)
     runtime = {k: settings.pop(k) for k in list(settings) if k in RUNTIME_OPTIONS}

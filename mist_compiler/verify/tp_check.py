@@ -19,11 +19,11 @@ import torch
 from ..ir.model_graph import BUFFER, PARAMETER, ModelGraph
 from ..ir.plan import Plan
 from ..ir.program import MistProgram
+from ..ir.topology import RankCoord
+from ..lowering.materialize import TensorSource, build_stage, shard
 from ..ops.groups import ThreadGroup
 from ..passes.tp_model import derives_from
 from ..passes.tp_sharding import TensorParallelError, check_degree
-from .materialize import TensorSource, build_stage, shard
-from .topology import RankCoord
 
 TOLERANCE = 1e-4  # relative (Frobenius) difference; fp32 summation-order noise on a tiny batch is ~1e-6
 _proven: dict[tuple[int, int], bool] = {}
@@ -70,7 +70,7 @@ def _plan(model: ModelGraph, degree: int, seq: int, batch: int) -> Plan:
 
 
 def _run(program: MistProgram, plan: Plan, source, rank: int, group, batch: dict) -> tuple[float, dict]:
-    from .codegen import lower_stage
+    from ..lowering.lower import lower_stage
 
     stage = lower_stage(program, plan, RankCoord(0, 0, rank))
     built = build_stage(stage, program.model_graph, source, device=torch.device("cpu"), group=group)

@@ -15,8 +15,7 @@ import numpy as np
 
 from mist_compiler.cost.hardware import CHANNELS
 
-from .profile_timing import ProfilerOptions, _agree, _free_port, _stderr, _sync_for
-
+from .timing import ProfilerOptions, _agree, _free_port, _stderr, _sync_for
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
@@ -140,7 +139,7 @@ def _collective_call(kind: str, nbytes: int, device: str, members: list[int], gr
     import torch
     import torch.distributed as dist
 
-    from .dist_compat import ALL_GATHER, REDUCE_SCATTER
+    from ..runtime.dist_compat import ALL_GATHER, REDUCE_SCATTER
 
     size = len(members)
     numel = max(size, nbytes // 4 // size * size)
@@ -235,7 +234,7 @@ def reduce_scatter_input_copies(device: str, world: int, numel: int = 1 << 20) -
     beyond its input and output, in units of the input), to a quarter copy."""
     import torch
 
-    from .dist_compat import REDUCE_SCATTER
+    from ..runtime.dist_compat import REDUCE_SCATTER
     from .live_memory import DevicePeakMemory
 
     numel = numel // world * world
@@ -253,7 +252,7 @@ def run_collective_group(world: int, device: str, options: ProfilerOptions, meas
                          timeout_s: float) -> dict:
     """Start ``world`` local rank processes, time all collectives; kill them all if they overrun ``timeout_s``.
 
-    Ranks are fresh interpreters (``python -m mist_compiler.backends.profiler``), so this works from any
+    Ranks are fresh interpreters (``python -m mist_compiler.profiling.profiler``), so this works from any
     caller, including scripts without a ``__main__`` guard.
     """
     import json
@@ -271,7 +270,7 @@ def run_collective_group(world: int, device: str, options: ProfilerOptions, meas
             for rank in range(world):
                 config = json.dumps([rank, world, port, device, options.quick, options.bench_s,
                                      measure_concurrency, result_path])
-                ranks.append(subprocess.Popen([sys.executable, "-m", "mist_compiler.backends.profiler", "--worker", config],
+                ranks.append(subprocess.Popen([sys.executable, "-m", "mist_compiler.profiling.profiler", "--worker", config],
                                               env=env, stdin=subprocess.DEVNULL))
             deadline = time.monotonic() + timeout_s
             while not os.path.exists(result_path):

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import kernels
 from ..ir.stage import UnitOffload
+from . import kernels
 from .dist_compat import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from .flat_buffer import FlatLayout, FreeableBuffer, bind_grads, bind_params
 from .offload import HostMemory, SplitBuffer

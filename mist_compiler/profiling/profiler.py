@@ -33,10 +33,15 @@ from mist_compiler.cost import matmul_shapes
 from mist_compiler.cost.hardware import HardwareProfile, ProfileError, load_profile
 from mist_compiler.cost.op_time import ELEMENT_BYTES
 
-from .profile_comm import (_collective_worker, fit_collectives, measure_slowdowns, reduce_scatter_input_copies,
-                           run_collective_group, time_group_collectives)
-from .profile_timing import ProfilerOptions, _sync_for, seconds_per_call
-
+from .comm import (
+    _collective_worker,
+    fit_collectives,
+    measure_slowdowns,
+    reduce_scatter_input_copies,
+    run_collective_group,
+    time_group_collectives,
+)
+from .timing import ProfilerOptions, _sync_for, seconds_per_call
 
 # Dense datasheet peaks (TFLOP/s) of GPUs we know; anything else gets its measured matmul rate.
 GPU_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
@@ -152,7 +157,7 @@ def adamw_params_per_s(device: str, numel: int, target_s: float, timer: Callable
     fused Triton kernel on a GPU, torch's update elsewhere) over ``numel`` fp32 parameters."""
     import torch
 
-    from . import kernels
+    from ..runtime import kernels
 
     param, grad = torch.randn(numel, device=device), torch.randn(numel, device=device)
     exp_avg, exp_avg_sq = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
@@ -297,7 +302,7 @@ def _as_one_rank(device: str):
     its ranks; GPU memory handed back after."""
     import torch
 
-    from .host_allocator import keep_freed_host_memory
+    from ..runtime.host_allocator import keep_freed_host_memory
 
     threads = torch.get_num_threads()
     if device == "cpu":
