@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mist_compiler.frontend import ir_command
+from mist_compiler.cli import ir as ir_command
 from mist_compiler.models import parameter_count, zoo_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +68,7 @@ def test_bad_arguments_are_named(capsys):
 
 
 def _measure(model: str) -> tuple[float, float, int, dict]:
-    script = ("import argparse, sys; from mist_compiler.frontend import ir_command; p = argparse.ArgumentParser(); "
+    script = ("import argparse, sys; from mist_compiler.cli import ir as ir_command; p = argparse.ArgumentParser(); "
               "ir_command.add_arguments(p); sys.exit(ir_command.run(p.parse_args(sys.argv[1:])))")
     result = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", script, model, "--json"],
                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=300)

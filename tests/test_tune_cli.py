@@ -12,10 +12,11 @@ import os
 
 import pytest
 
+from mist_compiler.cli import explain as explain_command
+from mist_compiler.cli import tune as tune_command
 from mist_compiler.cost.analyze import analyze
 from mist_compiler.cost.hardware import load_profile
 from mist_compiler.ir.plan import load_plan
-from mist_compiler.tuner import explain_command, tune_command
 from mist_compiler.tuner.api import tune
 from mist_compiler.tuner.baselines import tune_baseline
 from mist_compiler.tuner.space import SearchSpace, TuneError
@@ -170,8 +171,8 @@ def test_real_model_has_the_properties_the_intra_stage_shortcuts_use(cost_model)
     import numpy as np
 
     from mist_compiler.tuner.knobs import _trade_families
-    from mist_compiler.tuner.stage_configs import enumerate_bases
     from mist_compiler.tuner.space import Cluster, SearchSpace, Workload
+    from mist_compiler.tuner.stage_configs import enumerate_bases
 
     rng = np.random.default_rng(0)
     base = _random_candidates(rng, 400)
