@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from mist_compiler.cli import analyze as analyze_command
-from mist_compiler.cost.analyze import analyze
+from mist_compiler import analyze
 from mist_compiler.cost.hardware import load_profile
 from mist_compiler.cost.stage_api import pipeline_iteration_time
 from mist_compiler.ir.plan import Plan, PlanError
