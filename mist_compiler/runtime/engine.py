@@ -35,6 +35,7 @@ from mist_compiler.ir.model_graph import ShardSpec
 from mist_compiler.ir.plan import Plan, PlanError, load_plan
 from mist_compiler.ir.program import MistProgram
 
+from ..frontend.labels import label_convention
 from ..ir.topology import Topology
 from ..lowering.lower import check_plan_against_program, lower
 from ..lowering.materialize import InitTensors, ModuleTensors, StageProgram, TensorSource
@@ -77,6 +78,7 @@ class StepState:
     inputs: dict[int, list[torch.Tensor]]
     outputs: dict[int, Any]
     loss_sum: torch.Tensor
+    weights: list[float]  # per micro-batch: its share of the global batch's counted labels (frontend.labels)
 
 
 class Engine:
@@ -100,6 +102,7 @@ class Engine:
         # the program that was (or would be) analysed: the same capture is what this rank runs
         self.captured = program if program is not None else capture_for_plan(model, plan)
         check_plan_against_program(plan, self.captured)
+        self.labels = label_convention(self.captured)
         self.monitor = FailureMonitor(self.rank, self.world, timeout_s)
         self.coord = self.topology.coord(self.rank)
         self.stage_plan = plan.stages[self.coord.stage]
@@ -249,7 +252,7 @@ class Engine:
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
         self._check_batch(batch)
         grad_accum = self.plan.grad_accum
-        state = StepState({}, {}, torch.zeros((), dtype=torch.float64, device=self.device))
+        state = StepState({}, {}, torch.zeros((), dtype=torch.float64, device=self.device), self._weights(batch))
         batch = self._stage_batch(batch)
         self.runtime.begin_iteration()
         if self.loss_scaler is not None:
@@ -275,6 +278,14 @@ class Engine:
         self.p2p.wait_sends()
         return self._step_outcome(state.loss_sum)
 
+    def _weights(self, batch: dict[str, torch.Tensor]) -> list[float]:
+        """This rank's micro-batch loss weights (1.0 but where rows count different numbers of labels)."""
+        if not self.interface.is_last or "labels" not in batch:
+            return [1.0] * self.plan.grad_accum
+        shares = [self.topology.sample_range(self.coord.stage, self.coord.dp_index, m)
+                  for m in range(self.plan.grad_accum)]
+        return self.labels.share_weights(batch["labels"], shares, self.plan.grad_accum * self.stage_plan.dp)
+
     def _optimizer_step(self) -> None:
         if self._skip_next_step:  # fp16 gradients overflowed somewhere: every rank skips (the scale backed off)
             self._skip_next_step = False
@@ -289,7 +300,7 @@ class Engine:
         out = self.program.module(*received, **self._micro_inputs(batch, micro))
         state.inputs[micro] = received
         if self.interface.is_last:
-            state.loss_sum += out.detach()  # stays on the device: one host sync per step, in _mean_loss
+            state.loss_sum += out.detach() * state.weights[micro]  # on the device: one host sync per step
             state.outputs[micro] = out
         else:
             outputs = list(out)
@@ -299,7 +310,8 @@ class Engine:
     def _backward(self, micro: int, state: StepState, grad_accum: int) -> None:
         outputs = state.outputs.pop(micro)
         if self.interface.is_last:
-            loss = outputs / grad_accum
+            weight = state.weights[micro]
+            loss = outputs / grad_accum if weight == 1.0 else outputs * (weight / grad_accum)
             (loss * self.loss_scaler.scale if self.loss_scaler is not None else loss).backward()
         else:
             grads = self.p2p.recv_backward(micro)

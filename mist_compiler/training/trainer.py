@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..frontend.labels import label_convention
 from ..ir.plan import Plan, load_plan
 from .checkpoint import Checkpointer, CheckpointError, checkpoint_group, load_state, read_meta, resolve
 from .data import SAMPLE_TEXT, TokenSampler, open_tokens
@@ -92,8 +93,10 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         path = config.data or SAMPLE_TEXT
+        self.labels = label_convention(self.program)  # the model's own: do not shift what it shifts itself
         self.sampler = TokenSampler(open_tokens(path, dtype=config.data_dtype, tokenizer=config.tokenizer),
-                                    self.plan.global_batch, self.plan.seq_len, config.seed, path)
+                                    self.plan.global_batch, self.plan.seq_len, config.seed, path,
+                                    shift_labels=not self.labels.shifted_inside)
         from ..verify.check import vocab_size
 
         self.sampler.vocab = vocab_size(self.program)  # batch by batch: the launcher read the whole file already
