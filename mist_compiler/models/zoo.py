@@ -99,7 +99,7 @@ def zoo_config(name: str, seq_len: int | None = None) -> TransformerConfig:
     if name not in ZOO:
         raise ModelSpecError(
             f"unknown model {name!r}; known models: {', '.join(ZOO)}; "
-            "or use hf:path/to/config.json or package.module:function"
+            "or use hf:DIR, hf:path/to/config.json or package.module:function"
         )
     cfg = ZOO[name]
     if seq_len is not None and seq_len > cfg.max_seq:

@@ -84,6 +84,7 @@ class Trainer:
             plan = Plan.from_dict(plan)
         self.plan = load_plan(plan) if isinstance(plan, str) else plan
         self.config = config
+        self.model = model  # a name or the user's module (the export rebuilds it, it does not change it)
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.say = say or (lambda line: print(f"mist: {line}", flush=True))
         started = time.perf_counter()
@@ -121,8 +122,10 @@ class Trainer:
             return 0.0
         from ..models import build_model
 
-        with torch.device("meta"):
-            module = build_model(self.model_name, seq_len=self.plan.seq_len, seed=None)
+        module = self.model
+        if isinstance(module, str):
+            with torch.device("meta"):
+                module = build_model(module, seq_len=self.plan.seq_len, seed=None)
         return 6.0 * sum(p.numel() for p in module.parameters())
 
     def _resume(self, where: str) -> None:
@@ -214,14 +217,15 @@ class Trainer:
 
     def export(self, path: str) -> None:
         """The whole model's fp32 weights, named as in the model, written by rank 0: ``*.safetensors``
-        (when safetensors is installed), a directory for ``save_pretrained`` (Hugging Face models),
-        else ``torch.save`` (load with ``torch.load(path, weights_only=True)``). Collective."""
+        (when safetensors is installed), a ``save_pretrained`` directory that ``from_pretrained`` loads
+        (Hugging Face models, a path without a suffix), else ``torch.save`` (load with
+        ``torch.load(path, weights_only=True)``). Collective."""
         state = self.engine.gather_full_state(dst=0)
         if self.rank != 0:
             return
         from .export import write_export
 
-        write_export(state, path, self.model_name, self.plan.seq_len)
+        write_export(state, path, self.model, self.plan.seq_len)
         self.say(f"exported {len(state)} tensors to {path}")
 
     def close(self) -> None:
