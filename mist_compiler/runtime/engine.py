@@ -65,6 +65,9 @@ def _default_runtime_factory() -> Callable[..., Any]:
     return StageRuntime
 
 
+EXTERNAL_OPTIMIZER = "external"  # Engine(optimizer=...): the caller's optimizer updates the fp32 masters in place
+
+
 def _default_optimizer() -> Any:
     from .stage_runtime import AdamWConfig
 
@@ -129,7 +132,8 @@ class Engine:
             extra = {}
         self.runtime = (runtime_factory or _default_runtime_factory())(
             units, dp_group=self.groups.dp, zero=self.stage_plan.zero, offload=self.offload_table,
-            optimizer=optimizer if optimizer is not None else _default_optimizer(), device=self.device,
+            optimizer=None if optimizer == EXTERNAL_OPTIMIZER else optimizer or _default_optimizer(),
+            device=self.device,
             param_dtype=DTYPES[plan.dtype], timeout_s=timeout_s, grad_dtype=DTYPES[plan.grad_dtype],
             exclude=frozenset(self.tied.params.values()) if self.tied is not None else frozenset(), **extra,
         )
@@ -356,7 +360,15 @@ class Engine:
         self.flush_optimizer_step()
         return self._gather_to(self.named_full_parameters(), dst)  # a collective under ZeRO-3
 
-    def gather_full_gradients(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    def gather_full_masters(self, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
+        """The whole model's fp32 master weights (the values ``gather_full_state`` rounds to the plan's
+        dtype), named as in the model, on rank ``dst`` (every rank when None). Collective."""
+        masters = dict(self.runtime.named_full_masters())
+        if self.tied is not None:
+            masters.update({name: value.float() for name, value in self.tied.local_parameters().items()})
+        return self._gather_to(masters, dst)
+
+    def gather_full_gradients(self, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
         """The gradients after this step's reductions, before the optimizer (call between
         ``forward_backward`` and ``optimizer_step``), whole and named as in the model, on rank
         ``dst``. A weight tied across stages is reported by the stage that updates it."""
