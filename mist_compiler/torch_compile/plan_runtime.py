@@ -101,36 +101,39 @@ def parse_options(options: dict) -> dict[str, Any]:
     return settings
 
 
-def _root_source(source: Any) -> Any:
-    while getattr(source, "base", None) is not None:
-        source = source.base
-    return source
+def _chain(source: Any) -> list[Any]:
+    """A dynamo source and its bases, the frame's local (or global) first."""
+    chain = []
+    while source is not None:
+        chain.append(source)
+        source = getattr(source, "base", None)
+    return chain[::-1]
 
 
 def compiled_module(gm: fx.GraphModule, params: list[torch.Tensor]) -> nn.Module:
-    """The ``nn.Module`` whose parameters the graph lifted: the local (or global) of the frame dynamo
-    is compiling that their sources start from (``L['self']`` when a module is compiled)."""
+    """The ``nn.Module`` whose parameters the graph lifted, read where dynamo read them: each lifted
+    parameter's source is a path from a local (or global) of the frame being compiled (``L['self']``
+    when a module is compiled, ``L['args'][0]`` through a decorator); the first module on the path
+    that owns every parameter of the graph is the model."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     tx = InstructionTranslator.current_tx()
-    frame = tx.output.root_tx if tx is not None else None
-    roots: dict[int, Any] = {}
-    for node in gm.graph.nodes:
-        grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
-        if frame is None or grapharg is None or not isinstance(grapharg.example, nn.Parameter):
-            continue
-        root = _root_source(grapharg.source)
-        if getattr(root, "local_name", None) in frame.f_locals:
-            value = frame.f_locals[root.local_name]
-        elif getattr(root, "global_name", None) in frame.f_globals:
-            value = frame.f_globals[root.global_name]
-        else:
-            continue
-        roots[id(value)] = value
-    wanted = {id(p) for p in params}
-    for value in roots.values():
-        if isinstance(value, nn.Module) and wanted <= {id(p) for p in value.parameters()}:
-            return value
+    if tx is not None:
+        frame = tx.output.root_tx
+        scope = {"L": frame.f_locals, "G": frame.f_globals}
+        wanted = {id(p) for p in params}
+        for node in gm.graph.nodes:
+            grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
+            if grapharg is None or not isinstance(grapharg.example, nn.Parameter):
+                continue
+            for source in _chain(grapharg.source):
+                try:
+                    value = eval(source.name, scope)  # noqa: S307 (dynamo's own guard expressions, in its scope)
+                except Exception:
+                    break
+                if isinstance(value, nn.Module) and wanted <= {id(p) for p in value.parameters()}:
+                    return value
+            break  # every parameter comes from the same frame: one path decides
     raise DynamoRuntimeError("mist backend: the graph's parameters do not all belong to one nn.Module the compiled "
                              "code reads (compile the model, or a function of one model)")
 
