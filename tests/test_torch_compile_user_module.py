@@ -103,14 +103,17 @@ def test_one_process_the_users_optimizer_trains_the_users_parameters(tmp_path):
 
 @pytest.mark.distributed
 def test_under_torchrun_sharded_plans_keep_the_users_parameters_live(tmp_path):
-    """ZeRO-1 (dp 2), tensor parallelism (tp 2) and a pipeline (pp 2, head tied to the embedding
-    across the stages) under the user's AdamW, clipping, a gradient the user changes itself and a
-    scheduler: every rank's model.parameters() follow eager training step by step."""
+    """Data parallelism (the parameters are the masters), ZeRO-1 (dp 2), tensor parallelism (tp 2) and
+    a pipeline (pp 2, head tied to the embedding across the stages) under the user's AdamW, clipping,
+    a gradient the user changes itself and a scheduler: every rank's model.parameters() follow eager
+    training step by step."""
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--master-port", str(free_port()), "-m", "tests.torch_compile_runs",
-                             "zero1", "tp2", "pp2"], capture_output=True, text=True, timeout=900, cwd=ROOT, env=ENV)
+                             "dp2", "zero1", "tp2", "pp2"], capture_output=True, text=True, timeout=900, cwd=ROOT, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["plans"]["dp2"]["binding"] == "AliasedParameters", out
+    assert {row["binding"] for name, row in out["plans"].items() if name != "dp2"} == {"MirroredParameters"}, out
     for plan, row in out["plans"].items():
         assert row["same"], (plan, row)
         assert row["worst"] <= max(10 * out["noise"], 1e-6), (plan, row, out["noise"])

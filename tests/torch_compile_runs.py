@@ -15,6 +15,7 @@ from tests.user_models import VOCAB, fused_gpt
 
 STAGE = {"nodes": 1, "gpus_per_node": 2, "micro_batch": 4, "dp": 1, "tp": 1, "zero": 0, "layers": [0, 3]}
 PLANS = {
+    "dp2": {"grad_accum": 2, "stages": [dict(STAGE, micro_batch=1, dp=2)]},  # whole parameters: the user's AdamW
     "zero1": {"grad_accum": 1, "stages": [dict(STAGE, micro_batch=2, dp=2, zero=1)]},
     "zero3": {"grad_accum": 2, "stages": [dict(STAGE, micro_batch=1, dp=2, zero=3)]},
     "tp2": {"grad_accum": 1, "stages": [dict(STAGE, tp=2)]},
@@ -25,7 +26,7 @@ torch.manual_seed(0)
 BATCHES = [(torch.randint(0, VOCAB, (4, 16)), torch.randint(0, VOCAB, (4, 16))) for _ in range(3)]
 
 
-def train(plan: dict | None, halves: bool = False) -> tuple[list[dict], float, bool]:
+def train(plan: dict | None, halves: bool = False) -> tuple[list[dict], float, bool, str]:
     torch.manual_seed(1)
     model = fused_gpt()
     params = list(model.parameters())
@@ -49,7 +50,12 @@ def train(plan: dict | None, halves: bool = False) -> tuple[list[dict], float, b
     model.eval()
     with torch.no_grad():
         evaluated = float(run(input_ids=BATCHES[0][0], labels=BATCHES[0][1]))
-    return steps, evaluated, all(a is b for a, b in zip(params, model.parameters()))
+    same = all(a is b for a, b in zip(params, model.parameters()))
+    if plan is None:
+        return steps, evaluated, same, "eager"
+    from mist_compiler.torch_compile.plan_runtime import _trainings
+
+    return steps, evaluated, same, type(_trainings[-1].parameters).__name__
 
 
 def distance(a: list[dict], b: list[dict]) -> float:
@@ -57,12 +63,12 @@ def distance(a: list[dict], b: list[dict]) -> float:
 
 
 def main(names: list[str]) -> None:
-    eager, eager_eval, _ = train(None)
+    eager, eager_eval, _, _ = train(None)
     noise = distance(train(None, halves=True)[0], eager)
     plans = {}
     for name in names:
-        steps, evaluated, same = train(PLANS[name])
-        plans[name] = {"worst": distance(steps, eager), "eval": evaluated, "same": same}
+        steps, evaluated, same, binding = train(PLANS[name])
+        plans[name] = {"worst": distance(steps, eager), "eval": evaluated, "same": same, "binding": binding}
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"noise": noise, "eager_eval": eager_eval, "plans": plans}))
 
