@@ -93,7 +93,7 @@ def eager_loop(folder: str, data: str, steps: int, backend: str | None) -> tuple
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return model, losses, time.perf_counter() - started
 
 
