@@ -95,3 +95,23 @@ def trainer_export(rank: int, world: int, folder: str, out: str) -> dict:
         return {}
     return {"state": {name: value.numpy() for name, value in state.items()},  # by value: the rank exits
             "untouched": float(model.model.norm.weight.detach().sum())}
+
+
+
+def shifts_inside():
+    """A user's module in the older Hugging Face style: it pairs logits[:, :-1] with labels[:, 1:]
+    itself, and ignores the label -1."""
+    import torch
+    import torch.nn.functional as F
+
+    from tests.user_models import FusedGPT
+
+    class ShiftingGPT(FusedGPT):
+        def forward(self, input_ids, labels):
+            x = self.tokens(input_ids) + self.positions(torch.arange(input_ids.shape[1], device=input_ids.device))
+            for layer in self.trunk:
+                x = layer(x)
+            logits = self.lm_head(self.norm(x))[:, :-1]
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-1)
+
+    return ShiftingGPT()

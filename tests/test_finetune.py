@@ -27,6 +27,34 @@ def next_token_loss(model, tokens: torch.Tensor, seq: int = 64) -> float:
         return float(model(input_ids=windows, labels=windows).loss)
 
 
+def test_the_label_convention_is_read_from_the_model(tmp_path):
+    """Hugging Face causal LMs and a module slicing labels[:, 1:] shift inside (fed labels =
+    input_ids); the zoo takes the next tokens; the loss's ignore_index comes along."""
+    from mist_compiler.frontend.capture import capture
+    from mist_compiler.frontend.labels import LabelConvention, label_convention
+    from tests.pretrained_models import shifts_inside
+
+    hf = save_tiny_llama(str(tmp_path / "base"))
+    assert label_convention(capture(hf, analyse=False)) == LabelConvention(True, -100)
+    assert label_convention(capture("gpt-tiny", analyse=False)) == LabelConvention(False, -100)
+    assert label_convention(capture(shifts_inside(), analyse=False)) == LabelConvention(True, -1)
+    labels = torch.tensor([[5, 6, -100, -100], [7, 8, 9, 10]])
+    assert LabelConvention(True).counted(labels).tolist() == [1, 3]  # the first label predicts nothing
+    assert LabelConvention(False).counted(labels).tolist() == [2, 4]
+    assert LabelConvention(False).share_weights(labels, [(0, 1), (1, 2)], 2) == [2 / 3, 4 / 3]
+
+
+def test_batches_follow_the_convention():
+    from mist_compiler.training.data import SAMPLE_TEXT, TokenSampler, open_tokens
+
+    tokens = open_tokens(SAMPLE_TEXT)
+    shifted = TokenSampler(tokens, 4, 32, seed=1).batch(3)
+    inside = TokenSampler(tokens, 4, 32, seed=1, shift_labels=False).batch(3)
+    assert torch.equal(shifted["input_ids"], inside["input_ids"])
+    assert torch.equal(shifted["labels"][:, :-1], shifted["input_ids"][:, 1:])  # the next tokens
+    assert torch.equal(inside["labels"], inside["input_ids"])  # the model shifts them itself
+
+
 def test_mistc_train_fine_tunes_a_pretrained_model_and_exports_it(tmp_path):
     """As a user types it: step 1's loss is the model's own loss on the batch (labels = input_ids, the
     model shifts), held-out next-token loss falls, and the export is a from_pretrained directory."""

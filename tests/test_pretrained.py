@@ -132,3 +132,22 @@ def test_what_hf_means_is_never_guessed(checkpoint, tmp_path):
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     random_config = _mistc("ir", f"hf:{tmp_path}/bare/config.json")  # pickled weights next to it: ambiguous too
     assert random_config.returncode == 2 and "ambiguous" in random_config.stderr
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+@pytest.mark.parametrize("stages,grad_accum", [
+    ([{"layers": [0, 2], "gpus_per_node": 2, "micro_batch": 4, "tp": 2}], 1),  # every rank reads its slices
+    ([{"layers": [0, 1], "gpus_per_node": 1, "micro_batch": 2, "tp": 1},
+      {"layers": [1, 2], "gpus_per_node": 1, "micro_batch": 2, "tp": 1}], 2),  # the head tied across stages
+], ids=["tp2", "pp2"])
+def test_mistc_run_checks_a_pretrained_model_under_a_plan(checkpoint, tmp_path, stages, grad_accum):
+    import json
+
+    folder, spec, _ = checkpoint
+    plan = {"model": spec, "seq_len": 16, "global_batch": 4, "dtype": "float32", "grad_accum": grad_accum,
+            "stages": [{"nodes": 1, "dp": 1, "zero": 0, **stage} for stage in stages]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    result = _mistc("run", spec, "--plan", str(tmp_path / "plan.json"), "--nproc-per-node", "2", "--steps", "2",
+                    "--check")
+    assert result.returncode == 0 and "check: OK" in result.stdout, (result.stdout + result.stderr)[-3000:]
