@@ -1,7 +1,8 @@
 """Capture a model and print its Mist IR: blocks, block classes, symbolic shapes, saved bytes.
 
-MODEL is a zoo name (gpt2-7b, llama-70b, gpt-tiny ...), hf:path/to/config.json or
-package.module:function. --json prints a machine-readable summary (add --full for every IR node).
+MODEL is a zoo name (gpt2-7b, llama-70b, gpt-tiny ...), hf:DIR (a save_pretrained directory),
+hf:path/to/config.json or package.module:function. --json prints a machine-readable summary (add
+--full for every IR node).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import argparse
 import json
 import sys
 
+from ..driver import DEFAULT_DTYPE
 from ..ir.vocabulary import ATTENTION_KERNELS
 from ..ir.vocabulary import DEFAULT_DTYPE
 from ..ir.vocabulary import TRAINING_DTYPES as DTYPE_CHOICES
@@ -21,7 +23,7 @@ LOWERING_PASSES = ("partition", "tp_sharding", "checkpoint", "offload_insertion"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="zoo name, hf:path/to/config.json or package.module:function")
+    parser.add_argument("model", help="zoo name, hf:DIR, hf:path/to/config.json or package.module:function")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--full", action="store_true", help="with --json: include the whole IR (every node)")
     parser.add_argument("--nodes", action="store_true", help="text: list every forward/backward IR node")
@@ -29,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=None,
                         help="s at which saved bytes are evaluated (default: the model's max sequence, else 2048)")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=DEFAULT_DTYPE,
-                        help=f"weight/activation dtype (default {DEFAULT_DTYPE})")
+                        help=f"weight/activation dtype (default {DEFAULT_DTYPE}, as mistc tune)")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
                         help="target attention kernel: decides what attention saves (default flash)")
     parser.add_argument("--plan", help="plan file: with --after LOWERING_PASS, dump each stage's program after that pass")

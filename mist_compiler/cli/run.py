@@ -1,11 +1,11 @@
 """Train a model with a plan on several processes through torchrun.
 
-MODEL is a zoo name (gpt-tiny, gpt2-7b ...), hf:path/to/config.json or package.module:function;
-the plan's ``model`` must name the same model (it is compared, never loaded). Before any process
-starts, the model is captured and the plan checked against it (layers, positions, every
-tensor-parallel split proven on the model). Each rank trains --steps steps on synthetic data
-(seeded, the same on every rank); a line per step shows the loss and the step time. With
---check, the run is compared with one-process training (see ``mist_compiler/verify/check.py``)
+MODEL is a zoo name (gpt-tiny, gpt2-7b ...), hf:DIR (pretrained), hf:path/to/config.json or
+package.module:function; the plan's ``model`` must name the same model (it is compared, never
+loaded). Before any process starts, the model is captured and the plan checked against it (layers,
+positions, every tensor-parallel split proven on the model). Each rank trains --steps steps on
+synthetic data (seeded, the same on every rank); a line per step shows the loss and the step time.
+With --check, the run is compared with one-process training (see ``mist_compiler/verify/check.py``)
 and the exit code is non-zero when it differs by more than rounding.
 
 Failures end in one line naming the rank and the reason; whichever process of the run dies or is
@@ -26,7 +26,7 @@ class RunArgumentError(ValueError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="zoo name, hf:path/to/config.json or package.module:function")
+    parser.add_argument("model", help="zoo name, hf:DIR, hf:path/to/config.json or package.module:function")
     parser.add_argument("--plan", required=True, help="plan file (JSON or YAML)")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     parser.add_argument("--check", action="store_true", help="compare with one-process training (rank 0)")

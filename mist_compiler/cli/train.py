@@ -1,11 +1,13 @@
 """Train a model for real: data, schedule, clipping, metrics, checkpoints (``mistc train``).
 
-MODEL is a zoo name, hf:path/to/config.json or package.module:function. Without --plan, a plan
-saved in the checkpoint given to --resume is used, else a plain data-parallel one over the
-launched processes (fp32, ZeRO-0, global batch 8, sequence 64). Without --data, the sample text
-shipped with the package is trained on (byte-level). --steps is the total number of steps, also
-when resuming. Everything the launcher can check (plan, model, data, checkpoint) is checked
-before any process starts; errors end in one line and a non-zero exit code.
+MODEL is a zoo name, hf:DIR (a save_pretrained directory: fine-tuned from its weights),
+hf:path/to/config.json (random weights) or package.module:function. Labels follow the model's own
+convention (Hugging Face causal LMs shift them inside). Without --plan, a plan saved in the
+checkpoint given to --resume is used, else a plain data-parallel one over the launched processes
+(fp32, ZeRO-0, global batch 8, sequence 64). Without --data, the sample text shipped with the
+package is trained on (byte-level). --steps is the total number of steps, also when resuming.
+Everything the launcher can check (plan, model, data, checkpoint) is checked before any process
+starts; errors end in one line and a non-zero exit code.
 
 Data: a ``.bin`` file of uint16 tokens (``.u32.bin`` or --data-dtype uint32 for uint32), memory
 mapped; any other file is UTF-8 text, tokenised byte-level or with --tokenizer (Hugging Face).
@@ -28,7 +30,7 @@ WORKER_MODULE = "mist_compiler.training.worker"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="zoo name, hf:path/to/config.json or package.module:function")
+    parser.add_argument("model", help="zoo name, hf:DIR, hf:path/to/config.json or package.module:function")
     parser.add_argument("--plan", default=None, help="plan file (default: the checkpoint's, else plain data parallel)")
     parser.add_argument("--data", default=None, help="token .bin file or text file (default: the bundled sample text)")
     parser.add_argument("--data-dtype", choices=("uint16", "uint32"), default=None,
@@ -48,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocking-save", action="store_true", help="save synchronously (default: in the background)")
     parser.add_argument("--resume", default=None, help="checkpoint directory (or step directory) to continue from")
     parser.add_argument("--resume-exact", action="store_true", help="require the checkpoint's plan (bit-exact resume)")
-    parser.add_argument("--export", default=None, help="write the final full state dict here (rank 0)")
+    parser.add_argument("--export", default=None,
+                        help="write the final weights here (rank 0): DIR (Hugging Face models: a save_pretrained "
+                             "directory), *.safetensors, else torch.save")
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per device, for MFU")
     run_command.add_launch_arguments(parser)
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from ..frontend.labels import label_convention
 from ..ir.plan import Plan, PlanError
 from ..ir.program import MistProgram
 from ..ir.stage import StageGraph
@@ -76,7 +77,9 @@ def lower(program: MistProgram, plan: Plan, coord: RankCoord, source: TensorSour
     when the runtime lays each unit out when ``deferred``, so no rank ever holds more than its own
     state plus one unit in flight)."""
     stage = lower_stage(program, plan, coord)
-    return build_stage(stage, program.model_graph, source, device=device, group=tp_group, deferred=deferred)
+    built = build_stage(stage, program.model_graph, source, device=device, group=tp_group, deferred=deferred)
+    built.labels = label_convention(program)
+    return built
 
 
 def dump_lowered(program: MistProgram, plan: Plan, after: str) -> str:

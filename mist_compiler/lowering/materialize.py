@@ -38,6 +38,9 @@ class TensorSource(Protocol):
     def meta(self, kind: str, name: str) -> torch.Tensor:
         """A meta-device tensor with ``name``'s shape and dtype (nothing materialised)."""
 
+    # optional: ``shard(kind, name, spec, rank, world)``, this rank's part of ``name`` read without the
+    # rest (see :func:`read_shard`)
+
 
 class ModuleTensors:
     """Tensors of a live module, by name (tied names resolve to the same tensor)."""
@@ -64,6 +67,16 @@ def shard(tensor: torch.Tensor, spec: ShardSpec | None, rank: int, world: int) -
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
 
 
+def read_shard(source: TensorSource, kind: str, name: str, spec: ShardSpec | None, rank: int,
+               world: int) -> torch.Tensor:
+    """This rank's part of ``source``'s tensor ``name``: read by itself when the source can (a
+    checkpoint read by slice), else cut out of the whole tensor."""
+    reader = getattr(source, "shard", None)
+    if reader is not None:
+        return reader(kind, name, spec, rank, world)
+    return shard(source.full(kind, name), spec, rank, world)
+
+
 @dataclass
 class StageProgram:
     """One rank's runnable stage: the module, its interface and its units in execution order."""
@@ -77,6 +90,7 @@ class StageProgram:
     shards: dict[str, ShardSpec] = field(default_factory=dict)  # runtime parameter name -> its TP split
     deferred: dict[int, "DeferredParameter"] = field(default_factory=dict, repr=False)  # id(param) -> how to make it
     tied: set[str] = field(default_factory=set)  # runtime names of weights the model ties across pre and post
+    labels: Any = None  # frontend.labels.LabelConvention: how the model reads its labels (set by lower())
 
     def initial_value(self, param: nn.Parameter) -> torch.Tensor | None:
         """The initial fp32 value of a deferred parameter (made now, on the stage's device; read it,
@@ -108,7 +122,7 @@ class DeferredParameter:
 
     def make(self) -> torch.Tensor:
         """The value (may share memory with the source's tensor: copy before writing to it)."""
-        value = shard(self.source.full(PARAMETER, self.name), self.spec, *self.tp)
+        value = read_shard(self.source, PARAMETER, self.name, self.spec, *self.tp)
         return value.to(device=self.device, dtype=torch.float32).contiguous()
 
 
@@ -137,7 +151,7 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
                 pending[id(param)] = DeferredParameter(param, name, spec, source, (rank, world), device)
                 made[key] = param
             else:
-                value = shard(source.full(kind, name), spec, rank, world)
+                value = read_shard(source, kind, name, spec, rank, world)
                 value = value.to(device=device, dtype=torch.float32 if value.is_floating_point() else value.dtype,
                                  copy=True).contiguous()
                 made[key] = nn.Parameter(value, requires_grad=True) if kind == PARAMETER else value
@@ -177,19 +191,28 @@ def tensor_source(model: nn.Module | str, seq_len: int | None) -> TensorSource:
 
 
 class InitTensors:
-    """Tensors of a named model, initialised as :func:`mist_compiler.models.build_model` does, without
-    building it: the model is made on the meta device and each tensor is materialised when asked
-    for (:class:`~mist_compiler.models.initialize.MetaInit`). Models without a per-module rule, and
-    tensors no rule covers, come from a whole build instead (made once, only if needed)."""
+    """Tensors of a named model, as :func:`mist_compiler.models.build_model` makes them, without
+    building it: the model is made on the meta device; a tensor a checkpoint holds (``hf:DIR``, a
+    factory calling ``from_pretrained``) is read from it, only the slices asked for
+    (:meth:`shard`); any other is initialised when asked for
+    (:class:`~mist_compiler.models.initialize.MetaInit`). Models without a per-module rule, tensors
+    no rule covers and those of modules mixing pretrained and other tensors come from a whole build
+    instead (made once, only if needed)."""
 
     def __init__(self, spec: str, seq_len: int | None, seed: int = 0) -> None:
         from ..models import resolve_model
         from ..models.initialize import MetaInit, has_init_rule
+        from ..models.pretrained import checkpoint_names
 
         self.spec, self.seq_len, self.seed = spec, seq_len, seed
         with torch.device("meta"):
             meta = resolve_model(spec, seq_len).build()
         self.meta_tensors = ModuleTensors(meta)  # shapes and dtypes, by name
+        pretrained = checkpoint_names(meta)
+        self.stored = pretrained.stored  # name -> (checkpoint, name there)
+        owners = pretrained.owners()
+        self.mixed = {name for name in list(self.meta_tensors.params) + list(self.meta_tensors.buffers)
+                      if name not in self.stored and name.rpartition(".")[0] in owners}  # from a whole build
         self.meta_init = MetaInit(meta, seed) if has_init_rule(meta) else None
         self._whole: ModuleTensors | None = None
         self.whole_builds = 0
@@ -213,9 +236,28 @@ class InitTensors:
     def full(self, kind: str, name: str) -> torch.Tensor:
         from ..models.initialize import UninitializedError
 
-        if self.meta_init is not None:
+        if name in self.stored:
+            return self._read(kind, name, 0, None)
+        if self.meta_init is not None and name not in self.mixed:
             try:
                 return self.meta_init.full(kind, name)
             except UninitializedError:
                 pass
         return self.whole().full(kind, name)
+
+    def shard(self, kind: str, name: str, spec: ShardSpec | None, rank: int, world: int) -> torch.Tensor:
+        """This rank's part of ``name``; a pretrained tensor is read by slices (nothing else of it)."""
+        if name not in self.stored or spec is None or world == 1:
+            return shard(self.full(kind, name), spec, rank, world)
+        size = self.meta(kind, name).shape[spec.dim]
+        return self._read(kind, name, spec.dim, spec.rank_slices(size, rank, world))
+
+    def _read(self, kind: str, name: str, dim: int, slices: list[slice] | None) -> torch.Tensor:
+        from ..models.pretrained import CheckpointError
+
+        checkpoint, stored = self.stored[name]
+        expected = tuple(self.meta(kind, name).shape)
+        if checkpoint.shape(stored) != expected:
+            raise CheckpointError(f"{checkpoint.folder}: {stored} has shape {list(checkpoint.shape(stored))}, but the "
+                                  f"model's {name} has {list(expected)} (a checkpoint of another configuration?)")
+        return checkpoint.read(stored, dim, slices)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 from torch import nn
@@ -72,13 +72,14 @@ def holds_values(tensor: torch.Tensor) -> bool:
     return not tensor.is_meta and not is_fake(tensor)
 
 
-def initialize(model: nn.Module, seed: int = 0) -> nn.Module:
+def initialize(model: nn.Module, seed: int = 0, keep: Collection[str] = ()) -> nn.Module:
     """Initialise every module of a model in place with the seeded per-module rules; returns it.
     Modules whose tensors hold no values (built on the meta device or under a fake mode, as
-    capture and the ranks of a plan build the whole model) are left alone: there is nothing to set."""
+    capture and the ranks of a plan build the whole model) are left alone: there is nothing to set;
+    so are the modules named in ``keep`` (those holding pretrained weights)."""
     for name, module in model.named_modules():
         owned = _owned(module)
-        if owned and any(holds_values(tensor) for tensor in owned):
+        if owned and name not in keep and any(holds_values(tensor) for tensor in owned):
             _init_module(model, name, module, seed)
     return model
 

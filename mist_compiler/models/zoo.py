@@ -1,9 +1,18 @@
 """Model names the CLI and API accept, and how each becomes an ``nn.Module``.
 
-Three spellings (see DESIGN.md section 1):
+Four spellings (see DESIGN.md section 1):
 - a zoo name: ``gpt2-7b``, ``llama-70b``, ``gpt-tiny`` ... (the table below, from shared/FACTS.md);
-- ``hf:path/to/config.json``: a Hugging Face causal LM built from its config, random weights;
-- ``package.module:function``: a user's factory returning the module (called with no arguments).
+- ``hf:DIR``: a Hugging Face causal LM with its pretrained weights, from a ``save_pretrained``
+  directory (``config.json`` and ``model.safetensors`` or a sharded safetensors index);
+- ``hf:path/to/config.json``: a Hugging Face causal LM built from its config, random weights. Only
+  where that is unambiguous: a ``config.json`` next to weights is refused (say ``hf:DIR`` to load
+  them, or copy the config elsewhere to start from random weights);
+- ``package.module:function``: a user's factory returning the module (called with no arguments);
+  one that calls ``from_pretrained`` reads no weights when the model is built virtually (capture,
+  the ranks of a plan: :mod:`.pretrained`), and its weights are then read from the checkpoint.
+
+Pretrained weights are never re-initialised: :func:`build_model` initialises (seeded, module by
+module) only the modules that hold no tensor of a checkpoint.
 """
 from __future__ import annotations
 
@@ -18,6 +27,10 @@ import torch
 from torch import nn
 
 from .initialize import has_init_rule, initialize
+from .pretrained import (
+    Checkpoint, CheckpointError, PretrainedTensors, checkpoint_names, holds_weights, is_virtual_build, note_loaded,
+    reading_deferred, record_checkpoint,
+)
 from .transformer import TransformerConfig, TransformerLM
 
 
@@ -86,7 +99,7 @@ def zoo_config(name: str, seq_len: int | None = None) -> TransformerConfig:
     if name not in ZOO:
         raise ModelSpecError(
             f"unknown model {name!r}; known models: {', '.join(ZOO)}; "
-            "or use hf:path/to/config.json or package.module:function"
+            "or use hf:DIR, hf:path/to/config.json or package.module:function"
         )
     cfg = ZOO[name]
     if seq_len is not None and seq_len > cfg.max_seq:
@@ -94,35 +107,92 @@ def zoo_config(name: str, seq_len: int | None = None) -> TransformerConfig:
     return cfg
 
 
-def _hf_builder(path: str) -> Callable[[], nn.Module]:
-    if not os.path.isfile(path):
-        raise ModelSpecError(f"hf: config file {path!r} does not exist")
+def _hf_config(path: str, spec: str):
+    """The transformers config of ``config.json`` at ``path`` (errors in one line, naming ``spec``)."""
     try:
         with open(path) as handle:
             data = json.load(handle)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ModelSpecError(f"hf: config file {path!r} is not valid JSON: {error}") from None
+        raise ModelSpecError(f"{spec}: config file {path!r} is not valid JSON: {error}") from None
     model_type = data.get("model_type") if isinstance(data, dict) else None
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError("hf: models need the 'transformers' package (pip install transformers)") from None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not isinstance(model_type, str):
+        raise ModelSpecError(f"{spec}: the config has no model_type (a Hugging Face config.json names one)")
+    if model_type not in CONFIG_MAPPING:
+        raise ModelSpecError(f"{spec}: model_type {model_type!r} is not an architecture transformers "
+                             f"{transformers.__version__} knows")
+    try:
+        return transformers.AutoConfig.from_pretrained(
+            os.path.dirname(os.path.abspath(path)) if os.path.basename(path) == "config.json" else path)
+    except (ValueError, KeyError, OSError, TypeError) as error:  # transformers' text spans paragraphs
+        raise ModelSpecError(f"{spec} (model_type {model_type!r}): {_first_line(error)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+def _from_config(config, spec: str) -> nn.Module:
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, OSError, TypeError) as error:
+        raise ModelSpecError(f"{spec} (model_type {config.model_type!r}): {_first_line(error)}") from None
+
+
+def _hf_builder(path: str) -> Callable[[], nn.Module]:
+    """``hf:path/to/config.json``: random weights from the config."""
+    spec = f"hf:{path}"
+    if not os.path.isfile(path):
+        raise ModelSpecError(f"hf: config file {path!r} does not exist")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.basename(path) == "config.json" and holds_weights(folder):
+        raise ModelSpecError(f"{spec} is ambiguous: {folder} also holds pretrained weights; say "
+                             f"hf:{os.path.dirname(path) or '.'} to train from them, or copy config.json to another "
+                             "folder to start from random weights")
+    _hf_config(path, spec)  # checked now, before anything is built
 
     def build() -> nn.Module:
-        try:
-            import transformers
-        except ImportError:
-            raise ModelSpecError("hf: models need the 'transformers' package (pip install transformers)") from None
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        return _from_config(_hf_config(path, spec), spec)
 
-        if not isinstance(model_type, str):
-            raise ModelSpecError(f"hf:{path}: the config has no model_type (a Hugging Face config.json names one)")
-        if model_type not in CONFIG_MAPPING:
-            raise ModelSpecError(f"hf:{path}: model_type {model_type!r} is not an architecture transformers "
-                                 f"{transformers.__version__} knows")
+    return build
+
+
+def _hf_pretrained_builder(folder: str) -> Callable[[], nn.Module]:
+    """``hf:DIR``: the model of ``DIR/config.json`` with the weights ``save_pretrained`` wrote there. A
+    virtual build reads none (the checkpoint is recorded for the tensor sources); a real one is
+    ``from_pretrained``."""
+    spec = f"hf:{folder}"
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelSpecError(f"{spec}: the directory has no config.json (a save_pretrained directory has one)")
+    if not holds_weights(folder):
+        raise ModelSpecError(f"{spec}: the directory holds no weights (model.safetensors or "
+                             f"model.safetensors.index.json); for random weights from its config say "
+                             f"{spec.rstrip('/')}/config.json")
+    try:
+        checkpoint = Checkpoint.open(folder)
+    except CheckpointError as error:
+        raise ModelSpecError(f"{spec}: {error}") from None
+    _hf_config(config_path, spec)
+
+    def build() -> nn.Module:
+        if is_virtual_build():
+            model = _from_config(_hf_config(config_path, spec), spec)
+            record_checkpoint(model, checkpoint)
+            return model
+        import transformers
+
         try:
-            config = transformers.AutoConfig.from_pretrained(
-                os.path.dirname(os.path.abspath(path)) if os.path.basename(path) == "config.json" else path)
-            return transformers.AutoModelForCausalLM.from_config(config)
-        except (ValueError, KeyError, OSError, TypeError) as error:  # transformers' text spans paragraphs
-            first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-            raise ModelSpecError(f"hf:{path} (model_type {model_type!r}): {first}") from None
+            return transformers.AutoModelForCausalLM.from_pretrained(folder)
+        except (ValueError, KeyError, OSError, TypeError) as error:
+            raise ModelSpecError(f"{spec}: {_first_line(error)}") from None
 
     return build
 
@@ -146,11 +216,14 @@ def _factory_builder(spec: str) -> Callable[[], nn.Module]:
 
     def build() -> nn.Module:
         try:
-            model = factory()
+            with reading_deferred() as loaded:  # from_pretrained in a virtual build: no weight is read
+                model = factory()
         except Exception as error:  # the user's code: report it in one line, naming the factory
-            raise ModelSpecError(f"model factory {spec!r} raised {type(error).__name__}: {error}") from None
+            raise ModelSpecError(f"model factory {spec!r} raised {type(error).__name__}: "
+                                 f"{_first_line(error)}") from None
         if not isinstance(model, nn.Module):
             raise ModelSpecError(f"model factory {spec!r} returned {type(model).__name__}, not an nn.Module")
+        note_loaded(model, loaded)
         return model
 
     return build
@@ -159,7 +232,8 @@ def _factory_builder(spec: str) -> Callable[[], nn.Module]:
 def resolve_model(spec: str, seq_len: int | None = None) -> ModelSpec:
     """Turn a model name (zoo, ``hf:``, ``module:function``) into a :class:`ModelSpec`."""
     if spec.startswith("hf:"):
-        return ModelSpec(spec, _hf_builder(spec[3:]))
+        path = spec[3:]
+        return ModelSpec(spec, _hf_pretrained_builder(path) if os.path.isdir(path) else _hf_builder(path))
     if ":" in spec:
         return ModelSpec(spec, _factory_builder(spec))
     cfg = zoo_config(spec, seq_len)
@@ -167,14 +241,37 @@ def resolve_model(spec: str, seq_len: int | None = None) -> ModelSpec:
 
 
 def build_model(spec: str, seq_len: int | None = None, seed: int | None = 0) -> nn.Module:
-    """Build the named model with real (random) weights on the CPU.
+    """Build the named model with real weights on the CPU: pretrained ones as stored, others random.
 
     With a ``seed``, a model with a per-module initialisation rule is initialised module by
-    module from it (:mod:`.initialize`), as every rank of a plan initialises its own shards; other
-    models keep their constructor's initialisation under the global seed."""
+    module from it (:mod:`.initialize`), as every rank of a plan initialises its own shards, except
+    the modules holding pretrained tensors; other models keep their constructor's initialisation
+    under the global seed."""
     if seed is not None:
         torch.manual_seed(seed)
     model = resolve_model(spec, seq_len).build()
     if seed is not None and has_init_rule(model):
-        initialize(model, seed)
+        initialize(model, seed, keep=pretrained_modules(spec, seq_len) if may_be_pretrained(spec) else ())
     return model
+
+
+def may_be_pretrained(spec: str) -> bool:
+    """Whether the named model may hold pretrained weights (``hf:DIR`` or a factory)."""
+    return (spec.startswith("hf:") and os.path.isdir(spec[3:])) or (":" in spec and not spec.startswith("hf:"))
+
+
+def pretrained_tensors(spec: str, seq_len: int | None = None) -> PretrainedTensors:
+    """Which of the named model's tensors are pretrained, and where they are stored; built on the meta
+    device, nothing is read."""
+    if not may_be_pretrained(spec):
+        return PretrainedTensors()
+    try:
+        with torch.device("meta"):
+            return checkpoint_names(resolve_model(spec, seq_len).build())
+    except ModelSpecError:  # a factory that cannot build on the meta device loads nothing from a checkpoint
+        return PretrainedTensors()
+
+
+def pretrained_modules(spec: str, seq_len: int | None = None) -> set[str]:
+    """Names of the modules that own a pretrained tensor of the named model (kept as loaded)."""
+    return pretrained_tensors(spec, seq_len).owners()

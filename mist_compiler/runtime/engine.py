@@ -45,7 +45,7 @@ from .stage_runtime import StageRuntime
 from .tied_weights import TiedWeights
 from .world import DEFAULT_TIMEOUT_S, RankWorld
 
-__all__ = ["DEFAULT_TIMEOUT_S", "BatchError", "Engine", "RankFailure"]
+__all__ = ["DEFAULT_TIMEOUT_S", "EXTERNAL_OPTIMIZER", "BatchError", "Engine", "RankFailure"]
 
 
 class RankFailure(RuntimeError):
@@ -56,6 +56,9 @@ class BatchError(ValueError):
     """A batch that does not match the plan."""
 
 
+EXTERNAL_OPTIMIZER = "external"  # Engine(optimizer=...): the caller's optimizer updates the fp32 masters in place
+
+
 @dataclass
 class StepState:
     """Per-iteration bookkeeping of one stage."""
@@ -63,12 +66,14 @@ class StepState:
     inputs: dict[int, list[torch.Tensor]]
     outputs: dict[int, Any]
     loss_sum: torch.Tensor
+    weights: list[float]  # per micro-batch: its share of the global batch's counted labels (frontend.labels)
 
 
 class Engine:
     """Executes a Plan on this rank; see the module docstring."""
 
-    def __init__(self, stage: StageProgram, plan: Plan, world: RankWorld, *, optimizer: AdamWConfig | None = None) -> None:
+    def __init__(self, stage: StageProgram, plan: Plan, world: RankWorld, *,
+                 optimizer: AdamWConfig | str | None = None) -> None:
         self.plan = plan
         self.world_info = world
         self.timeout_s = world.timeout_s
@@ -80,6 +85,7 @@ class Engine:
         self.loss_scaler = loss_scaler_for(plan.dtype)  # fp16 only: dynamic loss scaling, overflowing steps skipped
         self._skip_next_step = False
         self.monitor = FailureMonitor(self.rank, self.world, self.timeout_s)
+        self.labels = stage.labels  # how the model reads its labels (frontend.labels): loss weights by label count
         self.tied_names = stage.tied
         self.tied = TiedWeights.create(self) if self.tied_names and plan.pp > 1 else None
         if self.tied is not None:
@@ -89,7 +95,7 @@ class Engine:
         self.offload_table = {name: stage.offload[name] for name, _ in units}
         self.runtime = StageRuntime(
             units, dp_group=self.groups.dp, zero=self.stage_plan.zero, offload=self.offload_table,
-            optimizer=optimizer if optimizer is not None else AdamWConfig(), device=self.device,
+            optimizer=None if optimizer == EXTERNAL_OPTIMIZER else optimizer or AdamWConfig(), device=self.device,
             param_dtype=TORCH_DTYPES[plan.dtype], timeout_s=self.timeout_s, grad_dtype=TORCH_DTYPES[plan.grad_dtype],
             exclude=frozenset(self.tied.params.values()) if self.tied is not None else frozenset(),
             initial=stage.initial_value,
@@ -202,7 +208,7 @@ class Engine:
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
         self._check_batch(batch)
         grad_accum = self.plan.grad_accum
-        state = StepState({}, {}, torch.zeros((), dtype=torch.float64, device=self.device))
+        state = StepState({}, {}, torch.zeros((), dtype=torch.float64, device=self.device), self._weights(batch))
         batch = self._stage_batch(batch)
         self.runtime.begin_iteration()
         if self.loss_scaler is not None:
@@ -228,6 +234,14 @@ class Engine:
         self.p2p.wait_sends()
         return self._step_outcome(state.loss_sum)
 
+    def _weights(self, batch: dict[str, torch.Tensor]) -> list[float]:
+        """This rank's micro-batch loss weights (1.0 but where rows count different numbers of labels)."""
+        if not self.interface.is_last or "labels" not in batch:
+            return [1.0] * self.plan.grad_accum
+        shares = [self.topology.sample_range(self.coord.stage, self.coord.dp_index, m)
+                  for m in range(self.plan.grad_accum)]
+        return self.labels.share_weights(batch["labels"], shares, self.plan.grad_accum * self.stage_plan.dp)
+
     def _optimizer_step(self) -> None:
         if self._skip_next_step:  # fp16 gradients overflowed somewhere: every rank skips (the scale backed off)
             self._skip_next_step = False
@@ -242,7 +256,7 @@ class Engine:
         out = self.program.module(*received, **self._micro_inputs(batch, micro))
         state.inputs[micro] = received
         if self.interface.is_last:
-            state.loss_sum += out.detach()  # stays on the device: one host sync per step, in _mean_loss
+            state.loss_sum += out.detach() * state.weights[micro]  # on the device: one host sync per step
             state.outputs[micro] = out
         else:
             outputs = list(out)
@@ -252,7 +266,8 @@ class Engine:
     def _backward(self, micro: int, state: StepState, grad_accum: int) -> None:
         outputs = state.outputs.pop(micro)
         if self.interface.is_last:
-            loss = outputs / grad_accum
+            weight = state.weights[micro]
+            loss = outputs / grad_accum if weight == 1.0 else outputs * (weight / grad_accum)
             (loss * self.loss_scaler.scale if self.loss_scaler is not None else loss).backward()
         else:
             grads = self.p2p.recv_backward(micro)
@@ -295,7 +310,15 @@ class Engine:
         None elsewhere. Collective: every rank must call it."""
         return self._gather_to(self.named_full_parameters(), dst)  # a collective under ZeRO-3
 
-    def gather_full_gradients(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    def gather_full_masters(self, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
+        """The whole model's fp32 master weights (the values ``gather_full_state`` rounds to the plan's
+        dtype), named as in the model, on rank ``dst`` (every rank when None). Collective."""
+        masters = dict(self.runtime.named_full_masters())
+        if self.tied is not None:
+            masters.update({name: value.float() for name, value in self.tied.local_parameters().items()})
+        return self._gather_to(masters, dst)
+
+    def gather_full_gradients(self, dst: int | None = 0) -> dict[str, torch.Tensor] | None:
         """The gradients after this step's reductions, before the optimizer (call between
         ``forward_backward`` and ``optimizer_step``), whole and named as in the model, on rank
         ``dst``. A weight tied across stages is reported by the stage that updates it."""

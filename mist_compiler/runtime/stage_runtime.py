@@ -33,6 +33,8 @@ Contract details:
   would otherwise reduce every micro-batch; the default is "last").
 - ``grad_dtype`` (float32 or ``param_dtype``): the dtype of the gradients ZeRO 0/1 keep between
   micro-batches (``zero.py``: low-precision gradients accumulate in their micro-batch buffer).
+- ``optimizer=None``: the caller's optimizer updates the fp32 masters in place (no Adam moments are
+  made); ``refresh_weights()`` then casts them into the compute weights (``step()`` is refused).
 - ``trace_events()`` records (event, unit) pairs (forward, backward, recompute, fetch, free,
   reduce) for debugging and for tests of the prefetch order.
 """
@@ -69,7 +71,7 @@ class StageRuntime:
     """ZeRO 0-3 over flat per-unit buckets, fractional offload and AdamW for one pipeline stage."""
 
     def __init__(self, units: list[tuple[str, nn.Module]], *, dp_group: dist.ProcessGroup | None,
-                 zero: int, offload: Offload | dict[str, Offload], optimizer: AdamWConfig,
+                 zero: int, offload: Offload | dict[str, Offload], optimizer: AdamWConfig | None,
                  device: torch.device, param_dtype: torch.dtype = torch.float32,
                  timeout_s: float = 300.0, exclude: frozenset = frozenset(),
                  initial: Callable[[nn.Parameter], torch.Tensor | None] | None = None,
@@ -84,7 +86,8 @@ class StageRuntime:
         self.host_workers = HostWorkers()
         self.host_memory = HostMemory(self.streams, self.host_workers, timeout_s)
         self.ctx = BucketContext(zero, dp_group, group_rank(dp_group), group_size(dp_group), self.device,
-                                 param_dtype, self.streams, self.host_memory, timeout_s, grad_dtype=grad_dtype)
+                                 param_dtype, self.streams, self.host_memory, timeout_s, grad_dtype=grad_dtype,
+                                 moments=optimizer is not None)
         if initial is not None:  # parameters without a value yet get it unit by unit (see materialize.py)
             self.ctx.initial = initial
         owned, self._needs = self._assign_parameters(units)
@@ -92,7 +95,8 @@ class StageRuntime:
         self.unit_offload = table
         self.buckets = [UnitBucket(name, owned[name], table[name], self.ctx) for name in self.unit_names]
         self._param_index = {name: (bucket, i) for bucket in self.buckets for i, name in enumerate(bucket.names)}
-        self.optimizer = FlatAdamW(optimizer, self.streams, self.host_workers, timeout_s)
+        self.optimizer = FlatAdamW(optimizer, self.streams, self.host_workers, timeout_s) if optimizer is not None \
+            else None
         acts = {name: table[name].acts for name in self.unit_names}
         self.activations = {
             name: ActivationOffloader(fraction, self.streams, self.host_memory, self._weight_storage_ptrs)
@@ -284,6 +288,9 @@ class StageRuntime:
 
     def step(self) -> None:
         """AdamW on the local fp32 master shards, then write the param-dtype weights back."""
+        if self.optimizer is None:
+            raise StageRuntimeError("step: this runtime has no optimizer (built with optimizer=None: the caller "
+                                    "updates the masters, then calls refresh_weights())")
         self.finish_gradients()
         states = [bucket.opt_state for bucket in self.buckets]
         pendings = []
@@ -293,6 +300,17 @@ class StageRuntime:
             if pending is not None:
                 pending.wait(self.ctx.timeout_s)
         for bucket in self.buckets:  # no forward/backward is in flight: drop every transient weight copy
+            bucket.reset_holds()
+
+    def refresh_weights(self) -> None:
+        """The masters were updated in place by someone else: drop this step's gradients and write the
+        masters into the compute weights (a cast, and the ZeRO gathers), unit by unit."""
+        self.finish_gradients()
+        pendings = [bucket.write_back() for bucket in self.buckets]
+        for pending in pendings:
+            if pending is not None:
+                pending.wait(self.ctx.timeout_s)
+        for bucket in self.buckets:
             bucket.reset_holds()
 
     def set_loss_scale(self, scale: float) -> None:
@@ -347,6 +365,22 @@ class StageRuntime:
                 result[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return result
 
+    def named_full_masters(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by qualified name, whole over the data-parallel group (a collective
+        when they are sharded: call on every dp rank)."""
+        result: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets:
+            local = bucket.master.read(0, bucket.master.numel, self.device, self.streams)
+            if self.zero >= 1 and bucket.ctx.world > 1:
+                flat = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=self.device)
+                all_gather_flat(flat, local.contiguous(), bucket.ctx.group,
+                                f"all_gather of unit {bucket.unit!r} masters").wait(bucket.ctx.timeout_s)
+            else:
+                flat = local
+            for slot in bucket.layout.slots:
+                result[slot.name] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        return result
+
     def named_full_gradients(self) -> dict[str, torch.Tensor]:
         """The reduced fp32 gradients (after ``finish_gradients``, before ``step``) by qualified name,
         whole over the data-parallel group (a collective when the gradients are sharded)."""
@@ -367,6 +401,8 @@ class StageRuntime:
 
     def state_dict(self) -> dict:
         """Full fp32 master weights and Adam moments of this rank's shards, plus the step count."""
+        if self.optimizer is None:
+            raise StageRuntimeError("state_dict: this runtime keeps no optimizer state (optimizer=None)")
         return {
             "step": self.optimizer.step_count,
             "units": {

@@ -69,6 +69,7 @@ class BucketContext:
     initial: Callable[[nn.Parameter], torch.Tensor | None] = lambda param: None
     grad_unscale: float = 1.0  # 1 / the loss scale (fp16): folded into the cast to the fp32 reduction buffer
     grad_dtype: torch.dtype = torch.float32  # ZeRO 0/1: dtype of the gradients kept between micro-batches
+    moments: bool = True  # False: someone else's optimizer updates the fp32 masters (no Adam moments here)
 
     def record(self, event: str, unit: str) -> None:
         if self.trace is not None:
@@ -104,7 +105,7 @@ class UnitBucket:
                                       ctx.host_memory, "weights")
             self.source.write(0, source_values.to(ctx.param_dtype))
         self.master, self.master_aliases_weights = self._make_master(local)
-        self.opt_state = ShardState(self.master, ctx.host_memory, offload.opt)
+        self.opt_state = ShardState(self.master, ctx.host_memory, offload.opt) if ctx.moments else None
 
         self.grads = FreeableBuffer(n, ctx.param_dtype, ctx.device, allocated=False)
         self.grad_views = bind_grads(self.params, self.grads, self.layout)
@@ -411,7 +412,7 @@ class UnitBucket:
         if self.source is not None:
             weights += nbytes(self.source.device_part)
         opt = sum(b.device_part.numel() * b.device_part.element_size()
-                  for b in (self.opt_state.exp_avg, self.opt_state.exp_avg_sq))
+                  for b in (self.opt_state.exp_avg, self.opt_state.exp_avg_sq)) if self.opt_state is not None else 0
         if not self.master_aliases_weights:
             opt += nbytes(self.master.device_part)
         grad_storages = {}

@@ -3,20 +3,28 @@
 The dynamo backend hands the graph here (:func:`compile_with_plan`) when options ask for
 training: either ``plan`` (a Plan or a path) or what tuning needs (``hardware``, ``nodes``,
 ``gpus_per_node``, ``global_batch``, optionally ``seq_len``, ``dtype``, ``attention``). Dynamo
-lifts the model's parameters into graph inputs, which lead back to the user's ``nn.Module``; the
-driver captures it, tunes if needed, and builds this rank's engine from the module's own weights.
-The user's loop stays as it is::
+lifts the model's parameters into graph inputs whose sources lead back to a local (or global)
+of the frame being compiled: that object is the user's ``nn.Module`` (:func:`compiled_module`,
+no search of the heap). The driver captures it, tunes if needed, and builds this rank's engine
+from the module's own weights, once per module. The user's loop stays as it is::
 
     out = compiled(input_ids=..., labels=...)    # the whole micro-batch schedule: forward and backward
-    out.loss.backward()                          # nothing left to do (gradients are in the engine)
-    opt.step(); opt.zero_grad()                  # the engine steps, with opt's hyperparameters
+    out.loss.backward()                          # nothing left to do (the gradients are in .grad)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step(); sched.step(); opt.zero_grad()    # the user's optimizer, as in eager
 
-``opt.step()`` of an optimizer over the model's parameters runs the engine's update with that
-optimizer's settings read at every step (so a learning-rate scheduler works): ``AdamW``, and
-``Adam`` without weight decay (the same update); any other optimizer is refused in one line.
-``model.state_dict()`` returns the trained weights (a collective when the plan shards them: call
-it on every rank, as with FSDP's full state dict). Only the loss is computed under a plan: other
-outputs (Hugging Face logits) are NaN tensors of their shape, with a warning.
+``model.parameters()`` are the trained ones after every step, with ``.grad`` after every call
+(:mod:`.live_parameters`: under plans that keep every parameter whole on every rank they *are* the
+engine's fp32 masters and any optimizer updates them; under sharded plans the engine runs AdamW or
+Adam-without-decay with the optimizer's settings read at every step, and the parameters are given
+the result). ``model.state_dict()`` is therefore the trained state, with no collective. A call in
+eval mode (``model.eval()``) or without gradients (``torch.no_grad()``) runs the model's own forward
+on those parameters, every output computed; in training mode only the loss is computed (other
+outputs, such as Hugging Face logits, are NaN tensors of their shape, with a warning).
+
+The plan's dtype follows the user unless options say otherwise: an ``autocast`` region around the
+call or inside the forward gives its dtype (mixed precision, fp32 masters), else the parameters'
+dtype (an fp32 model trains in fp32, as eager and every other backend do).
 
 Using the backend drops logging calls inside compiled code, as capture does (Hugging Face's
 ``warning_once`` would otherwise split GPT-2 into two graphs); a graph that still does not hold
@@ -24,9 +32,8 @@ the whole model is refused, naming where it ends.
 """
 from __future__ import annotations
 
-import gc
 import warnings
-import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -34,19 +41,17 @@ import torch.fx as fx
 from torch import nn
 
 from ..ir.plan import Plan, PlanError, load_plan
-from ..runtime.engine import DEFAULT_TIMEOUT_S, Engine
-from ..runtime.optimizer import AdamWConfig
+from ..runtime.engine import DEFAULT_TIMEOUT_S, EXTERNAL_OPTIMIZER, Engine
+from .live_parameters import (
+    AliasedParameters, DynamoRuntimeError, MirroredParameters, binding_for, optimizer_settings,
+)
 
 PLAN_OPTIONS = {"plan"}
 TUNING_OPTIONS = {"hardware", "nodes", "gpus_per_node", "global_batch", "seq_len", "dtype", "attention"}
 RUNTIME_OPTIONS = {"timeout_s", "device"}
 KNOWN_OPTIONS = PLAN_OPTIONS | TUNING_OPTIONS | RUNTIME_OPTIONS
-_engines: list[Engine] = []
-_hook: list[Any] = []
-
-
-class DynamoRuntimeError(ValueError):
-    """A graph or option the plan runtime cannot take; the message names it."""
+_trainings: list["Training"] = []
+_hooks: list[Any] = []
 
 
 class _Loss(torch.autograd.Function):
@@ -68,7 +73,7 @@ def wants_runtime(options: dict) -> bool:
 
 def last_engine() -> Engine | None:
     """The engine of the most recent plan-compiled graph."""
-    return _engines[-1] if _engines else None
+    return _trainings[-1].engine if _trainings else None
 
 
 def parse_options(options: dict) -> dict[str, Any]:
@@ -96,25 +101,61 @@ def parse_options(options: dict) -> dict[str, Any]:
     return settings
 
 
-def find_owner_module(params: list[torch.Tensor]) -> nn.Module:
-    """The smallest live ``nn.Module`` owning every one of ``params`` (the compiled model)."""
-    wanted = {id(p) for p in params}
-    best: nn.Module | None = None
-    best_size = None
-    for obj in gc.get_objects():
-        if isinstance(obj, weakref.ProxyTypes):  # isinstance on a dead proxy raises ReferenceError
-            continue
-        if not isinstance(obj, nn.Module) or isinstance(obj, fx.GraphModule):
-            continue
-        try:
-            owned = {id(p) for p in obj.parameters()}
-        except Exception:
-            continue
-        if wanted <= owned and (best_size is None or len(owned) < best_size):
-            best, best_size = obj, len(owned)
-    if best is None:
-        raise DynamoRuntimeError("mist backend: cannot find the nn.Module that owns the graph's parameters")
-    return best
+def _chain(source: Any) -> list[Any]:
+    """A dynamo source and its bases, the frame's local (or global) first."""
+    chain = []
+    while source is not None:
+        chain.append(source)
+        source = getattr(source, "base", None)
+    return chain[::-1]
+
+
+def compiled_module(gm: fx.GraphModule, params: list[torch.Tensor]) -> nn.Module:
+    """The ``nn.Module`` whose parameters the graph lifted, read where dynamo read them: each lifted
+    parameter's source is a path from a local (or global) of the frame being compiled (``L['self']``
+    when a module is compiled, ``L['args'][0]`` through a decorator); the first module on the path
+    that owns every parameter of the graph is the model."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    if tx is not None:
+        frame = tx.output.root_tx
+        scope = {"L": frame.f_locals, "G": frame.f_globals}
+        wanted = {id(p) for p in params}
+        for node in gm.graph.nodes:
+            grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
+            if grapharg is None or not isinstance(grapharg.example, nn.Parameter):
+                continue
+            for source in _chain(grapharg.source):
+                try:
+                    value = eval(source.name, scope)  # noqa: S307 (dynamo's own guard expressions, in its scope)
+                except Exception:
+                    break
+                if isinstance(value, nn.Module) and wanted <= {id(p) for p in value.parameters()}:
+                    return value
+            break  # every parameter comes from the same frame: one path decides
+    raise DynamoRuntimeError("mist backend: the graph's parameters do not all belong to one nn.Module the compiled "
+                             "code reads (compile the model, or a function of one model)")
+
+
+def user_dtype(model: nn.Module, gm: fx.GraphModule) -> str:
+    """The dtype the user trains in: an autocast region's (around the call or in the forward), else
+    the parameters'."""
+    devices = {p.device.type for p in model.parameters()} or {"cpu"}
+    for device in sorted(devices):
+        if torch.is_autocast_enabled(device):
+            return _dtype_name(torch.get_autocast_dtype(device))
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_enter_autocast":
+            args = list(node.args) + [None] * 3
+            if args[2] is not False and isinstance(args[1], torch.dtype):
+                return _dtype_name(args[1])
+    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return _dtype_name(max(set(floating), key=floating.count) if floating else torch.float32)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _batch_name(placeholder: fx.Node) -> str:
@@ -133,74 +174,69 @@ def _where_it_ends(gm: fx.GraphModule) -> str:
     return frames[-1].replace("File ", "") if frames else "an unknown line"
 
 
-def _engine_for(model: nn.Module, settings: dict) -> Engine:
-    """One engine per model: dynamo recompiles (new guards once the batch changes) keep training it."""
-    for engine in _engines:
-        if engine.source_model is model:
-            return engine
+@dataclass
+class Training:
+    """One user module trained by this process: its engine and how its parameters stay live."""
+
+    model: nn.Module
+    engine: Engine
+    parameters: AliasedParameters | MirroredParameters
+
+
+def _training_for(model: nn.Module, settings: dict, gm: fx.GraphModule) -> Training:
+    """One per module: dynamo recompiles (new guards once the batch changes) keep training it."""
+    for training in _trainings:
+        if training.model is model:
+            return training
     from .. import driver
 
     plan = settings.pop("plan", None)
     runtime = {k: settings.pop(k) for k in list(settings) if k in RUNTIME_OPTIONS}
-    compiled = driver.compile_model(model, plan=plan, **settings, **runtime)
-    engine = compiled.engine
+    if plan is None:
+        settings.setdefault("dtype", user_dtype(model, gm))
+    compiled = driver.compile_model(model, plan=plan, until="plan", **settings)  # capture, tune, check
+    binding = binding_for(model, compiled.plan)
+    optimizer = None if binding.owns_update else EXTERNAL_OPTIMIZER
+    engine = driver.compile_model(model, plan=compiled.plan, program=compiled.program, prove=False,
+                                  optimizer=optimizer, **runtime).engine
     engine.source_model = model
-    _engines.append(engine)
-    _install_optimizer_hook()
-    model.register_state_dict_pre_hook(_sync_weights)
-    return engine
+    training = Training(model, engine, binding(model, engine))
+    _trainings.append(training)
+    _install_optimizer_hooks()
+    return training
 
 
-def _sync_weights(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    """Before ``state_dict()``: the user's parameters take the engine's trained weights."""
-    engine = next((e for e in _engines if e.source_model is module), None)
-    if engine is None:
-        return
-    full = engine.gather_full_state(dst=None)
-    with torch.no_grad():
-        for name, param in module.named_parameters(remove_duplicate=False):
-            if name in full:
-                param.copy_(full[name].to(param.device, param.dtype))
-            else:
-                canonical = next((n for n, p in module.named_parameters() if p is param), None)
-                if canonical in full:
-                    param.copy_(full[canonical].to(param.device, param.dtype))
-
-
-def optimizer_settings(optimizer: torch.optim.Optimizer) -> AdamWConfig:
-    """The engine's AdamW settings from the user's optimizer, or a one-line refusal."""
-    kind = type(optimizer).__name__
-    groups = optimizer.param_groups
-    keys = ("lr", "betas", "eps", "weight_decay")
-    first = {k: groups[0].get(k) for k in keys}
-    if any({k: g.get(k) for k in keys} != first for g in groups[1:]):
-        raise DynamoRuntimeError(f"mist backend: {kind} has parameter groups with different settings; the plan's "
-                                 "optimizer takes one setting for all parameters")
-    if kind not in ("AdamW", "Adam") or (kind == "Adam" and first["weight_decay"]):
-        raise DynamoRuntimeError(f"mist backend: the plan runs AdamW; {kind}"
-                                 f"{' with weight decay (L2, not decoupled)' if kind == 'Adam' else ''} cannot be "
-                                 "run as it (use torch.optim.AdamW)")
-    if groups[0].get("amsgrad") or groups[0].get("maximize"):
-        raise DynamoRuntimeError(f"mist backend: {kind} with amsgrad or maximize is not what the plan runs")
-    lr = groups[0]["lr"]
-    return AdamWConfig(lr=float(lr), betas=tuple(float(b) for b in first["betas"]), eps=float(first["eps"]),
-                       weight_decay=float(first["weight_decay"] or 0.0))
+def _trainings_of(optimizer: torch.optim.Optimizer) -> list[Training]:
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    found = []
+    for training in _trainings:
+        mine = {id(p) for p in training.model.parameters() if p.requires_grad}
+        if not mine & params:
+            continue
+        if training.parameters.owns_update and not mine <= params:
+            raise DynamoRuntimeError(f"mist backend: {type(optimizer).__name__} holds only some of "
+                                     f"{type(training.model).__name__}'s parameters; under this plan the engine "
+                                     "updates them all: give the optimizer every trainable parameter")
+        found.append(training)
+    return found
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for engine in _engines:
-        model = engine.source_model
-        if model is not None and {id(p) for p in model.parameters()} <= params:
-            engine.set_optimizer(optimizer_settings(optimizer))
-            engine.optimizer_step()
+    for training in _trainings_of(optimizer):
+        training.parameters.before_optimizer_step(optimizer)
 
 
-def _install_optimizer_hook() -> None:
-    if not _hook:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for training in _trainings_of(optimizer):
+        training.parameters.after_optimizer_step()
 
-        _hook.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+
+def _install_optimizer_hooks() -> None:
+    if not _hooks:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        _hooks.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+        _hooks.append(register_optimizer_step_post_hook(_after_optimizer_step))
 
 
 def _is_scalar(node) -> bool:
@@ -229,13 +265,27 @@ def compile_with_plan(gm: fx.GraphModule, example_inputs: list, options: dict) -
         ids_slot = next(i for i, name in batch_slots.items() if name == "input_ids")
         batch_slots[-1 - ids_slot] = "labels"
     missing = {"input_ids", "labels"} - set(batch_slots.values())
-    if missing or not params or loss_index is None:
-        raise DynamoRuntimeError(
-            f"mist backend: the compiled graph does not hold the whole model with input_ids and labels (missing "
-            f"{sorted(missing)}): the forward breaks into several graphs, this one ending at {_where_it_ends(gm)}; "
-            "a plan needs the model in one graph")
-    model = find_owner_module(params)
-    engine = _engine_for(model, settings)
+    model = compiled_module(gm, params) if params else None
+    refusal = DynamoRuntimeError(
+        f"mist backend: the compiled graph does not hold the whole model with input_ids and labels (missing "
+        f"{sorted(missing)}): the forward breaks into several graphs, this one ending at {_where_it_ends(gm)}; "
+        "a plan needs the model in one graph")
+
+    def training_mode() -> bool:
+        return torch.is_grad_enabled() and (model is None or model.training)
+
+    if missing or model is None or loss_index is None:  # not a training step: eval forwards run as they are
+        if training_mode():
+            raise refusal
+
+        def forward_only(*args: Any) -> Any:
+            if training_mode():
+                raise refusal
+            return gm(*args)
+
+        return forward_only
+    training = _training_for(model, settings, gm)
+    engine = training.engine
     anchor = torch.zeros((), requires_grad=True)
     others = {i: (n.meta.get("example_value") if isinstance(n, fx.Node) else n) for i, n in enumerate(outputs)
               if i != loss_index}
@@ -243,9 +293,14 @@ def compile_with_plan(gm: fx.GraphModule, example_inputs: list, options: dict) -
     ids_example = example_inputs[ids_slot]
     warned: list[bool] = []
 
-    def run(*args: Any) -> tuple:
-        batch = {name: args[i if i >= 0 else -1 - i] for i, name in batch_slots.items() if name in ("input_ids", "labels")}
+    def run(*args: Any) -> Any:
+        if not training_mode():  # model.eval() or torch.no_grad(): the model's own forward, on its live weights
+            return gm(*args)
+        training.parameters.before_forward()
+        batch = {name: args[i if i >= 0 else -1 - i] for i, name in batch_slots.items()
+                 if name in ("input_ids", "labels")}
         loss = torch.tensor(engine.forward_backward(batch), dtype=torch.float32)
+        training.parameters.after_backward()
         sizes = _sizes_of(ids_example, args[ids_slot])
         results: list[Any] = [None] * len(outputs)
         results[loss_index] = _Loss.apply(anchor, loss)
@@ -263,3 +318,7 @@ def compile_with_plan(gm: fx.GraphModule, example_inputs: list, options: dict) -
 
     run.mist_engine = engine  # type: ignore[attr-defined]
     return run
+
+
+__all__ = ["DynamoRuntimeError", "Training", "compile_with_plan", "compiled_module", "last_engine", "optimizer_settings",
+           "parse_options", "user_dtype", "wants_runtime"]

@@ -10,7 +10,10 @@ Accepted files (:func:`open_tokens`):
 
 Sampling (:class:`TokenSampler`) depends only on the seed and the step: global batch ``i`` draws
 ``global_batch`` start offsets from a generator seeded with ``(seed, i)``; sequence ``j`` is
-``tokens[o_j : o_j + seq]`` with labels shifted by one. The engine then hands each data-parallel
+``tokens[o_j : o_j + seq]``; its labels follow the model's own convention
+(:mod:`mist_compiler.frontend.labels`): the next tokens ``tokens[o_j + 1 : o_j + seq + 1]`` for a
+model that takes shifted labels (the zoo), the inputs themselves for one that shifts inside (Hugging
+Face causal LMs), so both minimise the same next-token loss. The engine then hands each data-parallel
 rank and micro-batch its rows, so two plans with the same global batch see the same data, and a
 resumed run needs only the step number. Nothing here unpickles anything.
 """
@@ -85,6 +88,7 @@ class TokenSampler:
     seed: int = 0
     path: str = "<tokens>"
     vocab: int | None = None  # when set, every batch is checked against it (cheap; check_vocab reads the file)
+    shift_labels: bool = True  # labels = the next tokens; False: labels = input_ids (the model shifts them)
 
     def __post_init__(self) -> None:
         self.span = len(self.tokens) - self.seq_len  # number of valid start offsets
@@ -109,4 +113,6 @@ class TokenSampler:
             raise DataError(f"data {self.path!r} holds token id {int(window.max())} but the model's vocabulary has "
                             f"{self.vocab} entries (wrong --data-dtype or tokenizer?)")
         window = torch.from_numpy(window)
-        return {"input_ids": window[:, :-1].contiguous(), "labels": window[:, 1:].contiguous()}
+        input_ids = window[:, :-1].contiguous()
+        labels = window[:, 1:].contiguous() if self.shift_labels else input_ids.clone()
+        return {"input_ids": input_ids, "labels": labels}

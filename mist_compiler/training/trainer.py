@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..frontend.labels import label_convention
 from ..ir.plan import Plan, load_plan
 from .checkpoint import Checkpointer, CheckpointError, checkpoint_group, load_state, read_meta, resolve
 from .data import SAMPLE_TEXT, TokenSampler, open_tokens
@@ -83,6 +84,7 @@ class Trainer:
             plan = Plan.from_dict(plan)
         self.plan = load_plan(plan) if isinstance(plan, str) else plan
         self.config = config
+        self.model = model  # a name or the user's module (the export rebuilds it, it does not change it)
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.say = say or (lambda line: print(f"mist: {line}", flush=True))
         started = time.perf_counter()
@@ -92,8 +94,10 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         path = config.data or SAMPLE_TEXT
+        self.labels = label_convention(self.program)  # the model's own: do not shift what it shifts itself
         self.sampler = TokenSampler(open_tokens(path, dtype=config.data_dtype, tokenizer=config.tokenizer),
-                                    self.plan.global_batch, self.plan.seq_len, config.seed, path)
+                                    self.plan.global_batch, self.plan.seq_len, config.seed, path,
+                                    shift_labels=not self.labels.shifted_inside)
         from ..verify.check import vocab_size
 
         self.sampler.vocab = vocab_size(self.program)  # batch by batch: the launcher read the whole file already
@@ -211,14 +215,15 @@ class Trainer:
 
     def export(self, path: str) -> None:
         """The whole model's fp32 weights, named as in the model, written by rank 0: ``*.safetensors``
-        (when safetensors is installed), a directory for ``save_pretrained`` (Hugging Face models),
-        else ``torch.save`` (load with ``torch.load(path, weights_only=True)``). Collective."""
+        (when safetensors is installed), a ``save_pretrained`` directory that ``from_pretrained`` loads
+        (Hugging Face models, a path without a suffix), else ``torch.save`` (load with
+        ``torch.load(path, weights_only=True)``). Collective."""
         state = self.engine.gather_full_state(dst=0)
         if self.rank != 0:
             return
         from .export import write_export
 
-        write_export(state, path, self.model_name, self.plan.seq_len)
+        write_export(state, path, self.model, self.plan.seq_len)
         self.say(f"exported {len(state)} tensors to {path}")
 
     def close(self) -> None:
