@@ -69,8 +69,11 @@ def _external_inputs(nodes: list[fx.Node], inside: set[str]) -> list[fx.Node]:
     return found
 
 
-def _copy_into(graph: fx.Graph, nodes: list[fx.Node], env: dict[str, fx.Node]) -> None:
+def _copy_into(graph: fx.Graph, nodes: list[fx.Node], env: dict[str, fx.Node],
+               tensors: dict[str, tuple[str, str]]) -> None:
     for node in nodes:
+        if node.op == "get_attr":  # a constant or sub-program read inside the unit: one of its attributes
+            tensors[node.target] = (CONSTANT, node.target)
         env[node.name] = graph.node_copy(node, lambda arg: env[arg.name])
 
 
@@ -106,7 +109,7 @@ def _unit_graph(model: ModelGraph, nodes: list[fx.Node], outputs: list[str], ten
         placeholder.meta.update(arg.meta)
         env[arg.name] = placeholder
         inputs.append(arg.name)
-    _copy_into(graph, nodes, env)
+    _copy_into(graph, nodes, env, tensors)
     result = [env[name] for name in outputs]
     graph.output(result[0] if len(result) == 1 else tuple(result))
     return _UnitGraph(graph, inputs, outputs, tensors)
@@ -152,6 +155,9 @@ def layer_graph(model: ModelGraph, region: LayerRegion) -> _UnitGraph:
 
     for name in region.nodes:
         node = by_name[name]
+        if node.op == "get_attr":  # a sub-program the layer calls (an autograd.Function's bodies)
+            env[name] = attribute(node.target, node, CONSTANT, node.target)
+            continue
         env[name] = graph.node_copy(node, lambda arg, node=node: argument(node, arg))
     graph.output(env.get(region.carried_out, hidden))
     return _UnitGraph(graph, [region.carried_in, *region.glue], [region.carried_out], tensors)
