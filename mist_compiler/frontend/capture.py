@@ -31,6 +31,7 @@ from ..passes.manager import PassManager, PassResult
 from ..passes.shape_prop import shape_prop
 from ..passes.tp_model import recognise
 from .boundaries import install_boundary_hooks
+from .fake_kernels import eager_fake
 from .joint import CaptureError, JointCapture, loss_of, model_call_kwargs, trace_joint
 from .layer_chain import prove_layer_chain
 from .layer_stack import LayerStackError, find_layer_stack
@@ -327,11 +328,12 @@ def check_layer_chain(state: CaptureState) -> PassResult:
     extra = model_call_kwargs(state.model)
 
     def run_forward(repeated: nn.ModuleList) -> None:
-        with state.fake_mode:
+        with eager_fake(state.fake_mode):
             replace_submodule(state.model, state.layer_list, repeated)(input_ids=input_ids, labels=labels, **extra)
 
     names = [f"{state.layer_list}.{group[0]}" for group in state.layer_groups]
-    prove_layer_chain(run_forward, state.model.get_submodule(state.layer_list), state.layer_list, names)
+    prove_layer_chain(run_forward, state.model.get_submodule(state.layer_list), state.layer_list, names,
+                      list(state.layer_groups))
     return PassResult(state, modified=False)
 
 
@@ -357,7 +359,7 @@ def check_model_output(state: CaptureState) -> PassResult:
     except ValueError:  # no signature to inspect: call it
         pass
     try:
-        with state.fake_mode, torch.no_grad():
+        with eager_fake(state.fake_mode), torch.no_grad():
             output = state.model(input_ids=input_ids, labels=labels, **extra)
     except FAKE_TENSOR_LIMITS as error:
         caused = [line.strip() for line in str(error).splitlines() if "Caused by" in line]

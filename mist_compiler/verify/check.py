@@ -88,7 +88,7 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
 
 def _train(build: Callable[[], nn.Module], batches: list[dict], optimizer: dict, dtype: str, chunks: int,
            reverse: bool, call_kwargs: dict, master_dtype: str = "float32") -> Run:
-    model = build().to(DTYPES[master_dtype])
+    model = with_eager_experts(build()).to(DTYPES[master_dtype])
     masters = dict(model.named_parameters())
     compute = model if dtype == master_dtype else copy.deepcopy(model).to(DTYPES[dtype])
     compute_params = dict(compute.named_parameters())
@@ -116,6 +116,16 @@ def _train(build: Callable[[], nn.Module], batches: list[dict], optimizer: dict,
         compute.zero_grad(set_to_none=True)
         losses.append(total)
     return Run(losses, first_gradients, {n: p.detach().clone() for n, p in masters.items()})
+
+
+def with_eager_experts(model: nn.Module) -> nn.Module:
+    """A Hugging Face mixture-of-experts model runs its experts as written (a loop over experts):
+    its default ``grouped_mm`` kernel has no float64 version, so the reference could not run."""
+    config = getattr(model, "config", None)
+    if callable(getattr(model, "set_experts_implementation", None)) and \
+            getattr(config, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")
+    return model
 
 
 def reference_run(build, batches, optimizer: dict, call_kwargs: dict | None = None) -> Run:
