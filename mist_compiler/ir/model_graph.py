@@ -51,8 +51,12 @@ class GraphEdit:
     """A rewrite the tensor-parallel lowering applies to one node of the torch-level graph."""
 
     node: str
-    kind: str  # "divide_arg": a size argument divided by t; "copy_in": all-reduce the input gradient;
-    # "reduce_out": all-reduce a partial sum; "vocab_embedding"; "vocab_loss"; "defer_bias"
+    kind: str  # "divide_arg": a size argument divided by t; "divide_slice": a slice's bounds divided by t;
+    # "copy_in": all-reduce the gradient of the value where the nodes named in ``data`` read it;
+    # "reduce_out" / "reduce_mean": all-reduce a partial sum (a mean: divided by t), ``data`` the biases
+    # added after it; "scatter": the value read as this rank's part by ``data[0]`` (``position``: dim,
+    # outer blocks; ``data[1]``: parts split separately); "tp_norm": a norm over split features;
+    # "vocab_embedding"; "vocab_loss"; "vocab_fused_loss"; "defer_bias"
     position: tuple = ()  # where in the node's arguments (e.g. (1,) or (1, 2) for a nested list)
     data: tuple = ()
 
@@ -63,6 +67,7 @@ class RegionSharding:
 
     shards: dict[str, ShardSpec] = field(default_factory=dict)  # placeholder name -> split
     edits: list[GraphEdit] = field(default_factory=list)
+    replicated: dict[str, str] = field(default_factory=dict)  # weight placeholder -> why it is not split
 
 
 @dataclass
