@@ -31,6 +31,7 @@ from ..passes.manager import PassManager, PassResult
 from ..passes.shape_prop import shape_prop
 from ..passes.tp_model import recognise
 from .boundaries import install_boundary_hooks
+from .dropout_sites import seed_dropout
 from .fake_kernels import eager_fake
 from .joint import CaptureError, JointCapture, loss_of, model_call_kwargs, trace_joint
 from .layer_chain import prove_layer_chain
@@ -118,6 +119,7 @@ def capture(
         check_layer_chain,  # the layers run back to back (no code between them that one layer would hide)
         trace_joint_graph,  # dynamo + aot_autograd: joint forward+backward ATen graph, b and s symbolic
         find_model_graph,  # the torch-level graph of the same trace, cut into pre / layers / post
+        seed_dropout_sites,  # dropout masks a function of (sample, layer, site, position): every plan draws the same
         recognise_tensor_parallel,  # the one tensor-parallel recogniser: how each tensor splits, or why not
         shape_prop,  # every node's shape as sympy in b, s
         block_discovery,  # pre / layers / post, Weisfeiler-Lehman class hash per layer
@@ -381,6 +383,13 @@ def find_model_graph(state: CaptureState) -> CaptureState:
     graph = find_regions(state.joint.torch_graph, state.joint.boundaries, state.layer_list, state.layer_groups)
     graph = replace(with_real_names(graph, state.layer_groups), primals=dict(state.joint.primal_sources))
     return replace(state, model_graph=graph)
+
+
+def seed_dropout_sites(state: CaptureState) -> CaptureState:
+    """Pass: dropout and attention dropout drawn from per-sample seeds (:mod:`.dropout_sites`)."""
+    if state.model_graph is None:
+        return state
+    return replace(state, model_graph=seed_dropout(state.model_graph))
 
 
 def recognise_tensor_parallel(state: CaptureState) -> CaptureState:

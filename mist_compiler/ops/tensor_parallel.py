@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .dropout import counter_attention, counter_dropout
 from .groups import Group
 from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
@@ -89,9 +90,9 @@ class _Scatter(torch.autograd.Function):
     rank's part by an all-reduce of zero-padded copies (backward)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, dim: int, outer: int, segments: tuple) -> torch.Tensor:
-        ctx.group, ctx.dim, ctx.outer, ctx.segments, ctx.shape = group, dim, outer, segments, x.shape
-        pieces = _rank_pieces(x.contiguous(), group.rank, group.world, dim, outer, segments)
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int, block: int, segments: tuple) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.block, ctx.segments, ctx.shape = group, dim, block, segments, x.shape
+        pieces = _rank_pieces(x.contiguous(), group.rank, group.world, dim, block, segments)
         local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim + 1)
         return local.reshape(*x.shape[:dim], -1, *x.shape[dim + 1:])
 
@@ -99,23 +100,23 @@ class _Scatter(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         dim, shape = ctx.dim, ctx.shape
         whole = grad.new_zeros(shape)
-        blocked = grad.reshape(*shape[:dim], ctx.outer, -1, *shape[dim + 1:])
+        blocked = grad.reshape(*shape[:dim], shape[dim] // ctx.block, -1, *shape[dim + 1:])
         offset = 0
-        for piece in _rank_pieces(whole, ctx.group.rank, ctx.group.world, dim, ctx.outer, ctx.segments):
+        for piece in _rank_pieces(whole, ctx.group.rank, ctx.group.world, dim, ctx.block, ctx.segments):
             piece.copy_(blocked.narrow(dim + 1, offset, piece.shape[dim + 1]))
             offset += piece.shape[dim + 1]
         ctx.group.all_reduce(whole)
         return whole, None, None, None, None
 
 
-def _rank_pieces(x: torch.Tensor, rank: int, world: int, dim: int, outer: int, segments: tuple) -> list[torch.Tensor]:
-    """Views of the elements of contiguous ``x`` a rank holds along ``dim``, as ``[..., outer, n, ...]``:
-    in each of ``outer`` blocks, its contiguous share of every part (``segments``: sizes along the
-    block; one part when empty)."""
+def _rank_pieces(x: torch.Tensor, rank: int, world: int, dim: int, block: int, segments: tuple) -> list[torch.Tensor]:
+    """Views of the elements of contiguous ``x`` a rank holds along ``dim``, as ``[..., blocks, n, ...]``:
+    in each block of ``block`` entries, its contiguous share of every part (``segments``: sizes within
+    a block; one part when empty)."""
     shape = list(x.shape)
-    blocked = x.view(*shape[:dim], outer, shape[dim] // outer, *shape[dim + 1:])
+    blocked = x.view(*shape[:dim], shape[dim] // block, block, *shape[dim + 1:])
     pieces, start = [], 0
-    for part in segments or (shape[dim] // outer,):
+    for part in segments or (block,):
         piece = part // world
         pieces.append(blocked.narrow(dim + 1, start + rank * piece, piece))
         start += part
@@ -170,10 +171,30 @@ class VocabLinearCrossEntropy(_GroupModule):
 
 
 class Scatter(_GroupModule):
-    """This rank's part of a replicated value along ``dim`` (see :class:`_Scatter`)."""
+    """This rank's part of a replicated value along ``dim`` made of blocks of ``block`` entries (see
+    :class:`_Scatter`; ``block`` 0: the whole dimension is one block)."""
 
-    def forward(self, x: torch.Tensor, dim: int, outer: int = 1, segments: tuple = ()) -> torch.Tensor:
-        return _Scatter.apply(x, self.group, dim, outer, tuple(segments))
+    def forward(self, x: torch.Tensor, dim: int, block: int = 0, segments: tuple = ()) -> torch.Tensor:
+        return _Scatter.apply(x, self.group, dim, block or x.shape[dim], tuple(segments))
+
+
+class SplitDropout(_GroupModule):
+    """:func:`.dropout.counter_dropout` of this rank's part of a split value (``dim``, ``block``: as
+    for :class:`Scatter`): the mask the whole value would get, this rank's part of it."""
+
+    def forward(self, x, p, seeds, layer, site, dim: int = 0, block: int = 0, parts: tuple = ()):
+        split = (dim, block or x.shape[dim] * self.group.world, tuple(parts), self.group.rank, self.group.world)
+        return counter_dropout(x, p, seeds, layer, site, split)
+
+
+class SplitAttention(_GroupModule):
+    """:func:`.dropout.counter_attention` over this rank's heads (the probabilities' dropout mask is
+    the whole attention's, this rank's heads of it)."""
+
+    def forward(self, *args, dim: int = 1, block: int = 0, parts: tuple = (), **kwargs):
+        heads = args[0].shape[dim]
+        split = (dim, block or heads * self.group.world, tuple(parts), self.group.rank, self.group.world)
+        return counter_attention(*args, split=split, **kwargs)
 
 
 class _SplitNorm(_GroupModule):
@@ -216,7 +237,7 @@ class SplitRMSNorm(_SplitNorm):
 
 
 TP_CHILDREN = ("copy", "reduce", "embedding", "cross_entropy", "linear_cross_entropy", "scatter", "layer_norm",
-               "rms_norm")  # what a graph may call
+               "rms_norm", "dropout", "attention")  # what a graph may call
 
 
 class TensorParallelOps(nn.Module):
@@ -232,3 +253,5 @@ class TensorParallelOps(nn.Module):
         self.scatter = Scatter(group)
         self.layer_norm = SplitLayerNorm(group)
         self.rms_norm = SplitRMSNorm(group)
+        self.dropout = SplitDropout(group)
+        self.attention = SplitAttention(group)

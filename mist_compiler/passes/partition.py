@@ -23,7 +23,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..ir.model_graph import BUFFER, CONSTANT, PARAMETER, LayerRegion, ModelGraph
+from ..ir.model_graph import BUFFER, CONSTANT, LAYER_CONSTANT, PARAMETER, LayerRegion, ModelGraph
 from ..ir.plan import Plan
 from ..ir.stage import BoundaryValue, StageGraph, StageInterface, Unit
 from .block_discovery import module_paths
@@ -304,7 +304,9 @@ def _build_stage(model: ModelGraph, plan: Plan, index: int) -> StageGraph:
                    if kind in (PARAMETER, BUFFER)}
         tensors.update({attr: t for attr, t in unit.tensors.items() if t[0] == CONSTANT})
         units.append(Unit(target, "layer", unit.graph, tensors, region.label, layer))
-        hidden = graph.call_module(target, (hidden, *(env[name] for name in region.glue)))
+        glue = (graph.get_attr(LAYER_CONSTANT.format(layer)) if name == model.layer_index else env[name]
+                for name in region.glue)  # the layer's own index where its dropout sites read it
+        hidden = graph.call_module(target, (hidden, *glue))
     outputs_sent: list[BoundaryValue] = []
     if last:
         env[model.regions[-1].carried_out] = hidden  # what the post part read in the trace
@@ -367,7 +369,7 @@ def _needed_free_values(model: ModelGraph, plan: Plan, index: int, free: set[str
     if index == 0:
         roots += [a.name for a in _external_inputs(pre_nodes, {n.name for n in pre_nodes})]
     for layer in range(*stage.layers):
-        roots += list(model.region_of_layer(layer).glue)
+        roots += [name for name in model.region_of_layer(layer).glue if name != model.layer_index]
     if index == plan.pp - 1:
         roots += [a.name for a in _external_inputs(post_nodes, {n.name for n in post_nodes})]
     by_name = model._by_name()

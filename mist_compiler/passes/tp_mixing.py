@@ -33,7 +33,20 @@ def attention(walk: Walk, node: fx.Node) -> None:
             walk.fail(node, "takes an attention mask split other than by heads")
         if walk.state(mask) in (R, C) and len(shape_of(mask)) > heads and shape_of(mask)[heads] != 1:
             walk.scatter(mask, node, heads)
+    if op_of(node) == "counter_attention":  # dropout on the probabilities [batch, heads, q, k]
+        walk.edit(node, "split_dropout", position=(heads, shape_of(q)[heads]), data=("attention",))
     walk.states[node.name] = sharded(heads)
+
+
+def dropout(walk: Walk, node: fx.Node) -> None:
+    """``counter_dropout`` of a split value: the whole value's mask, this rank's part of it."""
+    x = node.args[0]
+    state = walk.state(x)
+    dim, outer = split_dim(state), split_outer(state)
+    walk.edit(node, "split_dropout", position=(dim, shape_of(x)[dim] // outer), data=("dropout", segments_of(walk, x)))
+    walk.states[node.name] = state
+    if x.name in walk.column_out:
+        walk.column_out[node.name] = walk.column_out[x.name]
 
 
 def activation_matmul(walk: Walk, node: fx.Node) -> None:
@@ -163,4 +176,4 @@ def size_arithmetic(walk: Walk, node: fx.Node) -> bool:
     return True
 
 
-__all__ = ["activation_matmul", "attention", "concat", "normalisation", "reduction", "size", "size_arithmetic"]
+__all__ = ["activation_matmul", "attention", "concat", "dropout", "normalisation", "reduction", "size", "size_arithmetic"]

@@ -45,7 +45,7 @@ import itertools
 import torch.fx as fx
 
 from ..ir.model_graph import RegionSharding
-from .tp_mixing import activation_matmul, attention, concat, normalisation, reduction, size, size_arithmetic
+from .tp_mixing import activation_matmul, attention, concat, dropout, normalisation, reduction, size, size_arithmetic
 from .tp_rules import (ALONG_DIM, EXPANDS, LIKE, LINEAR, NEW, NORMS, POINTWISE, REDUCTIONS, REORDERS, SDPA, SPLITS,
                        VIEWS, expand, factory, getitem, map_view_dim, pointwise, pointwise_body, reorder, split, view, weight_matmul,
                        weight_of)
@@ -104,8 +104,10 @@ def _apply_rule(walk: Walk, node: fx.Node) -> None:
         return getitem(walk, node)
     if op in SPLITS:
         return split(walk, node, op)
-    if op in SDPA:
+    if op in SDPA or op == "counter_attention":
         return attention(walk, node)
+    if op == "counter_dropout":
+        return dropout(walk, node)
     if op in ("cat", "stack", "concat"):
         return concat(walk, node, op)
     if op == "repeat_interleave":

@@ -127,8 +127,8 @@ def _apply(graph: fx.Graph, node: fx.Node, edit: GraphEdit, attrs: dict[str, str
         users = _readers(node, edit.data[:1])
         if not users:
             return False
-        dim, outer = edit.position
-        part = _insert_after(graph, node, lambda: graph.call_module("tp.scatter", (node, dim, outer, edit.data[1])))
+        dim, block = edit.position
+        part = _insert_after(graph, node, lambda: graph.call_module("tp.scatter", (node, dim, block, edit.data[1])))
         for user in users:
             user.replace_input_with(node, part)
         return True
@@ -144,6 +144,11 @@ def _apply(graph: fx.Graph, node: fx.Node, edit: GraphEdit, attrs: dict[str, str
                 operator.add, (previous, _attr_of(graph, attrs, bias))))
         for user in users:
             user.replace_input_with(node, result)
+        return True
+    if edit.kind == "split_dropout":  # counter_dropout / counter_attention of this rank's part
+        kind, parts = edit.data[0], tuple(edit.data[1]) if len(edit.data) > 1 else ()
+        node.op, node.target = "call_module", f"tp.{kind}"
+        node.kwargs = {**node.kwargs, "dim": edit.position[0], "block": edit.position[1], "parts": parts}
         return True
     if edit.kind == "tp_norm":
         node.op, node.target = "call_module", f"tp.{edit.data[0]}"

@@ -193,7 +193,8 @@ class Walk:
         if value.name in self.reduced:
             self.fail(user, f"meets {value.name}, which is replicated after an all-reduce, with a split value",
                       self.blame_of([value]) | self.blame_of(user.all_input_nodes))
-        self.edit(value, "scatter", position=(dim, outer), data=(user.name, segments))
+        block = shape_of(value)[dim] // outer  # per block of a merged dimension: static (not the batch)
+        self.edit(value, "scatter", position=(dim, block), data=(user.name, segments))
 
 
 __all__ = ["C", "COLUMN", "NotShardable", "P", "R", "REPLICATE", "Walk", "is_sharded", "is_tensor_value",

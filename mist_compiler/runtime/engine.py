@@ -31,13 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mist_compiler.ir.model_graph import ShardSpec
+from mist_compiler.ir.model_graph import DROPOUT_SEEDS, ShardSpec
 from mist_compiler.ir.plan import Plan, PlanError, load_plan
 from mist_compiler.ir.program import MistProgram
 
 from ..ir.topology import Topology
 from ..lowering.lower import check_plan_against_program, lower
 from ..lowering.materialize import InitTensors, ModuleTensors, StageProgram, TensorSource
+from ..ops.dropout import sample_seeds
 from ..ops.groups import ProcessGroup
 from .device import DTYPES, init_process_group, select_device, warm_up_world
 from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error
@@ -92,6 +93,7 @@ class Engine:
         self._step_pending = False
         self.loss_scaler = loss_scaler_for(plan.dtype)  # fp16 only: dynamic loss scaling, overflowing steps skipped
         self._skip_next_step = False
+        self.dropout_seed, self.dropout_step = 0, 0  # dropout masks of step k: ops.dropout.sample_seeds(seed, k, ...)
         self.topology = Topology(plan)
         self.device = select_device(device)  # made current first: every kernel and collective on the rank's own GPU
         init_process_group(timeout_s, self.device)
@@ -246,7 +248,16 @@ class Engine:
                 raise BatchError(f"batch[{name!r}] has {batch[name].shape[0]} samples but the plan's global_batch is "
                                  f"{self.plan.global_batch}")
 
+    def _with_dropout_seeds(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch with this step's per-sample dropout seeds (the whole global batch's: each rank
+        takes its rows like any input), when the stage has dropout sites; every stage counts steps."""
+        step, self.dropout_step = self.dropout_step, self.dropout_step + 1
+        if DROPOUT_SEEDS not in self.interface.batch_inputs or DROPOUT_SEEDS in batch:
+            return batch
+        return {**batch, DROPOUT_SEEDS: sample_seeds(self.dropout_seed, step, torch.arange(self.plan.global_batch))}
+
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
+        batch = self._with_dropout_seeds(batch)
         self._check_batch(batch)
         grad_accum = self.plan.grad_accum
         state = StepState({}, {}, torch.zeros((), dtype=torch.float64, device=self.device))

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from ..ir.vocabulary import TORCH_DTYPES
+from ..ops.dropout import sample_seeds
+from .dropout_reference import DropoutReference
 
 NOISE_FACTOR = 10.0  # plans reorder more sums than one run does (TP splits inner products, DP splits batches)
 ULPS = 16  # the smallest allowance: 16 x the dtype's machine epsilon (a scalar loss can round that far)
@@ -94,16 +96,19 @@ def _train(build: Callable[[], nn.Module], batches: list[dict], optimizer: dict,
     compute_params = dict(compute.named_parameters())
     scale = FP16_LOSS_SCALE if dtype == "float16" else 1.0
     opt = torch.optim.AdamW(list(masters.values()), **optimizer)
+    dropout = DropoutReference(compute)  # the masks the plan draws (ops.dropout), numbered as capture does
     losses, first_gradients = [], {}
     for step, batch in enumerate(batches):
         if compute is not model:
             with torch.no_grad():
                 for name, param in compute_params.items():
                     param.copy_(masters[name])
-        pieces = [{k: v.chunk(chunks)[i] for k, v in batch.items()} for i in range(chunks)]
+        samples = torch.arange(next(iter(batch.values())).shape[0]).chunk(chunks)
+        pieces = [({k: v.chunk(chunks)[i] for k, v in batch.items()}, samples[i]) for i in range(chunks)]
         total = 0.0
-        for piece in (reversed(pieces) if reverse else pieces):
-            loss = loss_of(compute(**piece, **call_kwargs)).to(DTYPES[master_dtype]) / chunks
+        for piece, rows in (reversed(pieces) if reverse else pieces):
+            with dropout.drawing(sample_seeds(0, step, rows)):
+                loss = loss_of(compute(**piece, **call_kwargs)).to(DTYPES[master_dtype]) / chunks
             (loss * scale).backward()
             total += float(loss.detach())
         for name, master in masters.items():
