@@ -6,7 +6,9 @@ plan with ``tp > 1`` runs, :func:`prove_tensor_parallel` runs the captured progr
 layer per group of identical layers plus the embedding and the head, at the model's real shapes
 on a tiny batch: once whole, and once split over ``degree`` ranks played by threads of this
 process (:class:`~mist_compiler.ops.groups.ThreadGroup`), through the very lowering
-passes and modules the ranks will run. The loss and every gradient (each rank's slice of a
+passes and modules the ranks will run, in float32 whatever the plan's dtype (:func:`in_float32`),
+with dropout on (both runs draw the same masks, ``ops.dropout``) and a batch of 3 (not capture's
+example batch of 2: a size baked from it would show). The loss and every gradient (each rank's slice of a
 split tensor) must agree; otherwise the plan is refused, naming the tensor that differs.
 """
 from __future__ import annotations
@@ -76,6 +78,7 @@ def _run(program: MistProgram, plan: Plan, source, rank: int, group, batch: dict
 
     stage = lower_stage(program, plan, RankCoord(0, 0, rank))
     built = build_stage(stage, program.model_graph, source, device=torch.device("cpu"), group=group)
+    in_float32(built.module)
     loss = built.module(**{name: batch[name] for name in built.interface.batch_inputs})
     loss.backward()
     grads = {}
@@ -85,6 +88,28 @@ def _run(program: MistProgram, plan: Plan, source, rank: int, group, batch: dict
             grads[key] = (param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param),
                           built.shards.get(f"{unit}.{name}"))
     return float(loss.detach()), grads
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def in_float32(module: torch.nn.Module) -> None:
+    """Run a program captured in fp16/bf16 in float32: the casts its code wrote in (an RMSNorm's
+    ``.to(input_dtype)``, a router's ``.to(hidden.dtype)``) are baked into the graph as constants.
+    The split is a property of the program's structure, so it is proven where rounding is small."""
+    for graph_module in [m for m in module.modules() if isinstance(m, torch.fx.GraphModule)]:
+        changed = False
+        for node in graph_module.graph.nodes:
+            args = torch.fx.node.map_aggregate(node.args, _float32)
+            kwargs = torch.fx.node.map_aggregate(node.kwargs, _float32)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            graph_module.recompile()
+
+
+def _float32(value):
+    return torch.float32 if isinstance(value, torch.dtype) and value in _LOW_PRECISION else value
 
 
 def _difference(got: torch.Tensor, expected: torch.Tensor, typical: float) -> float:
