@@ -114,7 +114,7 @@ def counter_dropout(x: torch.Tensor, p: float, seeds: torch.Tensor, layer: torch
     if p >= 1.0:
         return x * 0.0
     mask = keep_mask(x.shape, p, seeds, layer, site, split)
-    return x * mask.to(x.dtype) * (1.0 / (1.0 - p))
+    return torch.where(mask, x * (1.0 / (1.0 - p)), 0.0)  # backward keeps the boolean mask, as F.dropout's
 
 
 def counter_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
