@@ -157,3 +157,19 @@ def test_the_split_is_proven_on_the_model_and_a_wrong_split_is_caught(gpt_tiny_p
                                                                                           "layer:0": wrong})))
     with pytest.raises(TensorParallelError, match="tp=2: the split program"):
         prove_tensor_parallel(sabotaged, 2)
+
+
+def test_a_gradient_zero_up_to_rounding_is_judged_at_the_models_gradient_scale(tmp_path):
+    """OPT's key-projection bias has a zero gradient (softmax ignores a constant added to every key):
+    its rounding noise must not refuse the split, while a real difference still does."""
+    from mist_compiler.verify.tp_check import TOLERANCE, _difference
+
+    noise = torch.full((8,), 1e-9)
+    assert _difference(noise, -noise, typical=1.0) < TOLERANCE
+    assert _difference(torch.full((8,), 1e-2), torch.zeros(8), typical=1.0) > TOLERANCE
+    assert _difference(torch.full((8,), 1.01), torch.ones(8), typical=1e-6) > TOLERANCE  # relative when not tiny
+    pytest.importorskip("transformers")
+    from tests.hf_configs import write_config
+
+    program = capture(write_config("opt", str(tmp_path / "opt"), dropout=False), seq_len=8, analyse=False)
+    prove_tensor_parallel(program, 2)
