@@ -52,6 +52,7 @@ def run_family(rank: int, world: int, model: str, plans: dict[str, dict], tune: 
             continue
         verdict = train_engine_and_check(compiled.engine, plan, vocab_size(program), rank, steps=steps)
         if verdict is not None:
-            outcome[name] = {"ok": verdict.ok, "line": verdict.line(), "ratio": verdict.worst_ratio}
+            outcome[name] = {"ok": verdict.ok, "line": verdict.line(), "ratio": verdict.worst_ratio,
+                             "worst": verdict.details}
         outcome["seconds"][name] += time.perf_counter()
     return outcome
