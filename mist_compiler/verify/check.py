@@ -39,7 +39,7 @@ from .dropout_reference import DropoutReference
 NOISE_FACTOR = 10.0  # plans reorder more sums than one run does (TP splits inner products, DP splits batches)
 ULPS = 16  # the smallest allowance: 16 x the dtype's machine epsilon (a scalar loss can round that far)
 UPDATE_FLOOR = 1e-4  # a final weight may differ by this fraction of the optimizer's steps (lr x steps) per element
-DTYPES = {**TORCH_DTYPES, "float64": torch.float64}
+REFERENCE_DTYPES = {**TORCH_DTYPES, "float64": torch.float64}  # what a reference or noise run computes in
 FP16_LOSS_SCALE = 1024.0
 
 
@@ -96,9 +96,9 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
 
 def _train(build: Callable[[], nn.Module], batches: list[dict], optimizer: dict, dtype: str, chunks: int,
            reverse: bool, call_kwargs: dict, master_dtype: str = "float32") -> Run:
-    model = with_eager_experts(build()).to(DTYPES[master_dtype])
+    model = with_eager_experts(build()).to(REFERENCE_DTYPES[master_dtype])
     masters = dict(model.named_parameters())
-    compute = model if dtype == master_dtype else copy.deepcopy(model).to(DTYPES[dtype])
+    compute = model if dtype == master_dtype else copy.deepcopy(model).to(REFERENCE_DTYPES[dtype])
     compute_params = dict(compute.named_parameters())
     scale = FP16_LOSS_SCALE if dtype == "float16" else 1.0
     opt = torch.optim.AdamW(list(masters.values()), **optimizer)
@@ -114,7 +114,7 @@ def _train(build: Callable[[], nn.Module], batches: list[dict], optimizer: dict,
         total = 0.0
         for piece, rows in (reversed(pieces) if reverse else pieces):
             with dropout.drawing(sample_seeds(0, step, rows)):
-                loss = loss_of(compute(**piece, **call_kwargs)).to(DTYPES[master_dtype]) / chunks
+                loss = loss_of(compute(**piece, **call_kwargs)).to(REFERENCE_DTYPES[master_dtype]) / chunks
             (loss * scale).backward()
             total += float(loss.detach())
         for name, master in masters.items():

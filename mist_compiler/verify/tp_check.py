@@ -129,8 +129,7 @@ def _typical(whole: dict) -> float:
     return (total / max(count, 1)) ** 0.5
 
 
-def prove_tensor_parallel(program: MistProgram, degree: int, buffers: TensorSource | None = None,
-                          seq: int | None = None, batch: int = 3) -> None:
+def prove_tensor_parallel(program: MistProgram, degree: int, seq: int | None = None, batch: int = 3) -> None:
     """Raise :class:`TensorParallelError` unless the split over ``degree`` ranks computes what the
     whole program does (see the module docstring). Cached per program and degree."""
     key = (id(program), degree)
@@ -140,7 +139,7 @@ def prove_tensor_parallel(program: MistProgram, degree: int, buffers: TensorSour
     model = reduced_graph(program.model_graph)
     reduced = replace(program, model_graph=model)
     seq = seq or max(4, min(8, program.seq_len or 8))
-    source = RandomTensors(model, buffers)
+    source = RandomTensors(model, None)
     vocab = _vocabulary(model)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq), generator=generator)
