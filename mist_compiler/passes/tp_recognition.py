@@ -85,7 +85,10 @@ def _apply_rule(walk: Walk, node: fx.Node) -> None:
         biases = tuple(b for a in tensors for b in walk.pending_bias.pop(a.name, ()))
         if biases:
             walk.pending_bias[node.name] = biases
-        if all(a.name in walk.means for a in tensors):
+        means = [a.name in walk.means for a in tensors]
+        if any(means) and not all(means):
+            walk.fail(node, "adds a mean over split features to a sum over them")
+        if all(means):
             walk.means.add(node.name)
         return
     states = walk.full_inputs(node)

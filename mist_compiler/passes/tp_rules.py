@@ -162,6 +162,8 @@ def _meet_replicated(walk: Walk, node: fx.Node, arg: fx.Node, source: fx.Node, f
             walk.fail(node, f"combines a split value with {arg.name} of another size along the split dimension")
         segments = segments_of(walk, source)
         if arg.name in walk.params and outer == 1:
+            if len(arg.users) > 1:
+                walk.fail(node, f"would split {arg.name} like its features, but other code reads it whole")
             walk.shard(arg, ShardSpec(position, segments), shape[position])
             if source.name in walk.column_out and walk.column_out[source.name][1] == 1 and len(shape) == 1:
                 walk.column_bias.setdefault(walk.column_out[source.name][0], arg.name)
