@@ -50,12 +50,12 @@ def train_and_check(rank: int, world: int, plans: list[dict], by_module: bool = 
     return results
 
 
-def train_engine_and_check(engine, plan, vocab: int, rank: int, lr: dict = LR):
-    """Train ``engine`` for ``STEPS`` steps (first-step gradients and final weights gathered), close it;
+def train_engine_and_check(engine, plan, vocab: int, rank: int, lr: dict = LR, steps: int = STEPS):
+    """Train ``engine`` for ``steps`` steps (first-step gradients and final weights gathered), close it;
     (``lr``: the optimizer settings it trained with) rank 0 returns ``--check``'s verdict against one-process training, the others None."""
     from mist_compiler.verify.check import Run, check_run, synthetic_batch
 
-    batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, s) for s in range(STEPS)]
+    batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, s) for s in range(steps)]
     losses, gradients = [], None
     for step, batch in enumerate(batches):
         losses.append(engine.forward_backward(batch))

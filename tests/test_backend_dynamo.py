@@ -89,7 +89,7 @@ def test_torch_compile_with_a_plan_and_hugging_face_outputs(tmp_path):
     setup = textwrap.dedent(f"""
         from tests.hf_configs import write_config
         from mist_compiler.models import build_model
-        SPEC = write_config("gpt2", {str(tmp_path / 'gpt2')!r})
+        SPEC = write_config("gpt2", {str(tmp_path / 'gpt2')!r}, dropout=False)  # compared with eager torch
         VOCAB = 128
         def build():
             return build_model(SPEC)

@@ -69,19 +69,22 @@ ANALYSIS_PASSES = (
 
 def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
     """Per block kind (pre, layer, post) analysis of a captured program (the analysis passes, run
-    once by the pass manager), and its layer count."""
+    once by the pass manager), and its layer count. A model whose layers differ (dense then
+    mixture-of-experts layers, alternating attention kinds) has one entry per layer class:
+    ``layer`` (the first class) and ``layer#1``, ``layer#2`` ... (the others)."""
     classes = {}
     for kind in BLOCK_KINDS:
         class_ids = sorted({block.class_id for block in program.blocks if block.kind == kind})
         if not class_ids and kind == "layer":
             raise StageModelError(f"model {program.model_name!r} has no layer blocks: Mist needs the model's layers "
-                                  "in one nn.ModuleList of identical blocks (block(x) -> x)")
+                                  "in one nn.ModuleList of blocks (block(x) -> x)")
         if not class_ids:
             raise StageModelError(f"captured program {program.model_name!r} has no {kind} block")
-        if len(class_ids) > 1:
+        if len(class_ids) > 1 and kind != "layer":
             raise StageModelError(f"captured program {program.model_name!r} has {len(class_ids)} different {kind} "
-                                  "block classes; the stage model needs identical layers")
-        classes[kind] = program.block_class(class_ids[0])
+                                  "block classes")
+        for index, class_id in enumerate(class_ids):
+            classes[kind if index == 0 else f"{kind}#{index}"] = program.block_class(class_id)
     try:
         analysed = PassManager(ANALYSIS_PASSES)(program).program
     except ValueError as error:
@@ -94,11 +97,12 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
     plan = program.model_graph.tp if program.model_graph is not None else None
     for kind, names in blocks.items():
         per_device, total = _param_elements(forward, names, params, costs.param_states)
-        if kind == "layer" and plan is not None and plan.supported:
+        if kind.startswith("layer") and plan is not None and plan.supported:
             granularity = plan.granularity  # what the lowering checks: heads, kv heads, split features
         else:
             granularity = _tp_granularity(forward, names, costs.param_states)
         units = _unit_elements(classes[kind], forward, names, params, costs.param_states)
-        result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total, granularity,
-                                     tp_optional=kind != "layer", units=units)
+        block_kind = classes[kind].kind
+        result[kind] = BlockAnalysis(block_kind, costs.restrict(names), memory[kind], per_device, total, granularity,
+                                     tp_optional=block_kind != "layer", units=units)
     return result, sum(1 for block in program.blocks if block.kind == "layer")

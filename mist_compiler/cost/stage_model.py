@@ -164,6 +164,16 @@ def _group_shapes(tp: np.ndarray, dp: np.ndarray, nodes: np.ndarray, gpus_per_no
     return (tp_nodes, tp_gpus), (dp_nodes, dp_gpus)
 
 
+def _costliest_layer(classes: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The terms of a layer when a model's layers differ (dense and mixture-of-experts, alternating
+    attention kinds): each quantity at its largest over the classes, so wherever the tuner cuts
+    the stages their time and memory are upper bounds (each class is analysed on its own)."""
+    if len(classes) == 1:
+        return classes[0]
+    names = {name for terms in classes for name in terms}
+    return {name: np.max(np.stack([terms[name] for terms in classes if name in terms]), axis=0) for name in names}
+
+
 def _warm_up_candidate() -> StageCandidates:
     return StageCandidates(num_layers=1, has_pre=True, has_post=True, nodes=1, gpus_per_node=2, micro_batch=1, dp=1,
                            tp=2, zero=3, ckpt_layers=1, offload_weights=0.5, offload_grads=0.5, offload_opt=0.5,
@@ -298,7 +308,8 @@ class StageCostModel:
             pick = first[missing]
             shape = (tp_nodes[pick], tp_gpus[pick])
             fresh = {kind: self._block_terms(kind, b[pick].astype(float), tp[pick].astype(float), shape)
-                     for kind in BLOCK_KINDS}
+                     for kind in self._functions}
+            fresh["layer"] = _costliest_layer([terms for kind, terms in fresh.items() if kind.startswith("layer")])
             for i, key in enumerate(unique_keys[missing]):
                 self._terms_cache[int(key)] = {kind: {name: value[i] for name, value in terms.items()}
                                                for kind, terms in fresh.items()}
@@ -315,10 +326,11 @@ class StageCostModel:
         does not divide the heads / sharded dimensions."""
         infeasible = np.zeros(len(tp), dtype=bool)
         for kind, functions in self._functions.items():
+            here = present[kind.partition("#")[0]]  # every layer class counts wherever layers are
             if not functions.tp_supported:
-                infeasible |= present[kind] & (tp > 1)
+                infeasible |= here & (tp > 1)
             elif functions.tp_granularity and not functions.tp_optional:
-                infeasible |= present[kind] & (functions.tp_granularity % tp != 0)
+                infeasible |= here & (functions.tp_granularity % tp != 0)
         return infeasible
 
     def evaluate(self, candidates: StageCandidates) -> StageEstimates:

@@ -32,6 +32,8 @@ from ..passes.manager import PassManager, PassResult, transforms
 from ..passes.shape_prop import shape_prop
 from ..passes.tp_model import recognise
 from .boundaries import install_boundary_hooks
+from .dropout_sites import seed_dropout
+from .fake_kernels import eager_fake
 from .joint import CaptureError, JointCapture, loss_of, model_call_kwargs, trace_joint
 from .layer_chain import prove_layer_chain
 from .layer_stack import LayerStackError, find_layer_stack
@@ -80,6 +82,7 @@ def capture(
         check_layer_chain,  # the layers run back to back (no code between them that one layer would hide)
         trace_joint_graph,  # dynamo + aot_autograd: joint forward+backward ATen graph, b and s symbolic
         find_model_graph,  # the torch-level graph of the same trace, cut into pre / layers / post
+        seed_dropout_sites,  # dropout masks a function of (sample, layer, site, position): every plan draws the same
         recognise_tensor_parallel,  # the one tensor-parallel recogniser: how each tensor splits, or why not
         shape_prop,  # every node's shape as sympy in b, s
         block_discovery,  # pre / layers / post, Weisfeiler-Lehman class hash per layer
@@ -295,11 +298,12 @@ def check_layer_chain(state: CaptureState) -> PassResult:
     extra = model_call_kwargs(state.model)
 
     def run_forward(repeated: nn.ModuleList) -> None:
-        with state.fake_mode:
+        with eager_fake(state.fake_mode):
             replace_submodule(state.model, state.layer_list, repeated)(input_ids=input_ids, labels=labels, **extra)
 
     names = [f"{state.layer_list}.{group[0]}" for group in state.layer_groups]
-    prove_layer_chain(run_forward, state.model.get_submodule(state.layer_list), state.layer_list, names)
+    prove_layer_chain(run_forward, state.model.get_submodule(state.layer_list), state.layer_list, names,
+                      list(state.layer_groups))
     return PassResult(state, modified=False)
 
 
@@ -326,7 +330,7 @@ def check_model_output(state: CaptureState) -> PassResult:
     except ValueError:  # no signature to inspect: call it
         pass
     try:
-        with state.fake_mode, torch.no_grad():
+        with eager_fake(state.fake_mode), torch.no_grad():
             output = state.model(input_ids=input_ids, labels=labels, **extra)
     except FAKE_TENSOR_LIMITS as error:
         caused = [line.strip() for line in str(error).splitlines() if "Caused by" in line]
@@ -349,6 +353,14 @@ def find_model_graph(state: CaptureState) -> CaptureState:
     graph = find_regions(state.joint.torch_graph, state.joint.boundaries, state.layer_list, state.layer_groups)
     graph = replace(with_real_names(graph, state.layer_groups), primals=dict(state.joint.primal_sources))
     return replace(state, model_graph=graph)
+
+
+@transforms(CaptureState)
+def seed_dropout_sites(state: CaptureState) -> CaptureState:
+    """Pass: dropout and attention dropout drawn from per-sample seeds (:mod:`.dropout_sites`)."""
+    if state.model_graph is None:
+        return state
+    return replace(state, model_graph=seed_dropout(state.model_graph))
 
 
 @transforms(CaptureState)

@@ -6,8 +6,9 @@ or a layer that reads something the layer before it returned besides its hidden 
 pipeline runs the layers as regions of that graph, so such code would silently be lost.
 
 :func:`prove_layer_chain` runs one eager forward of the reduced model (FakeTensor weights: no
-memory, no arithmetic) with its layer list repeated twice, so that every pair of adjacent groups,
-and every group after itself, meets once, and watches it with a ``TorchFunctionMode``:
+memory, no arithmetic) whose layer list runs the kept layers in the model's own order of groups,
+long enough that every pair of neighbouring groups the model has meets once
+(:func:`chain_order`), and watches it with a ``TorchFunctionMode``:
 
 - any torch call returning a tensor after one layer returns and before the next is called is
   code between layers, reported with the user's source line;
@@ -106,19 +107,38 @@ def _watch(layer: nn.Module, position: int, watch: _ChainWatch) -> None:
     layer.register_forward_hook(lambda _m, _args, output: watch.left(position, output))  # after the user's hooks
 
 
-def prove_layer_chain(run_forward, layers: nn.ModuleList, layer_list: str, real_names: list[str]) -> None:
-    """Run ``run_forward(repeated)`` once, where ``repeated`` is ``layers`` twice over (shallow
-    copies sharing the weights), and raise :class:`RegionError` naming the layer unless the layers
-    ran back to back as a pipeline needs. ``real_names[i]`` names kept layer ``i`` in the model."""
+def chain_order(groups: list[tuple[int, ...]]) -> list[int]:
+    """Which kept layer (group) to run at each position of the proof: the model's own order of
+    groups, cut after the shortest prefix in which every pair of neighbours the model has occurs
+    (a uniform stack: two layers; alternating kinds: three; dense then MoE layers: the first MoE
+    layer twice). Never longer than the model, whose forward may run only that many layers."""
+    group_of = {layer: g for g, members in enumerate(groups) for layer in members}
+    order = [group_of[layer] for layer in sorted(group_of)]
+    pairs = set(zip(order, order[1:]))
+    seen: set[tuple[int, int]] = set()
+    for end in range(1, len(order)):
+        seen.add((order[end - 1], order[end]))
+        if seen == pairs and set(order[:end + 1]) == set(order):
+            return order[:end + 1]
+    return order
+
+
+def prove_layer_chain(run_forward, layers: nn.ModuleList, layer_list: str, real_names: list[str],
+                      groups: list[tuple[int, ...]] | None = None) -> None:
+    """Run ``run_forward(repeated)`` once, where ``repeated`` runs the kept ``layers`` in the order
+    :func:`chain_order` gives (shallow copies sharing the weights; without ``groups``, the kept
+    layers twice over), and raise :class:`RegionError` naming the layer unless the layers ran back
+    to back as a pipeline needs. ``real_names[i]`` names kept layer ``i`` in the model."""
     count = len(layers)
-    repeated = nn.ModuleList(copy.copy(layer) for layer in list(layers) * 2)
-    names = [real_names[i % count] for i in range(2 * count)]
+    order = chain_order(groups) if groups else [i % count for i in range(2 * count)]
+    repeated = nn.ModuleList(copy.copy(layers[i]) for i in order)
+    names = [real_names[i] for i in order]
     watch = _ChainWatch(layer_list, names)
     for position, copied in enumerate(repeated):
         _watch(copied, position, watch)
     with watch, torch.no_grad():
         run_forward(repeated)
-    if watch.ran != list(range(2 * count)):
+    if watch.ran != list(range(len(order))):
         raise RegionError(f"capture: the layers of {layer_list} did not all run once, in order, in the forward "
                           f"(ran {[names[p] for p in watch.ran]})")
 

@@ -77,6 +77,20 @@ def _layer_of(node: torch.fx.Node, prefix: str) -> int | None:
     return None
 
 
+def _with_mode_switches(body: list[torch.fx.Node], layer_of: dict[str, int | None]) -> dict[str, int | None]:
+    """Grad-mode switches (``with torch.no_grad()`` in a layer's code, as PhiMoE's router) carry no
+    module stack: one between two nodes of the same layer belongs to that layer."""
+    known = [(i, layer_of[n.name]) for i, n in enumerate(body) if layer_of[n.name] is not None]
+    for i, node in enumerate(body):
+        if layer_of[node.name] is not None or node.op != "call_function" or node.target is not torch._C._set_grad_enabled:
+            continue
+        before = [layer for j, layer in known if j < i][-1:]
+        after = [layer for j, layer in known if j > i][:1]
+        if before and before == after:
+            layer_of[node.name] = before[0]
+    return layer_of
+
+
 def _region(index: int, layers: tuple[int, ...], nodes: list[torch.fx.Node], carried_in: str, carried_out: str,
             tensors: dict, prefix: str, hidden_users: set[str], own_weights: bool = True) -> LayerRegion:
     members = {n.name for n in nodes}
@@ -107,7 +121,7 @@ def find_regions(gm: torch.fx.GraphModule, boundaries, layer_list: str, layer_gr
     layers sharing weights (capture's chain check runs the same layers twice)."""
     tensors, batch, sizes = _classify_inputs(gm, model_arg)
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    layer_of = {n.name: _layer_of(n, layer_list) for n in body}
+    layer_of = _with_mode_switches(body, {n.name: _layer_of(n, layer_list) for n in body})
     traced = sorted(boundaries.inputs)
     if traced != list(range(len(layer_groups))) or sorted(boundaries.outputs) != traced:
         raise RegionError(f"capture: the layers of {layer_list} did not all run once in the forward "

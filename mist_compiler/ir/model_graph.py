@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch.fx
 
 PARAMETER, BUFFER, CONSTANT = "parameter", "buffer", "constant"  # kinds of tensors a graph reads
+DROPOUT_SEEDS = "dropout_seeds"  # the batch input of per-sample dropout seeds (``ops.dropout``), fed by the runtime
+LAYER_CONSTANT = "mist_layer_{}"  # attribute of the captured graph module holding a layer's index (0-d int64)
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,13 @@ class GraphEdit:
     """A rewrite the tensor-parallel lowering applies to one node of the torch-level graph."""
 
     node: str
-    kind: str  # "divide_arg": a size argument divided by t; "copy_in": all-reduce the input gradient;
-    # "reduce_out": all-reduce a partial sum; "vocab_embedding"; "vocab_loss"; "defer_bias"
+    kind: str  # "divide_arg": a size argument divided by t; "divide_slice": a slice's bounds divided by t;
+    # "copy_in": all-reduce the gradient of the value where the nodes named in ``data`` read it;
+    # "reduce_out" / "reduce_mean": all-reduce a partial sum (a mean: divided by t), ``data`` the biases
+    # added after it; "scatter": the value read as this rank's part by ``data[0]`` (``position``: dim and
+    # the entries of one block along it; ``data[1]``: parts split separately); "tp_norm": a norm over
+    # split features; "split_dropout": dropout of a split value (``position``: dim, block; ``data``: parts);
+    # "vocab_embedding"; "vocab_loss"; "vocab_fused_loss"; "defer_bias"
     position: tuple = ()  # where in the node's arguments (e.g. (1,) or (1, 2) for a nested list)
     data: tuple = ()
 
@@ -63,6 +70,7 @@ class RegionSharding:
 
     shards: dict[str, ShardSpec] = field(default_factory=dict)  # placeholder name -> split
     edits: list[GraphEdit] = field(default_factory=list)
+    replicated: dict[str, str] = field(default_factory=dict)  # weight placeholder -> why it is not split
 
 
 @dataclass
@@ -111,6 +119,7 @@ class ModelGraph:
     sizes: dict[str, tuple[str, int]]  # SymInt placeholder -> (batch input, dimension)
     tp: TensorParallelPlan | None = None  # set by the tensor-parallel recognition pass
     primals: dict[str, str] = field(default_factory=dict)  # ATen joint placeholder -> this graph's placeholder
+    layer_index: str | None = None  # placeholder of the running layer's index (read by its dropout sites)
 
     def sharded_primals(self) -> set[str]:
         """The joint graph's placeholders of the parameters the tensor-parallel plan splits."""

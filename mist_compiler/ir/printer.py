@@ -72,7 +72,27 @@ def format_program(program: MistProgram, nodes: bool = True) -> str:
     for block in program.blocks:
         lines.append(f"  [{block.index:>3}] {block.kind:<5} {block.module_path or '-':<20} class {block.class_id}  "
                      f"{block.param_count:,} params")
+    lines += format_tensor_parallel(program)
     for cls in program.block_classes.values():
         lines.append("")
         lines.append(format_block_class(program, cls, nodes))
     return "\n".join(lines)
+
+
+def format_tensor_parallel(program: MistProgram) -> list[str]:
+    """How the recogniser splits the model: the degrees it allows, or why none, and the linears it
+    keeps whole (replicated on every tensor-parallel rank) with the reason."""
+    graph = program.model_graph
+    plan = graph.tp if graph is not None else None
+    if plan is None:
+        return []
+    if not plan.supported:
+        return [f"tensor parallelism: not possible: {plan.reason}"]
+    lines = [f"tensor parallelism: tp must divide {plan.granularity} (heads, key/value heads, split features)"]
+    names = {p: name for p, (_, name) in graph.tensors.items()}
+    for region in graph.regions:
+        for placeholder, why in plan.regions.get(region.label, None).replicated.items() if region.label in plan.regions \
+                else ():
+            where = f"{graph.layer_list}.{region.layers[0]}.{region.params.get(placeholder, names.get(placeholder, placeholder))}"
+            lines.append(f"  kept whole on every rank: {where} ({why.split(': ', 1)[-1]})")
+    return lines

@@ -166,14 +166,15 @@ def attention_saved_tensors(attn: AttentionInfo, kernel: str) -> list[tuple[str,
     ``flash``: q, k, v, out and the fp32 log-sum-exp [b, heads, s].
     ``math``: q, k, v, out and the [b, heads, s, s] softmax probabilities (the softmax output is
     what both the softmax backward and the probs @ v backward read); with dropout, also the
-    dropped-out probabilities. No log-sum-exp.
+    dropped-out probabilities. No log-sum-exp. Attention with dropout always runs the math form
+    (its mask drawn per element, ``ops.dropout.counter_attention``).
     """
     if kernel not in ATTENTION_KERNELS:
         raise IRError(f"attention kernel {kernel!r} is unknown; choose one of {list(ATTENTION_KERNELS)}")
     base = [("query", attn.query), ("key", attn.key), ("value", attn.value), ("out", attn.out)]
     batch, heads, seq_q = attn.query.shape[0], attn.query.shape[1], attn.query.shape[2]
     seq_k = attn.key.shape[2]
-    if kernel == "flash":
+    if kernel == "flash" and attn.dropout_p == 0:
         return base + [("logsumexp", TensorInfo((batch, heads, seq_q), "float32"))]
     probs = TensorInfo((batch, heads, seq_q, seq_k), attn.query.dtype)
     extra = [("probs", probs)]

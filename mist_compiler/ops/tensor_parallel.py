@@ -4,9 +4,10 @@ The ``tp_sharding`` lowering pass rewrites a unit's graph to call ``tp.copy`` (M
 identity forward, all-reduce of the gradient backward), ``tp.reduce`` (*g*: all-reduce forward,
 identity backward), ``tp.embedding`` (a vocabulary slice of an embedding: ids outside it give
 zeros, then *g*) and ``tp.cross_entropy`` (cross-entropy over logits split along the vocabulary:
-the max, the sum of exponentials and the target logit are all-reduced), and
+the max, the sum of exponentials and the target logit are all-reduced),
 ``tp.linear_cross_entropy`` (the fused head + loss over the head's vocabulary rows,
-:mod:`.vocab_parallel`). The pass only names
+:mod:`.vocab_parallel`), ``tp.scatter`` (this rank's part of a replicated value: an ALiBi table,
+a shared rotary key) and ``tp.layer_norm`` / ``tp.rms_norm`` (norms over split features). The pass only names
 them; the runtime attaches a :class:`TensorParallelOps` holding the real group, and the
 lowering-time proof (``passes/tp_check.py``) one holding a :class:`~.groups.ThreadGroup`, which runs the
 ranks as threads of one process. The autograd functions are written here, not taken from
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .dropout import counter_attention, counter_dropout
 from .groups import Group
 from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
@@ -83,6 +85,44 @@ class _VocabCrossEntropy(torch.autograd.Function):
         return grad_logits, None, None, None, None
 
 
+class _Scatter(torch.autograd.Function):
+    """This rank's part of a replicated tensor (forward); the whole gradient, assembled from every
+    rank's part by an all-reduce of zero-padded copies (backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int, block: int, segments: tuple) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.block, ctx.segments, ctx.shape = group, dim, block, segments, x.shape
+        pieces = _rank_pieces(x.contiguous(), group.rank, group.world, dim, block, segments)
+        local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim + 1)
+        return local.reshape(*x.shape[:dim], -1, *x.shape[dim + 1:])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dim, shape = ctx.dim, ctx.shape
+        whole = grad.new_zeros(shape)
+        blocked = grad.reshape(*shape[:dim], shape[dim] // ctx.block, -1, *shape[dim + 1:])
+        offset = 0
+        for piece in _rank_pieces(whole, ctx.group.rank, ctx.group.world, dim, ctx.block, ctx.segments):
+            piece.copy_(blocked.narrow(dim + 1, offset, piece.shape[dim + 1]))
+            offset += piece.shape[dim + 1]
+        ctx.group.all_reduce(whole)
+        return whole, None, None, None, None
+
+
+def _rank_pieces(x: torch.Tensor, rank: int, world: int, dim: int, block: int, segments: tuple) -> list[torch.Tensor]:
+    """Views of the elements of contiguous ``x`` a rank holds along ``dim``, as ``[..., blocks, n, ...]``:
+    in each block of ``block`` entries, its contiguous share of every part (``segments``: sizes within
+    a block; one part when empty)."""
+    shape = list(x.shape)
+    blocked = x.view(*shape[:dim], shape[dim] // block, block, *shape[dim + 1:])
+    pieces, start = [], 0
+    for part in segments or (block,):
+        piece = part // world
+        pieces.append(blocked.narrow(dim + 1, start + rank * piece, piece))
+        start += part
+    return pieces
+
+
 class _GroupModule(nn.Module):
     def __init__(self, group: Group) -> None:
         super().__init__()
@@ -130,7 +170,74 @@ class VocabLinearCrossEntropy(_GroupModule):
         return vocab_parallel_linear_cross_entropy(hidden, weight, labels, self.group, ignore_index, reduction), None
 
 
-TP_CHILDREN = ("copy", "reduce", "embedding", "cross_entropy", "linear_cross_entropy")  # what a graph may call
+class Scatter(_GroupModule):
+    """This rank's part of a replicated value along ``dim`` made of blocks of ``block`` entries (see
+    :class:`_Scatter`; ``block`` 0: the whole dimension is one block)."""
+
+    def forward(self, x: torch.Tensor, dim: int, block: int = 0, segments: tuple = ()) -> torch.Tensor:
+        return _Scatter.apply(x, self.group, dim, block or x.shape[dim], tuple(segments))
+
+
+class SplitDropout(_GroupModule):
+    """:func:`.dropout.counter_dropout` of this rank's part of a split value (``dim``, ``block``: as
+    for :class:`Scatter`): the mask the whole value would get, this rank's part of it."""
+
+    def forward(self, x, p, seeds, layer, site, dim: int = 0, block: int = 0, parts: tuple = ()):
+        split = (dim, block or x.shape[dim] * self.group.world, tuple(parts), self.group.rank, self.group.world)
+        return counter_dropout(x, p, seeds, layer, site, split)
+
+
+class SplitAttention(_GroupModule):
+    """:func:`.dropout.counter_attention` over this rank's heads (the probabilities' dropout mask is
+    the whole attention's, this rank's heads of it)."""
+
+    def forward(self, *args, dim: int = 1, block: int = 0, parts: tuple = (), **kwargs):
+        heads = args[0].shape[dim]
+        split = (dim, block or heads * self.group.world, tuple(parts), self.group.rank, self.group.world)
+        return counter_attention(*args, split=split, **kwargs)
+
+
+class _SplitNorm(_GroupModule):
+    """A norm over features split over the ranks: per-rank sums of the statistics all-reduced
+    (Megatron's *g*), read through *f* (their gradient all-reduced: every rank's features use them)."""
+
+    def _mean(self, x: torch.Tensor, dims: tuple[int, ...], count: int) -> torch.Tensor:
+        total = _Reduce.apply(x.sum(dim=dims, keepdim=True), self.group)
+        return _Copy.apply(total / count, self.group)
+
+    @staticmethod
+    def _dims(x: torch.Tensor, normalized_shape) -> tuple[tuple[int, ...], int]:
+        k = len(normalized_shape) if isinstance(normalized_shape, (tuple, list, torch.Size)) else 1
+        dims = tuple(range(x.dim() - k, x.dim()))
+        count = 1
+        for d in dims:
+            count *= x.shape[d]
+        return dims, count
+
+
+class SplitLayerNorm(_SplitNorm):
+    def forward(self, x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
+        dims, count = self._dims(x, normalized_shape)
+        count *= self.group.world
+        work = x.float()
+        mean = self._mean(work, dims, count)
+        centred = work - mean
+        out = (centred * torch.rsqrt(self._mean(centred * centred, dims, count) + eps)).to(x.dtype)
+        out = out * weight if weight is not None else out
+        return out + bias if bias is not None else out
+
+
+class SplitRMSNorm(_SplitNorm):
+    def forward(self, x, normalized_shape, weight=None, eps: float | None = None):
+        dims, count = self._dims(x, normalized_shape)
+        work = x.float()
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
+        out = (work * torch.rsqrt(self._mean(work * work, dims, count * self.group.world) + eps)).to(x.dtype)
+        return out * weight if weight is not None else out
+
+
+TP_CHILDREN = ("copy", "reduce", "embedding", "cross_entropy", "linear_cross_entropy", "scatter", "layer_norm",
+               "rms_norm", "dropout", "attention")  # what a graph may call
 
 
 class TensorParallelOps(nn.Module):
@@ -143,3 +250,8 @@ class TensorParallelOps(nn.Module):
         self.embedding = VocabEmbedding(group)
         self.cross_entropy = VocabCrossEntropy(group)
         self.linear_cross_entropy = VocabLinearCrossEntropy(group)
+        self.scatter = Scatter(group)
+        self.layer_norm = SplitLayerNorm(group)
+        self.rms_norm = SplitRMSNorm(group)
+        self.dropout = SplitDropout(group)
+        self.attention = SplitAttention(group)

@@ -23,7 +23,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..ir.model_graph import BUFFER, CONSTANT, PARAMETER, LayerRegion, ModelGraph
+from ..ir.model_graph import BUFFER, CONSTANT, LAYER_CONSTANT, PARAMETER, LayerRegion, ModelGraph
 from ..ir.plan import Plan
 from ..ir.stage import BoundaryValue, StageGraph, StageInterface, Unit
 from .block_discovery import module_paths
@@ -69,8 +69,11 @@ def _external_inputs(nodes: list[fx.Node], inside: set[str]) -> list[fx.Node]:
     return found
 
 
-def _copy_into(graph: fx.Graph, nodes: list[fx.Node], env: dict[str, fx.Node]) -> None:
+def _copy_into(graph: fx.Graph, nodes: list[fx.Node], env: dict[str, fx.Node],
+               tensors: dict[str, tuple[str, str]]) -> None:
     for node in nodes:
+        if node.op == "get_attr":  # a constant or sub-program read inside the unit: one of its attributes
+            tensors[node.target] = (CONSTANT, node.target)
         env[node.name] = graph.node_copy(node, lambda arg: env[arg.name])
 
 
@@ -106,7 +109,7 @@ def _unit_graph(model: ModelGraph, nodes: list[fx.Node], outputs: list[str], ten
         placeholder.meta.update(arg.meta)
         env[arg.name] = placeholder
         inputs.append(arg.name)
-    _copy_into(graph, nodes, env)
+    _copy_into(graph, nodes, env, tensors)
     result = [env[name] for name in outputs]
     graph.output(result[0] if len(result) == 1 else tuple(result))
     return _UnitGraph(graph, inputs, outputs, tensors)
@@ -152,6 +155,9 @@ def layer_graph(model: ModelGraph, region: LayerRegion) -> _UnitGraph:
 
     for name in region.nodes:
         node = by_name[name]
+        if node.op == "get_attr":  # a sub-program the layer calls (an autograd.Function's bodies)
+            env[name] = attribute(node.target, node, CONSTANT, node.target)
+            continue
         env[name] = graph.node_copy(node, lambda arg, node=node: argument(node, arg))
     graph.output(env.get(region.carried_out, hidden))
     return _UnitGraph(graph, [region.carried_in, *region.glue], [region.carried_out], tensors)
@@ -300,7 +306,9 @@ def _build_stage(model: ModelGraph, plan: Plan, index: int) -> StageGraph:
                    if kind in (PARAMETER, BUFFER)}
         tensors.update({attr: t for attr, t in unit.tensors.items() if t[0] == CONSTANT})
         units.append(Unit(target, "layer", unit.graph, tensors, region.label, layer))
-        hidden = graph.call_module(target, (hidden, *(env[name] for name in region.glue)))
+        glue = (graph.get_attr(LAYER_CONSTANT.format(layer)) if name == model.layer_index else env[name]
+                for name in region.glue)  # the layer's own index where its dropout sites read it
+        hidden = graph.call_module(target, (hidden, *glue))
     outputs_sent: list[BoundaryValue] = []
     if last:
         env[model.regions[-1].carried_out] = hidden  # what the post part read in the trace
@@ -363,7 +371,7 @@ def _needed_free_values(model: ModelGraph, plan: Plan, index: int, free: set[str
     if index == 0:
         roots += [a.name for a in _external_inputs(pre_nodes, {n.name for n in pre_nodes})]
     for layer in range(*stage.layers):
-        roots += list(model.region_of_layer(layer).glue)
+        roots += [name for name in model.region_of_layer(layer).glue if name != model.layer_index]
     if index == plan.pp - 1:
         roots += [a.name for a in _external_inputs(post_nodes, {n.name for n in post_nodes})]
     by_name = model._by_name()

@@ -117,7 +117,9 @@ def recognise(model: ModelGraph) -> TensorParallelPlan:
     except NotShardable as error:
         return TensorParallelPlan(False, str(error))
     if not any(r.shards for r in regions.values()):
-        return TensorParallelPlan(False, f"no linear layer of {model.layer_list} can be split column/row-parallel")
+        why = next((reason for r in regions.values() for reason in r.replicated.values() if reason), "")
+        return TensorParallelPlan(False, f"no linear layer of {model.layer_list} can be split column/row-parallel"
+                                         + (f": {why}" if why else ""))
     pre, post = recognise_pre(model), recognise_post(model)
     tied = set(pre.shards) & {p for p in model.tensors if p in _post_params(model)}
     if tied and not set(pre.shards) <= set(post.shards):

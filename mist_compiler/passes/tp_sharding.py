@@ -47,8 +47,11 @@ def clone_graph(graph: fx.Graph) -> fx.Graph:
     return new
 
 
-def _node(graph: fx.Graph, name: str) -> fx.Node | None:
-    """The node ``name`` of the captured graph in this (unit or stage) graph, or None when it is elsewhere."""
+def _node(graph: fx.Graph, name: str, attrs: dict[str, str] | None = None) -> fx.Node | None:
+    """The node ``name`` of the captured graph in this (unit or stage) graph (a parameter: the
+    attribute standing for it), or None when it is elsewhere."""
+    if attrs and name in attrs:
+        return next((n for n in graph.nodes if n.op == "get_attr" and n.target == attrs[name]), None)
     for candidate in (name, f"{name}_in"):
         for node in graph.nodes:
             if node.name == candidate and node.op != "output":
@@ -67,26 +70,101 @@ def _divide(value, position: tuple, degree: int):
     return type(value)(items) if not isinstance(value, torch.Size) else torch.Size(items)
 
 
-def _is_column_matmul(node: fx.Node, activation: fx.Node, sharded: dict[str, ShardSpec]) -> bool:
-    name = getattr(node.target, "__name__", str(node.target))
-    if node.op == "call_method":
-        return False
-    if name == "linear" and node.args[0] is activation:
-        weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-        column_dim = 0
-    elif name == "addmm" and node.args[1] is activation:
-        weight, column_dim = node.args[2], 1
-    elif name in ("matmul", "mm") and node.args[0] is activation:
-        weight, column_dim = node.args[1], 1
-    else:
-        return False
-    return isinstance(weight, fx.Node) and weight.op == "get_attr" and \
-        sharded.get(weight.target, ShardSpec(-1)).dim == column_dim
-
-
 def _attr_of(graph: fx.Graph, attrs: dict[str, str], placeholder: str) -> fx.Node:
     target = attrs[placeholder]
     return next(n for n in graph.nodes if n.op == "get_attr" and n.target == target)
+
+
+def _insert_after(graph: fx.Graph, node: fx.Node, make) -> fx.Node:
+    with graph.inserting_after(node):
+        new = make()
+    new.meta.update(node.meta)
+    return new
+
+
+def _divide_slice(item, degree: int):
+    bounds = [None if b is None else _divide(b, (), degree) for b in (item.start, item.stop)]
+    return slice(bounds[0], bounds[1], item.step)
+
+
+def _readers(node: fx.Node, names: tuple) -> list[fx.Node]:
+    return [u for u in node.users if u.name in names]
+
+
+def _apply(graph: fx.Graph, node: fx.Node, edit: GraphEdit, attrs: dict[str, str], degree: int) -> bool:
+    """Apply one edit; returns whether the graph now calls a tensor-parallel collective."""
+    if edit.kind == "divide_arg":
+        index, rest = edit.position[0], edit.position[1:]
+        args = list(node.args)
+        args[index] = _divide(args[index], rest, degree)
+        node.args = tuple(args)
+        return False
+    if edit.kind == "divide_slice":
+        args = list(node.args)
+        if len(edit.position) == 1:
+            args[1] = _divide_slice(args[1], degree)
+        else:
+            items = list(args[1])
+            items[edit.position[1]] = _divide_slice(items[edit.position[1]], degree)
+            args[1] = tuple(items)
+        node.args = tuple(args)
+        return False
+    if edit.kind == "defer_bias":
+        if getattr(node.target, "__name__", "") == "addmm":
+            node.target, node.args = torch.mm, (node.args[1], node.args[2])
+        else:
+            node.args, node.kwargs = (node.args[0], node.args[1]), {k: v for k, v in node.kwargs.items() if k != "bias"}
+        return False
+    if edit.kind == "copy_in":
+        users = _readers(node, edit.data)
+        if not users:
+            return False  # its readers are in another graph of the stage
+        copied = _insert_after(graph, node, lambda: graph.call_module("tp.copy", (node,)))
+        for user in users:
+            user.replace_input_with(node, copied)
+        return True
+    if edit.kind == "scatter":
+        users = _readers(node, edit.data[:1])
+        if not users:
+            return False
+        dim, block = edit.position
+        part = _insert_after(graph, node, lambda: graph.call_module("tp.scatter", (node, dim, block, edit.data[1])))
+        for user in users:
+            user.replace_input_with(node, part)
+        return True
+    if edit.kind in ("reduce_out", "reduce_mean"):
+        users = list(node.users)
+        result = _insert_after(graph, node, lambda: graph.call_module("tp.reduce", (node,)))
+        if edit.kind == "reduce_mean":
+            reduced = result
+            result = _insert_after(graph, reduced, lambda: graph.call_function(operator.truediv, (reduced, degree)))
+        for bias in edit.data:
+            previous = result
+            result = _insert_after(graph, previous, lambda: graph.call_function(
+                operator.add, (previous, _attr_of(graph, attrs, bias))))
+        for user in users:
+            user.replace_input_with(node, result)
+        return True
+    if edit.kind == "split_dropout":  # counter_dropout / counter_attention of this rank's part
+        kind, parts = edit.data[0], tuple(edit.data[1]) if len(edit.data) > 1 else ()
+        node.op, node.target = "call_module", f"tp.{kind}"
+        node.kwargs = {**node.kwargs, "dim": edit.position[0], "block": edit.position[1], "parts": parts}
+        return True
+    if edit.kind == "tp_norm":
+        node.op, node.target = "call_module", f"tp.{edit.data[0]}"
+        return True
+    if edit.kind == "vocab_embedding":
+        node.op, node.target = "call_module", "tp.embedding"
+        node.args, node.kwargs = node.args[:3], {}
+        return True
+    if edit.kind in ("vocab_loss", "vocab_fused_loss"):
+        ignore_index, reduction = edit.data
+        node.op = "call_module"
+        node.target = "tp.cross_entropy" if edit.kind == "vocab_loss" else "tp.linear_cross_entropy"
+        node.args = (node.args[0], node.args[1]) if edit.kind == "vocab_loss" else tuple(node.args[:3])
+        node.kwargs = {"ignore_index": ignore_index, "reduction": reduction}
+        return True
+    raise TensorParallelError(f"unknown tensor-parallel edit {edit.kind!r}")
 
 
 def apply_edits(graph: fx.Graph, edits: list[GraphEdit], attrs: dict[str, str], shards: dict[str, ShardSpec],
@@ -94,61 +172,10 @@ def apply_edits(graph: fx.Graph, edits: list[GraphEdit], attrs: dict[str, str], 
     """Rewrite ``graph`` in place; ``attrs`` maps captured placeholders to the unit's attributes."""
     uses_tp = False
     for edit in edits:
-        node = _node(graph, edit.node)
-        if node is None or (node.op == "placeholder" and edit.kind != "copy_in"):
+        node = _node(graph, edit.node, attrs)
+        if node is None or (node.op == "placeholder" and edit.kind not in ("copy_in", "scatter")):
             continue  # the value is computed in another graph of the stage, which applies the edit
-        if edit.kind == "divide_arg":
-            index, rest = edit.position[0], edit.position[1:]
-            args = list(node.args)
-            args[index] = _divide(args[index], rest, degree)
-            node.args = tuple(args)
-        elif edit.kind == "defer_bias":
-            name = getattr(node.target, "__name__", "")
-            if name == "addmm":
-                node.target, node.args = torch.mm, (node.args[1], node.args[2])
-            else:
-                node.args, node.kwargs = (node.args[0], node.args[1]), {k: v for k, v in node.kwargs.items() if k != "bias"}
-        elif edit.kind == "copy_in":
-            users = [u for u in node.users if _is_column_matmul(u, node, shards)]
-            if not users:
-                continue  # its column-parallel readers are in another graph of the stage
-            with graph.inserting_after(node):
-                copied = graph.call_module("tp.copy", (node,))
-            copied.meta.update(node.meta)
-            for user in users:
-                user.replace_input_with(node, copied)
-            uses_tp = True
-        elif edit.kind == "reduce_out":
-            users = list(node.users)
-            with graph.inserting_after(node):
-                reduced = graph.call_module("tp.reduce", (node,))
-            reduced.meta.update(node.meta)
-            result = reduced
-            for bias in edit.data:
-                with graph.inserting_after(result):
-                    weight = _attr_of(graph, attrs, bias)
-                    result = graph.call_function(operator.add, (result, weight))
-                result.meta.update(node.meta)
-            for user in users:
-                user.replace_input_with(node, result)
-            uses_tp = True
-        elif edit.kind == "vocab_embedding":
-            node.op, node.target = "call_module", "tp.embedding"
-            node.args, node.kwargs = node.args[:3], {}
-            uses_tp = True
-        elif edit.kind == "vocab_loss":
-            ignore_index, reduction = edit.data
-            node.op, node.target = "call_module", "tp.cross_entropy"
-            node.args, node.kwargs = (node.args[0], node.args[1]), {"ignore_index": ignore_index,
-                                                                     "reduction": reduction}
-            uses_tp = True
-        elif edit.kind == "vocab_fused_loss":
-            ignore_index, reduction = edit.data
-            node.op, node.target = "call_module", "tp.linear_cross_entropy"
-            node.args, node.kwargs = tuple(node.args[:3]), {"ignore_index": ignore_index, "reduction": reduction}
-            uses_tp = True
-        else:
-            raise TensorParallelError(f"unknown tensor-parallel edit {edit.kind!r}")
+        uses_tp |= _apply(graph, node, edit, attrs, degree)
     graph.lint()
     return uses_tp
 

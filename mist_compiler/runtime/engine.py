@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ir.model_graph import ShardSpec
+from ..ir.model_graph import DROPOUT_SEEDS, ShardSpec
 from ..ir.plan import Plan, PlanError
 from ..lowering.materialize import StageProgram
 from ..ir.vocabulary import TORCH_DTYPES
+from ..ops.dropout import sample_seeds
 from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error
 from .host_allocator import keep_freed_host_memory
 from .loss_scaling import loss_scaler_for
@@ -84,6 +85,7 @@ class Engine:
         self.source_model: nn.Module | None = None  # set by the torch.compile runtime
         self.loss_scaler = loss_scaler_for(plan.dtype)  # fp16 only: dynamic loss scaling, overflowing steps skipped
         self._skip_next_step = False
+        self.dropout_seed, self.dropout_step = 0, 0  # dropout masks of step k: ops.dropout.sample_seeds(seed, k, ...)
         self.monitor = FailureMonitor(self.rank, self.world, self.timeout_s)
         self.labels = stage.labels  # how the model reads its labels (frontend.labels): loss weights by label count
         self.tied_names = stage.tied
@@ -205,7 +207,16 @@ class Engine:
                 raise BatchError(f"batch[{name!r}] has {batch[name].shape[0]} samples but the plan's global_batch is "
                                  f"{self.plan.global_batch}")
 
+    def _with_dropout_seeds(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch with this step's per-sample dropout seeds (the whole global batch's: each rank
+        takes its rows like any input), when the stage has dropout sites; every stage counts steps."""
+        step, self.dropout_step = self.dropout_step, self.dropout_step + 1
+        if DROPOUT_SEEDS not in self.interface.batch_inputs or DROPOUT_SEEDS in batch:
+            return batch
+        return {**batch, DROPOUT_SEEDS: sample_seeds(self.dropout_seed, step, torch.arange(self.plan.global_batch))}
+
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
+        batch = self._with_dropout_seeds(batch)
         self._check_batch(batch)
         grad_accum = self.plan.grad_accum
         state = StepState({}, {}, torch.zeros((), dtype=torch.float64, device=self.device), self._weights(batch))
