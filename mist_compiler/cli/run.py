@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of every sub-command that launches ranks through torchrun."""
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds any rank waits for another (default 300)")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds any rank waits for another; a rank silent that long is reported (default 120)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node")
     parser.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index")

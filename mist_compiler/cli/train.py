@@ -10,14 +10,23 @@ before any process starts; errors end in one line and a non-zero exit code.
 Data: a ``.bin`` file of uint16 tokens (``.u32.bin`` or --data-dtype uint32 for uint32), memory
 mapped; any other file is UTF-8 text, tokenised byte-level or with --tokenizer (Hugging Face).
 Checkpoints: --save-dir D --save-every K write D/step-000010 (asynchronously, atomically) and
-D/latest; --resume D (or a step directory) continues from the last complete one under any plan;
---resume-exact insists on the checkpoint's own plan (bit-for-bit continuation).
+D/latest; --resume D (or a step directory) continues from the last complete one under any plan,
+after checking its files against their manifest; --resume-exact insists on the checkpoint's own
+plan (bit-for-bit continuation); --keep-last K keeps the newest K. One run owns D at a time (D/.lock);
+a directory holding checkpoints is only reused by --resume D, or emptied first with --overwrite.
+
+Long jobs: a step with a non-finite loss or gradient norm updates nothing, and --max-bad-steps of
+them in a row stop the run (exit 1). SIGTERM or Ctrl-C finishes the step, saves a checkpoint and
+exits 75 ("preempted, resumable": run the same command with --resume D); a second one stops at once
+(exit 130). Metrics are appended to --metrics, never truncated.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
+import sys
 import tempfile
 from typing import Any
 
@@ -46,10 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-dir", default=None, help="checkpoint directory")
     parser.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end)")
     parser.add_argument("--blocking-save", action="store_true", help="save synchronously (default: in the background)")
+    parser.add_argument("--keep-last", type=int, default=0, help="keep only the newest K checkpoints (default 0: all)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in a --save-dir that holds checkpoints (deletes them first)")
     parser.add_argument("--resume", default=None, help="checkpoint directory (or step directory) to continue from")
     parser.add_argument("--resume-exact", action="store_true", help="require the checkpoint's plan (bit-exact resume)")
     parser.add_argument("--export", default=None, help="write the final full state dict here (rank 0)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s per device, for MFU")
+    parser.add_argument("--max-bad-steps", type=int, default=3,
+                        help="stop after N steps in a row with a non-finite loss or gradient norm (default 3)")
     run_command.add_launch_arguments(parser)
 
 
@@ -73,27 +87,35 @@ def _config(args: argparse.Namespace) -> Any:
                        tokenizer=args.tokenizer, seed=args.seed, optim=optim, log_every=args.log_every,
                        metrics=absolute(args.metrics), save_dir=absolute(args.save_dir), save_every=args.save_every,
                        resume=absolute(args.resume), resume_exact=args.resume_exact, blocking_save=args.blocking_save,
-                       export=absolute(args.export), peak_tflops=args.peak_tflops, timeout_s=args.timeout)
+                       export=absolute(args.export), peak_tflops=args.peak_tflops, timeout_s=args.timeout,
+                       max_bad_steps=args.max_bad_steps, keep_last=args.keep_last, overwrite=args.overwrite)
 
 
 def validate(args: argparse.Namespace) -> dict:
     """Everything checkable before launching; returns the worker's spec (model, plan, config)."""
     from ..ir.plan import Plan, load_plan
-    from ..training.checkpoint import read_meta, resolve
     from ..training.data import SAMPLE_TEXT, TokenSampler, open_tokens, token_vocab
+    from ..training.integrity import check_manifest
+    from ..training.save_dir import read_meta, resolve
 
     run_command.validate_launch(args)
-    for name in ("save_every", "warmup", "log_every"):
-        if getattr(args, name) < (1 if name == "log_every" else 0):
-            raise RunArgumentError(f"--{name.replace('_', '-')} must be >= {1 if name == 'log_every' else 0}")
-    if args.save_every and not args.save_dir:
-        raise RunArgumentError("--save-every needs --save-dir")
+    for name, low in (("save_every", 0), ("warmup", 0), ("log_every", 1), ("keep_last", 0), ("max_bad_steps", 1)):
+        if getattr(args, name) < low:
+            raise RunArgumentError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    for name in ("save_every", "keep_last", "overwrite", "blocking_save"):
+        if getattr(args, name) and not args.save_dir:
+            raise RunArgumentError(f"--{name.replace('_', '-')} needs --save-dir")
     if args.resume_exact and not args.resume:
         raise RunArgumentError("--resume-exact needs --resume")
+    if args.overwrite and args.resume and _inside(args.resume, args.save_dir):
+        raise RunArgumentError("--overwrite would delete the checkpoint --resume reads (both in --save-dir); "
+                               "drop --overwrite to continue that run")
     config = _config(args)  # checks the optimizer settings
     meta = None
     if args.resume:
-        meta = read_meta(resolve(args.resume))
+        resume_path = resolve(args.resume)
+        meta = read_meta(resume_path)
+        check_manifest(resume_path, meta)
         if meta.get("model") != args.model:
             raise RunArgumentError(f"--resume: the checkpoint was saved for model {meta.get('model')!r}, "
                                    f"not {args.model!r}")
@@ -125,7 +147,32 @@ def validate(args: argparse.Namespace) -> dict:
         raise RunArgumentError(f"--data: the tokenizer has {needed} tokens but {args.model} has a vocabulary of "
                                f"{vocab}")
     sampler.check_vocab(vocab)
+    _check_outputs(args, compiled.program.params)
     return {"model": args.model, "plan": plan.to_dict(), "train": config.to_dict()}
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def _check_outputs(args: argparse.Namespace, params: int) -> None:
+    """Save dir, export path and metrics path writable, with room for what goes there, before any rank
+    starts (a checkpoint holds fp32 weights and two Adam moments: 12 bytes a parameter)."""
+    from ..training.save_dir import check_writable, complete_steps, directory_bytes
+
+    if args.save_dir:
+        newest = complete_steps(args.save_dir)
+        needed = directory_bytes(os.path.join(args.save_dir, newest[-1][1])) if newest else 12 * params
+        check_writable("--save-dir", os.path.abspath(args.save_dir), needed)
+    if args.export:
+        where = args.export if os.path.isdir(args.export) or not os.path.splitext(args.export)[1] else \
+            os.path.dirname(os.path.abspath(args.export))
+        check_writable("--export", os.path.abspath(where), 4 * params, what="the exported model")
+    if args.metrics:
+        if os.path.isdir(args.metrics):
+            raise RunArgumentError(f"--metrics {args.metrics} is a directory; give a file")
+        check_writable("--metrics", os.path.dirname(os.path.abspath(args.metrics)), 0)
 
 
 def _check_shapes(model: str, seq_len: int, meta: dict | None) -> None:
@@ -147,8 +194,34 @@ def _check_shapes(model: str, seq_len: int, meta: dict | None) -> None:
                                f"{mine.get(name, 'absent')} here (a checkpoint of another model?)")
 
 
+def _take_save_dir(args: argparse.Namespace):
+    """Node 0 holds --save-dir's lock for the whole run, after checking that this run may write there."""
+    from ..training.save_dir import RunLock, check_ownership, clear_checkpoints
+
+    if not args.save_dir or args.node_rank != 0:
+        return None
+    save_dir = os.path.abspath(args.save_dir)
+    lock = RunLock.acquire(save_dir, command=shlex.join(sys.argv))
+    try:
+        check_ownership(save_dir, os.path.abspath(args.resume) if args.resume else None, args.overwrite)
+        if args.overwrite:
+            clear_checkpoints(save_dir)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _resume_hint(args: argparse.Namespace, line: str) -> str:
+    """The launcher's one line for a preempted run: what the rank said, and how to continue."""
+    return f"{line}; to continue, run the same command with --resume {args.save_dir}" if args.save_dir else line
+
+
 def run(args: argparse.Namespace) -> int:
     spec = validate(args)
+    lock = _take_save_dir(args)
+    if lock is not None:
+        spec["train"]["lock_token"] = lock.token
     handle, path = tempfile.mkstemp(prefix="mist-train-", suffix=".json")
     with os.fdopen(handle, "w") as out:
         json.dump(spec, out)
@@ -158,9 +231,12 @@ def run(args: argparse.Namespace) -> int:
             return run_command.torchrun_prefix(args, port, WORKER_MODULE) + [
                 "--config", path, "--timeout", str(args.timeout), *extra]
 
-        return run_command.launch(args, command, "train")
+        return run_command.launch(args, command, "train", graceful=True,
+                                  on_preempted=lambda line: _resume_hint(args, line))
     finally:
         os.unlink(path)
+        if lock is not None:
+            lock.release()
 
 
 def train(model: str, *, steps: int, plan: str | None = None, nproc_per_node: int = 1, **options: Any) -> int:

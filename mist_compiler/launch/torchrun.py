@@ -1,10 +1,15 @@
 """Launching ranks through torchrun from the process the user started.
 
-:func:`launch` runs ``python -m torch.distributed.run ... -m MODULE`` (a free port unless one is
-given) with the package importable, forwards the ranks' stdout, keeps their stderr, and turns a
-failure into one line naming the rank and the reason. Whichever process dies or is signalled,
-all of them exit: torchrun runs in its own session, follows this process through Linux's
-parent-death signal, and is stopped with its whole session on SIGINT/SIGTERM.
+:func:`launch` runs torchrun (``python -m mist_compiler.launch.agent ... -m MODULE``: torchrun with
+mist's handling of SIGTERM/SIGINT, :mod:`.agent`; a free port unless one is given) with the package
+importable, forwards the ranks' stdout, keeps their stderr, and turns a failure into one line
+naming the rank and the reason, said once (the ranks' own error lines are collected, not echoed).
+Whichever process dies or is signalled, all of them exit: torchrun runs in its own session and
+follows this process through Linux's parent-death signal.
+
+On SIGINT/SIGTERM: ``mistc run`` stops every process at once (exit 130). ``mistc train``
+(``graceful=True``) asks the ranks to finish the step, save a checkpoint and exit
+(``exit_codes.PREEMPTED``, 75, once a rank has said it saved); a second signal stops at once.
 """
 from __future__ import annotations
 
@@ -20,7 +25,12 @@ import threading
 from collections import deque
 from typing import Callable
 
+from .exit_codes import FAILED, INTERRUPTED, OK, PREEMPTED
+
 STOP_GRACE_S = 10.0
+AGENT_MODULE = "mist_compiler.launch.agent"
+# lines of the ranks that the launcher reports itself, once, at the end (never echoed as they come)
+_COLLECTED = ("error:", "stops because", "mist: preempted", "mist: stopped")
 
 
 def free_port() -> int:
@@ -30,9 +40,9 @@ def free_port() -> int:
 
 
 def torchrun_prefix(args: argparse.Namespace, port: int, module: str) -> list[str]:
-    """``python -m torch.distributed.run ... -m MODULE`` for the launch flags."""
+    """``python -m mist_compiler.launch.agent ... -m MODULE`` (torchrun, :mod:`.agent`) for the launch flags."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", AGENT_MODULE,
         f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
         f"--master-addr={args.master_addr}", f"--master-port={port}", "-m", module,
     ]
@@ -64,9 +74,11 @@ class Launch:
         for line in stream:
             line = line.rstrip("\n")
             if is_stdout:
-                if "error:" in line or "stops because" in line or "check:" in line:
+                collected = any(marker in line for marker in _COLLECTED)
+                if collected or "check:" in line:
                     self.reported.append(line)
-                print(line, flush=True)
+                if not collected or self.debug:
+                    print(line, flush=True)
             else:
                 self.errors.append(line)
                 if self.debug:
@@ -77,6 +89,21 @@ class Launch:
         for reader in self.readers:
             reader.join(timeout=5)
         return code
+
+    def request_stop(self) -> None:
+        """Ask the ranks to finish the step, save and exit (torchrun forwards it, :mod:`.agent`)."""
+        try:
+            os.kill(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """Stop now: SIGKILL torchrun's session; the ranks follow their dead parent within a second."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
     def stop(self) -> None:
         """Stop torchrun and every rank (its whole session)."""
@@ -93,11 +120,19 @@ class Launch:
             except subprocess.TimeoutExpired:
                 continue
 
+    def stopped(self) -> tuple[str, bool] | None:
+        """A rank's line saying it stopped on a signal, and whether it saved first (``mist: preempted ...``)
+        or had nowhere to save (``mist: stopped ...``); None if no rank said so."""
+        for line in self.reported:
+            if line.startswith(("mist: preempted", "mist: stopped")):
+                return line.replace("mist: ", "", 1), line.startswith("mist: preempted")
+        return None
+
     def failure(self, code: int) -> str:
         """One line saying which process failed and why."""
         if self.reported:
             origin = next((line for line in self.reported if "error:" in line), self.reported[0])
-            return origin.replace("mist: ", "", 1)
+            return origin.replace("mist: ", "", 1).replace(": error: ", ": ", 1)
         text = "\n".join(self.errors)
         rank = re.search(r"rank\s*:\s*(\d+)", text)
         exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", text)
@@ -111,10 +146,13 @@ class Launch:
         return f"torchrun exited with code {code}" + (f": {last.strip()}" if last else "")
 
 
-def launch(args: argparse.Namespace, command: Callable[[int], list[str]], name: str) -> int:
+def launch(args: argparse.Namespace, command: Callable[[int], list[str]], name: str, graceful: bool = False,
+           on_preempted: Callable[[str], str] | None = None) -> int:
     """Run torchrun (``command(port)``, a free port unless --master-port) with the package importable,
     forward its stdout, and turn a failure into one line ``mistc NAME: error: ...`` (exit code 1).
-    Shared by every sub-command that launches ranks (``run``, ``train``); call after validating."""
+    Shared by every sub-command that launches ranks (``run``, ``train``); call after validating.
+    ``graceful``: SIGTERM/SIGINT ask the ranks to save and stop (see the module docstring);
+    ``on_preempted(line)`` turns a rank's preemption line into the one the user reads."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -123,24 +161,40 @@ def launch(args: argparse.Namespace, command: Callable[[int], list[str]], name: 
     launch = Launch(command(port), env, getattr(args, "debug", False))
     received: list[str] = []
 
-    def terminated(signum, frame):
+    def signalled(signum, frame):
         received.append(signal.Signals(signum).name)
+        if graceful and len(received) == 1:
+            print(f"mistc {name}: {received[0]}: finishing the current step and saving a checkpoint "
+                  f"(signal again to stop at once)", file=sys.stderr, flush=True)
+            launch.request_stop()
+            return
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, terminated)
+    previous = {sig: signal.signal(sig, signalled) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = launch.wait()
     except KeyboardInterrupt:
-        launch.stop()
-        print(f"mistc {name}: interrupted ({received[0] if received else 'SIGINT'}); every rank stopped", file=sys.stderr)
-        return 130
+        launch.kill() if graceful else launch.stop()
+        print(f"mistc {name}: interrupted ({received[-1] if received else 'SIGINT'}); every rank stopped",
+              file=sys.stderr)
+        return INTERRUPTED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    stopped = launch.stopped()
+    if stopped is not None and not any("error:" in line for line in launch.reported):
+        line, saved = stopped
+        print(f"mistc {name}: {on_preempted(line) if on_preempted and saved else line}", file=sys.stderr)
+        return PREEMPTED if saved else INTERRUPTED
     if code != 0:
         check_failed = any(line.startswith("mist: check: FAIL") for line in launch.reported) and \
             not any("error:" in line for line in launch.reported)
         if check_failed:
-            return 1
+            return FAILED
+        if received and not launch.reported:
+            print(f"mistc {name}: interrupted ({received[0]}) before a checkpoint could be written; every rank "
+                  f"stopped", file=sys.stderr)
+            return INTERRUPTED
         print(f"mistc {name}: error: {launch.failure(code)}", file=sys.stderr)
-        return 1
-    return 0
+        return FAILED
+    return OK

@@ -11,6 +11,11 @@
   timed out can find the rank that died (stale heartbeat) and report it on that rank's behalf; the
   survivors then all name the dead rank. That scan reads every heartbeat once, in one
   ``multi_get``, and happens only after a failure.
+- a stalled rank (stopped with SIGSTOP, or its process frozen) fails nothing itself, so each rank
+  also watches one other, the next rank in a ring (one more read every ``WATCH_EVERY`` heartbeats):
+  a heartbeat that has not changed for ``stall_after_s`` (half the timeout) by the watcher's own
+  clock (no clock is compared across hosts) is reported as a failure of that rank, so the job
+  stops, naming it, within the timeout of the rank's last sign of life.
 
 On NCCL the monitor stays quiet: no heartbeats (NCCL's watchdog already times out and tears down
 a job whose collectives hang, naming the collective), only the one-key check that lets a rank
@@ -26,6 +31,7 @@ from typing import Any, Callable
 HEARTBEAT_S = 1.0
 FAILED_KEY = "mist/failed"
 STALE_AFTER_S = 4 * HEARTBEAT_S
+WATCH_EVERY = 5
 
 
 class FailureMonitor:
@@ -33,8 +39,12 @@ class FailureMonitor:
 
     def __init__(self, rank: int, world: int, timeout_s: float,
                  on_peer_failure: Callable[[str], None] | None = None, heartbeats: bool | None = None,
-                 store: Any = None) -> None:
+                 store: Any = None, stall_after_s: float | None = None) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.stall_after_s = timeout_s / 2 if stall_after_s is None else stall_after_s
+        self._watched = (rank + 1) % world if world > 1 else None
+        self._watched_value: bytes | None = None
+        self._watched_since = 0.0
         self.on_peer_failure = on_peer_failure or (lambda message: _exit_on_peer_failure(message, rank))
         self.store = store if store is not None else _default_store()
         self.heartbeats = _backend_has_no_watchdog() if heartbeats is None else heartbeats
@@ -59,16 +69,37 @@ class FailureMonitor:
         return int(rank), reason
 
     def _run(self) -> None:
+        beats = 0
         while not self._stop.wait(HEARTBEAT_S):
+            beats += 1
             try:
                 self._beat()
                 found = self._reported()
+                if found is None and self.heartbeats and beats % WATCH_EVERY == 0:
+                    found = self._watch()
             except Exception:  # the store itself is gone: the main thread's timeouts take over
                 return
             if found is not None and found[0] != self.rank:
                 if not self._stop.is_set():
                     self.on_peer_failure(f"mist: rank {self.rank} stops because rank {found[0]} failed: {found[1]}")
                 return
+
+    def _watch(self) -> tuple[int, str] | None:
+        """The watched rank and why, when its heartbeat has not moved for ``stall_after_s`` (reported)."""
+        key = self._heartbeat_key(self._watched)
+        if not self.store.check([key]):
+            return None  # not started yet: a rank that never starts is found by the collective's timeout
+        value, now = self.store.get(key), time.monotonic()
+        if value != self._watched_value:
+            self._watched_value, self._watched_since = value, now
+            return None
+        silent = now - self._watched_since
+        if silent <= self.stall_after_s:
+            return None
+        reason = (f"stalled: no heartbeat for {silent:.0f} s (its process is stopped or frozen; "
+                  f"--timeout {self.timeout_s:g} s)")
+        self.report_failure(reason, rank=self._watched)
+        return self._reported() or (self._watched, reason)
 
     def report_failure(self, message: str, rank: int | None = None) -> None:
         """Publish that ``rank`` (default: this one) failed; the first report stands."""
@@ -112,6 +143,18 @@ class FailureMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def report_failure(message: str, rank: int, store: Any = None) -> None:
+    """Publish that ``rank`` failed (the first report stands), without a monitor: what a rank does when
+    it fails outside a step (set-up, a checkpoint), so the others stop at their next heartbeat."""
+    store = store if store is not None else _default_store()
+    if store is None:
+        return
+    try:
+        store.compare_set(FAILED_KEY, "", f"{rank}\n{message[:2000]}")
+    except Exception:
+        pass
 
 
 def _backend_has_no_watchdog() -> bool:
