@@ -29,6 +29,7 @@ and the path.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -36,12 +37,13 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -189,6 +191,53 @@ def load_state(engine: Any, views: list[BucketView], path: str, same_world: bool
 
 
 # ---- the saver ------------------------------------------------------------------------------------
+class _RecordingStream:
+    """A file DCP writes to, remembering the ``OSError`` of a failed write (with the file's path)."""
+
+    def __init__(self, stream: Any, path: str, errors: list[OSError]) -> None:
+        self._stream, self._path, self._errors = stream, path, errors
+
+    def _recorded(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self._stream, method)(*args)
+        except OSError as error:
+            if error.filename is None:
+                error.filename = self._path
+            self._errors.append(error)
+            raise
+
+    def write(self, data: Any) -> Any:
+        return self._recorded("write", data)
+
+    def flush(self) -> None:
+        self._recorded("flush")
+
+    def close(self) -> None:
+        self._recorded("close")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class RecordingFileSystem(FileSystem):
+    """DCP's file system, keeping the ``OSError`` behind a failed write: ``torch.save`` turns it into a
+    bare ``RuntimeError`` ("unexpected pos ...") and DCP drops the chain when it gathers failures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[OSError] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield _RecordingStream(stream, str(path), self.errors) if "w" in mode else stream
+        except OSError as error:
+            if error not in self.errors:
+                self.errors.append(error)
+            raise
+
+
 def _test_stall(step: int) -> float:
     """Seconds to sleep between writing and publishing the save of ``step``: ``MIST_CHECKPOINT_STALL=S:T``
     stalls step S's save T seconds (tests kill ranks there)."""
@@ -304,8 +353,14 @@ class Checkpointer:
             if problem is not None:
                 raise CheckpointError(f"saving checkpoint {tmp} failed: {problem}")
             record_crcs = record_crcs_on()
-            metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
-                                planner=ChunkSavePlanner(), process_group=self.group)
+            writer = dcp.FileSystemWriter(tmp, thread_count=1)
+            writer.fs = files = RecordingFileSystem()
+            try:
+                metadata = dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(), process_group=self.group)
+            except BaseException as error:  # CheckpointException derives from BaseException; every rank gets it
+                mine = describe_failure(files.errors[0]) if files.errors else None
+                problem = self._agree(mine) or describe_failure(error)
+                raise CheckpointError(f"saving checkpoint {tmp} failed: {problem}") from error
             time.sleep(_test_stall(step))
             problem = None
             if self.rank == 0:

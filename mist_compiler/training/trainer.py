@@ -269,6 +269,8 @@ class Trainer:
                     if self.step % cfg.log_every == 0 or self.step == cfg.steps or bad or stopping:
                         self.say(self._line(row, len(bad), stopping))
                 if len(bad) >= cfg.max_bad_steps:
+                    if self.checkpointer is not None:
+                        self.checkpointer.wait()  # the last good step's save completes: the message names it
                     raise DivergenceError(self._divergence(bad))
                 if stopping:
                     if self.checkpointer is not None and self.checkpointer.failed():
