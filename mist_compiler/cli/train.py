@@ -111,6 +111,7 @@ def validate(args: argparse.Namespace) -> dict:
         raise RunArgumentError("--overwrite would delete the checkpoint --resume reads (both in --save-dir); "
                                "drop --overwrite to continue that run")
     config = _config(args)  # checks the optimizer settings
+    _check_outputs(args)  # before the seconds capturing takes
     meta = None
     if args.resume:
         resume_path = resolve(args.resume)
@@ -147,7 +148,7 @@ def validate(args: argparse.Namespace) -> dict:
         raise RunArgumentError(f"--data: the tokenizer has {needed} tokens but {args.model} has a vocabulary of "
                                f"{vocab}")
     sampler.check_vocab(vocab)
-    _check_outputs(args, compiled.program.params)
+    _check_room(args, _param_count(args.model, plan.seq_len))
     return {"model": args.model, "plan": plan.to_dict(), "train": config.to_dict()}
 
 
@@ -156,35 +157,61 @@ def _inside(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
-def _check_outputs(args: argparse.Namespace, params: int) -> None:
-    """Save dir, export path and metrics path writable, with room for what goes there, before any rank
-    starts (a checkpoint holds fp32 weights and two Adam moments: 12 bytes a parameter)."""
+def _output_dirs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(option, directory) of everything the run writes: checkpoints, the export, the metrics."""
+    dirs = []
+    if args.save_dir:
+        dirs.append(("--save-dir", os.path.abspath(args.save_dir)))
+    if args.export:
+        bare = os.path.isdir(args.export) or not os.path.splitext(args.export)[1]  # a save_pretrained directory
+        dirs.append(("--export", os.path.abspath(args.export if bare else os.path.dirname(os.path.abspath(args.export)))))
+    if args.metrics:
+        dirs.append(("--metrics", os.path.dirname(os.path.abspath(args.metrics))))
+    return dirs
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every output directory accepts a file (created if missing), before anything slow happens."""
+    from ..training.save_dir import check_writable
+
+    if args.metrics and os.path.isdir(args.metrics):
+        raise RunArgumentError(f"--metrics {args.metrics} is a directory; give a file")
+    for option, directory in _output_dirs(args):
+        check_writable(option, directory, 0)
+
+
+def _check_room(args: argparse.Namespace, params: int) -> None:
+    """Room for one checkpoint (fp32 weights and two Adam moments: 12 bytes a parameter, or the size of
+    the newest one there) and for the export (4 bytes a parameter), before any rank starts."""
     from ..training.save_dir import check_writable, complete_steps, directory_bytes
 
-    if args.save_dir:
-        newest = complete_steps(args.save_dir)
-        needed = directory_bytes(os.path.join(args.save_dir, newest[-1][1])) if newest else 12 * params
-        check_writable("--save-dir", os.path.abspath(args.save_dir), needed)
-    if args.export:
-        where = args.export if os.path.isdir(args.export) or not os.path.splitext(args.export)[1] else \
-            os.path.dirname(os.path.abspath(args.export))
-        check_writable("--export", os.path.abspath(where), 4 * params, what="the exported model")
-    if args.metrics:
-        if os.path.isdir(args.metrics):
-            raise RunArgumentError(f"--metrics {args.metrics} is a directory; give a file")
-        check_writable("--metrics", os.path.dirname(os.path.abspath(args.metrics)), 0)
+    for option, directory in _output_dirs(args):
+        if option == "--save-dir":
+            newest = complete_steps(directory)
+            needed = directory_bytes(os.path.join(directory, newest[-1][1])) if newest else 12 * params
+            check_writable(option, directory, needed)
+        elif option == "--export":
+            check_writable(option, directory, 4 * params, what="the exported model")
+
+
+def _meta_model(model: str, seq_len: int):
+    import torch
+
+    from ..models import build_model
+
+    with torch.device("meta"):
+        return build_model(model, seq_len=seq_len, seed=None)
+
+
+def _param_count(model: str, seq_len: int) -> int:
+    return sum(p.numel() for p in _meta_model(model, seq_len).parameters())
 
 
 def _check_shapes(model: str, seq_len: int, meta: dict | None) -> None:
     """A checkpoint whose parameters differ from the model's (same name, other configuration)."""
     if meta is None or not meta.get("shapes"):
         return
-    import torch
-
-    from ..models import build_model
-
-    with torch.device("meta"):
-        module = build_model(model, seq_len=seq_len, seed=None)
+    module = _meta_model(model, seq_len)
     mine = {name: list(p.shape) for name, p in module.named_parameters()}
     saved = meta["shapes"]
     wrong = sorted(name for name in saved if mine.get(name) != saved[name])

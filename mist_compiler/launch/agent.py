@@ -7,7 +7,7 @@ them at once. A preempted training run needs the opposite: its ranks finish the 
 exit on their own (:mod:`mist_compiler.training.preemption`), however many SIGTERMs arrive (a
 scheduler signals every process of the job, the launcher forwards its own). So this agent keeps
 torchrun's handlers off those two signals (``--signals-to-handle=SIGHUP,SIGQUIT``), forwards the
-first one as SIGTERM to every worker, ignores repeats, and lets torchrun go on monitoring until
+first one it receives to every worker, ignores repeats, and lets torchrun go on monitoring until
 the workers exit. Killing the agent (SIGKILL) still takes the workers down (they follow their
 parent, :func:`mist_compiler.launch.worker.follow_parent`).
 """
@@ -47,7 +47,7 @@ class _Forwarder:
         self.received = signal.Signals(signum).name
         for pid in worker_pids(os.getpid()):
             try:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signum)
             except ProcessLookupError:
                 pass
 

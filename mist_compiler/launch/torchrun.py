@@ -28,6 +28,8 @@ from typing import Callable
 from .exit_codes import FAILED, INTERRUPTED, OK, PREEMPTED
 
 STOP_GRACE_S = 10.0
+REPORT_AFTER_S = 1.0  # a failure is said this long after its first line (the origin's own line may follow)
+TEARDOWN_AFTER_S = 5.0  # then the ranks get this long to exit before they are killed (a frozen one never does)
 AGENT_MODULE = "mist_compiler.launch.agent"
 # lines of the ranks that the launcher reports itself, once, at the end (never echoed as they come)
 _COLLECTED = ("error:", "stops because", "mist: preempted", "mist: stopped")
@@ -57,12 +59,16 @@ def _die_with_parent() -> None:
 
 
 class Launch:
-    """A running torchrun: stdout forwarded live, stderr kept (shown with --debug or on failure)."""
+    """A running torchrun: stdout forwarded live, stderr kept (shown with --debug or on failure). The
+    first rank failure is said at once (``mistc NAME: error: ...``) and the job torn down soon after."""
 
-    def __init__(self, command: list[str], env: dict, debug: bool) -> None:
+    def __init__(self, command: list[str], env: dict, debug: bool, name: str = "run") -> None:
         self.debug = debug
+        self.name = name
         self.errors: deque[str] = deque(maxlen=200)
         self.reported: list[str] = []
+        self.said: str | None = None  # the failure line already printed
+        self._failing: threading.Timer | None = None
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         bufsize=1, preexec_fn=_die_with_parent, start_new_session=True)
         self.readers = [threading.Thread(target=self._pump, args=(self.process.stdout, True), daemon=True),
@@ -79,26 +85,49 @@ class Launch:
                     self.reported.append(line)
                 if not collected or self.debug:
                     print(line, flush=True)
+                if ("error:" in line or "stops because" in line) and self._failing is None:
+                    self._failing = threading.Timer(REPORT_AFTER_S, self._fail_fast)
+                    self._failing.daemon = True
+                    self._failing.start()
             else:
                 self.errors.append(line)
                 if self.debug:
                     print(line, file=sys.stderr, flush=True)
 
+    def _fail_fast(self) -> None:
+        """Say the failure now, then stop whatever has not exited by itself (a frozen rank never does)."""
+        self.said = f"mistc {self.name}: error: {self.failure(1)}"
+        print(self.said, file=sys.stderr, flush=True)
+        try:
+            self.process.wait(timeout=TEARDOWN_AFTER_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
     def wait(self) -> int:
         code = self.process.wait()
+        if self._failing is not None:
+            self._failing.join()
         for reader in self.readers:
             reader.join(timeout=5)
         return code
 
-    def request_stop(self) -> None:
-        """Ask the ranks to finish the step, save and exit (torchrun forwards it, :mod:`.agent`)."""
+    def request_stop(self, sig: int = signal.SIGTERM) -> None:
+        """Ask the ranks to finish the step, save and exit (torchrun forwards ``sig``, :mod:`.agent`)."""
         try:
-            os.kill(self.process.pid, signal.SIGTERM)
+            os.kill(self.process.pid, sig)
         except ProcessLookupError:
             pass
 
     def kill(self) -> None:
-        """Stop now: SIGKILL torchrun's session; the ranks follow their dead parent within a second."""
+        """Stop now: SIGKILL the ranks (each in its own session: torchrun starts them so) and torchrun's session."""
+        from .agent import worker_pids
+
+        pids = worker_pids(self.process.pid) if os.path.isdir("/proc") else []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -158,7 +187,7 @@ def launch(args: argparse.Namespace, command: Callable[[int], list[str]], name: 
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     port = args.master_port or free_port()
-    launch = Launch(command(port), env, getattr(args, "debug", False))
+    launch = Launch(command(port), env, getattr(args, "debug", False), name)
     received: list[str] = []
 
     def signalled(signum, frame):
@@ -166,7 +195,7 @@ def launch(args: argparse.Namespace, command: Callable[[int], list[str]], name: 
         if graceful and len(received) == 1:
             print(f"mistc {name}: {received[0]}: finishing the current step and saving a checkpoint "
                   f"(signal again to stop at once)", file=sys.stderr, flush=True)
-            launch.request_stop()
+            launch.request_stop(signum)
             return
         raise KeyboardInterrupt
 
@@ -195,6 +224,7 @@ def launch(args: argparse.Namespace, command: Callable[[int], list[str]], name: 
             print(f"mistc {name}: interrupted ({received[0]}) before a checkpoint could be written; every rank "
                   f"stopped", file=sys.stderr)
             return INTERRUPTED
-        print(f"mistc {name}: error: {launch.failure(code)}", file=sys.stderr)
+        if launch.said is None:
+            print(f"mistc {name}: error: {launch.failure(code)}", file=sys.stderr)
         return FAILED
     return OK

@@ -128,9 +128,12 @@ def train(args: argparse.Namespace, rank: int) -> int:
     engine, vocab = compiled.engine, vocab_size(compiled.program)
     if rank == 0:
         say(f"compiled {args.model} for {plan.world_size} rank(s) in {time.perf_counter() - started:.1f} s")
-    batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, step) for step in range(args.steps)]
+    batches = []  # kept for --check only: a long run draws each batch when it needs it
     losses, gradients = [], None
-    for step, batch in enumerate(batches):
+    for step in range(args.steps):
+        batch = synthetic_batch(vocab, plan.global_batch, plan.seq_len, step)
+        if args.check:
+            batches.append(batch)
         clock = time.perf_counter()
         losses.append(engine.forward_backward(batch))
         if step == 0 and args.check:
@@ -191,11 +194,13 @@ def run_rank(body: Callable[[int], int], *, timeout: float, debug: bool, options
         sys.stderr.flush()
         os._exit(status)
     except Exception as error:  # report, then leave at once: never hang the others
-        from ..runtime.failure import report_failure
+        from ..runtime.failure import blame, report_failure
 
-        reason = f"{type(error).__name__}: {error}"
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        reason = blame(error, rank, world, timeout)
         say(f"rank {rank}: error: {reason}")
-        report_failure(reason, rank)
+        if not reason.startswith("stops because"):
+            report_failure(reason, rank)
         if debug:
             traceback.print_exc()
         sys.stdout.flush()

@@ -13,9 +13,9 @@
   ``multi_get``, and happens only after a failure.
 - a stalled rank (stopped with SIGSTOP, or its process frozen) fails nothing itself, so each rank
   also watches one other, the next rank in a ring (one more read every ``WATCH_EVERY`` heartbeats):
-  a heartbeat that has not changed for ``stall_after_s`` (half the timeout) by the watcher's own
-  clock (no clock is compared across hosts) is reported as a failure of that rank, so the job
-  stops, naming it, within the timeout of the rank's last sign of life.
+  a heartbeat that has not changed for ``stall_after_s`` (half the timeout, at least 10 beats) by
+  the watcher's own clock (no clock is compared across hosts) is reported as a failure of that
+  rank, so the job stops, naming it, within the timeout of the rank's last sign of life.
 
 On NCCL the monitor stays quiet: no heartbeats (NCCL's watchdog already times out and tears down
 a job whose collectives hang, naming the collective), only the one-key check that lets a rank
@@ -31,7 +31,8 @@ from typing import Any, Callable
 HEARTBEAT_S = 1.0
 FAILED_KEY = "mist/failed"
 STALE_AFTER_S = 4 * HEARTBEAT_S
-WATCH_EVERY = 5
+WATCH_EVERY = 4
+STALL_FLOOR_BEATS = 10  # a heartbeat thread starved for a few seconds (a loaded host) is not a stall
 
 
 class FailureMonitor:
@@ -41,12 +42,12 @@ class FailureMonitor:
                  on_peer_failure: Callable[[str], None] | None = None, heartbeats: bool | None = None,
                  store: Any = None, stall_after_s: float | None = None) -> None:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
-        self.stall_after_s = timeout_s / 2 if stall_after_s is None else stall_after_s
+        self.stall_after_s = max(timeout_s / 2, STALL_FLOOR_BEATS * HEARTBEAT_S) if stall_after_s is None else stall_after_s
         self._watched = (rank + 1) % world if world > 1 else None
         self._watched_value: bytes | None = None
         self._watched_since = 0.0
         self.on_peer_failure = on_peer_failure or (lambda message: _exit_on_peer_failure(message, rank))
-        self.store = store if store is not None else _default_store()
+        self.store = store if store is not None else _default_store(own_connection=True)
         self.heartbeats = _backend_has_no_watchdog() if heartbeats is None else heartbeats
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -134,7 +135,7 @@ class FailureMonitor:
         if not self.store.check(keys):
             for rank, key in zip(others, keys):
                 if not self.store.check([key]):
-                    return rank, "never started"
+                    return rank, "never sent a heartbeat (stalled or killed during start-up)"
         now = time.time()
         for rank, beat in zip(others, self.store.multi_get(keys)):
             if now - float(beat.decode()) > STALE_AFTER_S:
@@ -143,6 +144,20 @@ class FailureMonitor:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def blame(error: BaseException, rank: int, world: int, timeout_s: float) -> str:
+    """The line for ``error`` on ``rank``: when it is a failure to reach a peer (a timeout during set-up,
+    say), the rank that reported a failure or stopped beating is named first."""
+    what = f"{type(error).__name__}: {error}"
+    if world < 2 or not is_transfer_error(error):
+        return what
+    monitor = FailureMonitor(rank, world, timeout_s, on_peer_failure=lambda message: None, heartbeats=True)
+    try:
+        found = monitor.find_failed_rank()
+    finally:
+        monitor.stop()
+    return what if found is None or found[0] == rank else f"stops because rank {found[0]} failed: {found[1]} (here: {what})"
 
 
 def report_failure(message: str, rank: int, store: Any = None) -> None:
@@ -183,10 +198,19 @@ def is_transfer_error(error: BaseException) -> bool:
     return any(marker in text for marker in markers)
 
 
-def _default_store() -> Any:
+def _default_store(own_connection: bool = False) -> Any:
+    """The rendezvous store; ``own_connection``: a clone for the monitor thread, so it is never queued
+    behind the main thread's own store requests (gloo's connection set-up waits on the store for up to
+    the timeout, and a store client serves one request at a time)."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
-        return _get_default_store()
+        store = _get_default_store()
     except Exception:
         return None
+    if own_connection:
+        try:
+            return store.clone()
+        except Exception:
+            pass
+    return store
