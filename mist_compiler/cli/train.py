@@ -99,12 +99,7 @@ def validate(args: argparse.Namespace) -> dict:
     from ..training.save_dir import read_meta, resolve
 
     run_command.validate_launch(args)
-    for name, low in (("save_every", 0), ("warmup", 0), ("log_every", 1), ("keep_last", 0), ("max_bad_steps", 1)):
-        if getattr(args, name) < low:
-            raise RunArgumentError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
-    for name in ("save_every", "keep_last", "overwrite", "blocking_save"):
-        if getattr(args, name) and not args.save_dir:
-            raise RunArgumentError(f"--{name.replace('_', '-')} needs --save-dir")
+    _check_numbers(args)
     if args.resume_exact and not args.resume:
         raise RunArgumentError("--resume-exact needs --resume")
     if args.overwrite and args.resume and _inside(args.resume, args.save_dir):
@@ -150,6 +145,30 @@ def validate(args: argparse.Namespace) -> dict:
     sampler.check_vocab(vocab)
     _check_room(args, _param_count(args.model, plan.seq_len))
     return {"model": args.model, "plan": plan.to_dict(), "train": config.to_dict()}
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Counts within range and rates finite, each error naming its flag (before anything slow)."""
+    from ..ir.plan import MAX_INT
+
+    counts = {"steps": 1, "save_every": 0, "warmup": 0, "log_every": 1, "keep_last": 0, "max_bad_steps": 1, "seed": 0}
+    for name, low in counts.items():
+        value = getattr(args, name)
+        if not low <= value <= MAX_INT:
+            raise RunArgumentError(f"--{name.replace('_', '-')} must be in {low}..{MAX_INT}, got {value}")
+    finite = lambda value: value == value and abs(value) != float("inf")  # noqa: E731
+    rates = {"lr": args.lr, "clip": args.clip, "weight_decay": args.weight_decay,
+             **({"min_lr": args.min_lr} if args.min_lr is not None else {})}
+    for name, value in rates.items():
+        if not (finite(value) and value >= 0):
+            raise RunArgumentError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if args.min_lr is not None and args.min_lr > args.lr:
+        raise RunArgumentError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.peak_tflops is not None and not (finite(args.peak_tflops) and args.peak_tflops > 0):
+        raise RunArgumentError(f"--peak-tflops must be a finite number > 0, got {args.peak_tflops}")
+    for name in ("save_every", "keep_last", "overwrite", "blocking_save"):
+        if getattr(args, name) and not args.save_dir:
+            raise RunArgumentError(f"--{name.replace('_', '-')} needs --save-dir")
 
 
 def _inside(path: str, directory: str) -> bool:

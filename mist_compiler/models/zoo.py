@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .hf_config_checks import RawConfig, config_problem
 from .initialize import has_init_rule, initialize
 from .transformer import TransformerConfig, TransformerLM
 
@@ -116,13 +117,22 @@ def _hf_builder(path: str) -> Callable[[], nn.Module]:
         if model_type not in CONFIG_MAPPING:
             raise ModelSpecError(f"hf:{path}: model_type {model_type!r} is not an architecture transformers "
                                  f"{transformers.__version__} knows")
+        problem = config_problem(RawConfig(data))  # before transformers divides by a zero head count
+        if problem is not None:
+            raise ModelSpecError(f"hf:{path}: config field {problem}")
         try:
             config = transformers.AutoConfig.from_pretrained(
                 os.path.dirname(os.path.abspath(path)) if os.path.basename(path) == "config.json" else path)
+            problem = config_problem(config)
+            if problem is not None:
+                raise ModelSpecError(f"hf:{path}: config field {problem}")
             return transformers.AutoModelForCausalLM.from_config(config)
-        except (ValueError, KeyError, OSError, TypeError) as error:  # transformers' text spans paragraphs
-            first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
-            raise ModelSpecError(f"hf:{path} (model_type {model_type!r}): {first}") from None
+        except ModelSpecError:
+            raise
+        except Exception as error:  # noqa: BLE001 (transformers' validators raise their own classes; text spans paragraphs)
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            text = " ".join(lines[:3])[:400] if lines else type(error).__name__
+            raise ModelSpecError(f"hf:{path} (model_type {model_type!r}): {text}") from None
 
     return build
 
@@ -133,6 +143,12 @@ def _factory_builder(spec: str) -> Callable[[], nn.Module]:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ModelSpecError(f"cannot import module {module_name!r} for model factory {spec!r}: {error}") from None
+    except SyntaxError as error:
+        raise ModelSpecError(f"model factory {spec!r}: {error.filename} line {error.lineno} does not parse: "
+                             f"{error.msg}") from None
+    except Exception as error:  # the user's module-level code: report it in one line, naming the module
+        raise ModelSpecError(f"model factory {spec!r}: importing {module_name} raised {type(error).__name__}: "
+                             f"{error}") from None
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise ModelSpecError(f"model factory {spec!r}: {module_name} has no callable {function_name!r}")

@@ -36,6 +36,7 @@ from torch import nn
 from ..ir.plan import Plan, PlanError, load_plan
 from ..runtime.engine import DEFAULT_TIMEOUT_S, Engine
 from ..runtime.optimizer import AdamWConfig
+from .option_checks import check_option_values, check_plan_model
 
 PLAN_OPTIONS = {"plan"}
 TUNING_OPTIONS = {"hardware", "nodes", "gpus_per_node", "global_batch", "seq_len", "dtype", "attention"}
@@ -76,6 +77,7 @@ def parse_options(options: dict) -> dict[str, Any]:
     unknown = sorted(set(options) - KNOWN_OPTIONS - {"name"})
     if unknown:
         raise DynamoRuntimeError(f"mist backend: unknown option(s) {unknown}; known: {sorted(KNOWN_OPTIONS)}")
+    check_option_values(options)
     settings: dict[str, Any] = {"timeout_s": float(options.get("timeout_s", DEFAULT_TIMEOUT_S))}
     if options.get("device") is not None:
         settings["device"] = options["device"]
@@ -89,9 +91,6 @@ def parse_options(options: dict) -> dict[str, Any]:
     missing = sorted({"hardware", "global_batch"} - set(options))
     if missing:
         raise DynamoRuntimeError(f"mist backend: option(s) {missing} are needed to tune a plan (or give 'plan')")
-    for name in ("nodes", "gpus_per_node", "global_batch", "seq_len"):
-        if name in options and not (isinstance(options[name], int) and options[name] >= 1):
-            raise DynamoRuntimeError(f"mist backend: option {name!r} must be a positive integer, got {options[name]!r}")
     settings.update({name: options[name] for name in TUNING_OPTIONS if name in options})
     return settings
 
@@ -141,6 +140,8 @@ def _engine_for(model: nn.Module, settings: dict) -> Engine:
     from .. import driver
 
     plan = settings.pop("plan", None)
+    if plan is not None:
+        check_plan_model(plan, model)
     runtime = {k: settings.pop(k) for k in list(settings) if k in RUNTIME_OPTIONS}
     compiled = driver.compile_model(model, plan=plan, **settings, **runtime)
     engine = compiled.engine

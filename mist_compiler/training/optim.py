@@ -74,6 +74,16 @@ class OptimConfig:
     weight_decay: float = 0.1
     clip: float = 1.0  # max global gradient norm; 0 disables clipping
 
+    def __post_init__(self) -> None:
+        for name in ("lr", "min_lr", "eps", "weight_decay", "clip"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"optimizer setting {name} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(self.warmup, int) and self.warmup >= 0):
+            raise ValueError(f"optimizer setting warmup must be an integer >= 0, got {self.warmup!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer setting betas must be two numbers in [0, 1), got {self.betas!r}")
+
 
 @dataclass(frozen=True)
 class StepOutcome:
