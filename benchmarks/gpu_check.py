@@ -14,7 +14,7 @@ Sections (each a printed table; ``--out DIR`` also writes them, with the device 
    step after warm-up: ``max_memory_allocated`` against the predicted peak, ``max_memory_reserved``
    beside it (what the headroom must cover);
 3. MFU of gpt2-1.3b and llama-1.3b at sequence 2048 on one device, each with the plan ``tune`` picks
-   for it (``tuner.flops.model_flops_per_iteration`` / (step time x the profile's dense peak));
+   for it (``cost.flops.model_flops_per_iteration`` / (step time x the profile's dense peak));
 4. several devices (when there are 2+): DP, TP, PP and mixed plans over NCCL, checked and timed the same way.
 
 ``--dry-run`` runs the same code on the CPU: gloo ranks instead of NCCL, the ``cpu`` profile, tiny
@@ -166,10 +166,10 @@ def _sync(device: torch.device) -> None:
 def _attention_kernel(engine, plan) -> str:
     from mist_compiler.models import zoo_config
     from mist_compiler.models.attention import attention_kernel
-    from mist_compiler.runtime.device import DTYPES
+    from mist_compiler.ir.vocabulary import TORCH_DTYPES
 
     head_dim = zoo_config(plan.model).head_dim
-    return attention_kernel(torch.empty(1, 1, 1, head_dim, device=engine.device, dtype=DTYPES[plan.dtype]))
+    return attention_kernel(torch.empty(1, 1, 1, head_dim, device=engine.device, dtype=TORCH_DTYPES[plan.dtype]))
 
 
 def run_job(rank: int, world: int, job: Job) -> dict:
@@ -257,13 +257,13 @@ _COST_MODELS: dict = {}
 def predict(plan_data: dict, profile) -> tuple[float, list[float]]:
     """``analyze`` of the plan (one stage cost model per model, sequence and dtype, built once)."""
     from mist_compiler.cost.analyze import analyze
-    from mist_compiler.cost.stage_model import build_stage_cost_model
+    from mist_compiler.driver import price
     from mist_compiler.ir.plan import Plan
 
     plan = Plan.from_dict(plan_data)
     key = (plan.model, plan.seq_len, plan.dtype, profile.name)
     if key not in _COST_MODELS:
-        _COST_MODELS[key] = build_stage_cost_model(plan.model, profile, seq_len=plan.seq_len, dtype=plan.dtype)
+        _COST_MODELS[key] = price(plan.model, profile, seq_len=plan.seq_len, dtype=plan.dtype)[1]
     estimate = analyze(None, plan, profile, cost_model=_COST_MODELS[key])
     return estimate.iteration_time_s, [stage.peak_memory_mb * 1e6 for stage in estimate.stages]
 
@@ -344,7 +344,7 @@ def mfu_section(settings: Settings, profile, log) -> list[dict]:
     from mist_compiler.ir.plan import Plan
     from mist_compiler.models import zoo_config
     from mist_compiler.tuner.api import tune
-    from mist_compiler.tuner.flops import model_flops_per_iteration
+    from mist_compiler.cost.flops import model_flops_per_iteration
 
     rows = []
     dtype = "bfloat16"

@@ -76,7 +76,8 @@ def _largest(exprs) -> float:
 def our_column(name: str, fused: bool, grad_dtype: str) -> Column:
     """Our cost model's peak for the base plan, split into the breakdown's rows."""
     with loss_fusion(fused):
-        from mist_compiler.cost.analysis import analyse_program, capture_program
+        from mist_compiler.cost.analysis import analyse_program
+        from mist_compiler.driver import capture as capture_program
 
         blocks, layers = analyse_program(capture_program(MODEL, seq_len=SEQ, dtype="float16"))
     from mist_compiler.cost.stage_model import StageCostModel

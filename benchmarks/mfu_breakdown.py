@@ -30,14 +30,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sympy  # noqa: E402
 
+from mist_compiler import driver  # noqa: E402
 from mist_compiler.cost.analyze import analyze  # noqa: E402
 from mist_compiler.cost.hardware import load_profile  # noqa: E402
 from mist_compiler.cost.op_time import matmul_time, op_class_time, peak_flops  # noqa: E402
-from mist_compiler.cost.stage_model import build_stage_cost_model  # noqa: E402
 from mist_compiler.ir.plan import Offload, Plan, StagePlan  # noqa: E402
+from mist_compiler.models import resolve_model  # noqa: E402
 from mist_compiler.passes.cost_annotation import B, S, T  # noqa: E402
-from mist_compiler.tuner.api import tune, workload_of  # noqa: E402
-from mist_compiler.tuner.flops import model_flops_per_iteration  # noqa: E402
+from mist_compiler.cost.flops import model_flops_per_iteration  # noqa: E402
 
 CLASS_GROUPS = {"matmul": "GEMM", "attention": "attention"}  # everything else: elementwise and norms
 
@@ -62,7 +62,7 @@ def layer_table(cost_model, profile, dtype: str, seq: int, tp: int, micro_batch:
 
 def layer_flops(config, seq: int, tp: int, micro_batch: int) -> float:
     """Model FLOPs of one layer, one micro-batch, forward + backward, on one tensor-parallel rank: the
-    count of whole plans' MFU (``tuner.flops``) less the embeddings' and head's 6 N per token."""
+    count of whole plans' MFU (``cost.flops``) less the embeddings' and head's 6 N per token."""
     plan = Plan(model="layer", seq_len=seq, global_batch=micro_batch, dtype="bfloat16", grad_accum=1,
                 stages=(StagePlan(layers=(0, config.layers), nodes=1, gpus_per_node=1, micro_batch=micro_batch,
                                   dp=1, tp=1),))
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "bfloat16"
     profile = load_profile(args.hardware)
     peak = peak_flops(profile, dtype)
-    cost_model = build_stage_cost_model(args.model, profile, seq_len=args.seq, dtype=dtype)
-    _, config = workload_of(args.model, args.seq, args.global_batch, dtype)
+    program, cost_model = driver.price(args.model, profile, seq_len=args.seq, dtype=dtype)
+    config = resolve_model(args.model, args.seq).config  # vocabulary and head tying for the layer's FLOPs
 
     print(f"1. one layer of {args.model}, micro-batch 1, seq {args.seq}, TP {args.tp}, {dtype}, {args.hardware} "
           f"(forward + backward, no recomputation)")
@@ -134,16 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     layers = config.layers
     for ckpt in range(0, (layers + 2) // args.pp + 1):
         plan = published_plan(args.model, args.seq, args.global_batch, args.tp, args.pp, args.dp, ckpt, layers)
-        estimate = analyze(args.model, plan, profile, cost_model=cost_model)
+        estimate = analyze(program, plan, profile, cost_model=cost_model)
         iteration_flops = model_flops_per_iteration(config, plan)
         if all(stage.missing_mb <= 0 for stage in estimate.stages) or ckpt == (layers + 2) // args.pp:
             print(plan_row("published layout", plan, estimate, iteration_flops, peak))
             break
     if not args.no_tune:
         nodes = args.dp * args.tp * args.pp // 8
-        result = tune(args.model, profile, nodes, 8, args.global_batch, seq_len=args.seq, dtype=dtype,
-                      cost_model=cost_model)
-        estimate = analyze(args.model, result.plan, profile, cost_model=cost_model)
+        result = driver.tune(program, cost_model, nodes=nodes, gpus_per_node=8, global_batch=args.global_batch,
+                             seq_len=args.seq)
+        estimate = analyze(program, result.plan, profile, cost_model=cost_model)
         print(plan_row("tuned (mistc tune)", result.plan, estimate, iteration_flops, peak))
     print("\ncompute / comm / bubble: the busiest stage's seconds per iteration (compute includes recomputation)")
     return 0

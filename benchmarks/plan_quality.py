@@ -20,9 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mist_compiler.cost.stage_model import build_stage_cost_model  # noqa: E402
-from mist_compiler.tuner.api import tune  # noqa: E402
-from mist_compiler.tuner.baselines import BASELINE_SPACES, tune_baseline  # noqa: E402
+from mist_compiler import driver  # noqa: E402
+from mist_compiler.tuner.baselines import BASELINE_SPACES  # noqa: E402
 from mist_compiler.tuner.space import TuneError  # noqa: E402
 
 SIZES = [("1.3b", 1, 2, 32), ("2.7b", 1, 4, 64), ("7b", 1, 8, 128), ("13b", 2, 8, 256), ("22b", 4, 8, 512)]
@@ -38,11 +37,12 @@ def grid() -> list[tuple[str, str, int, int, int]]:
 
 def evaluate_case(model: str, hardware: str, nodes: int, gpus: int, batch: int) -> dict:
     seq = HARDWARE[hardware]
-    cost_model = build_stage_cost_model(model, hardware, seq_len=seq)
+    program, cost_model = driver.price(model, hardware, seq_len=seq)
+    cluster = dict(nodes=nodes, gpus_per_node=gpus, global_batch=batch, seq_len=seq)
     clock = time.perf_counter()
     row = {"model": model, "hardware": hardware, "gpus": nodes * gpus, "batch": batch, "seq": seq}
     try:
-        tuned = tune(model, hardware, nodes, gpus, batch, seq_len=seq, cost_model=cost_model)
+        tuned = driver.tune(program, cost_model, **cluster)
     except TuneError as error:
         row["error"] = str(error)
         return row
@@ -52,7 +52,7 @@ def evaluate_case(model: str, hardware: str, nodes: int, gpus: int, batch: int) 
     row["plan"] = f"S={tuned.plan.pp} G={tuned.plan.grad_accum}"
     for name in BASELINE_SPACES:
         try:
-            baseline = tune_baseline(name, model, hardware, nodes, gpus, batch, seq_len=seq, cost_model=cost_model)
+            baseline = driver.tune(program, cost_model, **cluster, baseline=name)
             row[name] = baseline.predicted_time_s
         except TuneError:
             row[name] = None  # the baseline has no plan that fits

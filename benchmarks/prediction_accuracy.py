@@ -286,7 +286,7 @@ def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, meas
 
     from mist_compiler.models import build_model
     from mist_compiler.profiling.live_memory import DevicePeakMemory
-    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler import compile as compile_plan
     from mist_compiler.verify.check import synthetic_batch
     from mist_compiler.verify.check import vocab_size as model_vocab
 
@@ -352,7 +352,7 @@ def predict_plan(config: PlanConfig, hardware: HardwareProfile) -> Outcome:
 
     blocks, num_layers = _analysed(config.model, config.dtype)
     cost_model = StageCostModel(blocks, hardware, config.seq_len, config.dtype, config.attention, config.model, num_layers)
-    estimate = analyze(config.model, config.plan(), hardware, cost_model=cost_model, attention=config.attention)
+    estimate = analyze(None, config.plan(), hardware, cost_model=cost_model, attention=config.attention)
     peaks = [stage.peak_memory_mb * 1e6 for stage in estimate.stages]
     return Outcome(estimate.iteration_time_s, max(peaks), peaks)
 

@@ -93,7 +93,7 @@ def timed(step: Callable[[int], None], steps: int, warmup: int, device: torch.de
 
 # ------------------------------------------------------------------------------ mist
 def run_mist(cfg: Config, args, device: torch.device) -> float:
-    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler import compile as compile_plan
 
     plan = make_plan(cfg, args.model, zoo_config(args.model).layers, args.batch, args.seq)
     engine = compile_plan(build_model(args.model, seq_len=args.seq), plan, optimizer=ADAMW, device=device)

@@ -62,7 +62,7 @@ def measure_rank(plan_json: str, rank: int, device: str) -> dict:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the 'fake' backend)
 
     from mist_compiler.ir.plan import Plan
-    from mist_compiler.runtime.engine import Engine
+    from mist_compiler import compile as compile_plan
 
     plan = Plan.from_dict(json.loads(plan_json))
     before = rss_bytes()
@@ -70,7 +70,7 @@ def measure_rank(plan_json: str, rank: int, device: str) -> dict:
         raise SystemExit("the process's resident set peaked before start-up; the host peak would be wrong")
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=plan.world_size)
     start = time.perf_counter()
-    engine = Engine(plan.model, plan, device=device, timeout_s=600)
+    engine = compile_plan(plan.model, plan, device=device, timeout_s=600)
     seconds = time.perf_counter() - start
     report = engine.runtime.memory_report()
     kept = sum(report["device"].values()) + sum(report["host"].values())

@@ -56,16 +56,15 @@ CLUSTERS = [
 def run_case(model: str, hardware: str, nodes: int, gpus: int, batch: int, seq: int, dtype: str,
              space: SearchSpace, baseline: bool) -> dict:
     """Analyse, tune and (optionally) tune the Megatron-style baseline; the numbers of one row."""
-    from mist_compiler.cost.stage_model import build_stage_cost_model
-    from mist_compiler.tuner.api import tune
-    from mist_compiler.tuner.baselines import tune_baseline
+    from mist_compiler import driver
     from mist_compiler.tuner.space import TuneError
 
     clock = time.perf_counter()
-    cost_model = build_stage_cost_model(model, hardware, seq_len=seq, dtype=dtype)
+    program, cost_model = driver.price(model, hardware, seq_len=seq, dtype=dtype)
     analysis = time.perf_counter() - clock
     wall, cpu = time.perf_counter(), time.process_time()
-    result = tune(model, hardware, nodes, gpus, batch, seq_len=seq, space=space, dtype=dtype, cost_model=cost_model)
+    result = driver.tune(program, cost_model, nodes=nodes, gpus_per_node=gpus, global_batch=batch, seq_len=seq,
+                         space=space)
     row = {
         "model": model, "hardware": hardware, "gpus": nodes * gpus, "batch": batch, "seq": seq,
         "analysis_s": analysis, "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
@@ -78,8 +77,8 @@ def run_case(model: str, hardware: str, nodes: int, gpus: int, batch: int, seq: 
     if baseline:
         clock = time.process_time()
         try:
-            megatron = tune_baseline("megatron", model, hardware, nodes, gpus, batch, seq_len=seq, dtype=dtype,
-                                     cost_model=cost_model)
+            megatron = driver.tune(program, cost_model, nodes=nodes, gpus_per_node=gpus, global_batch=batch,
+                                   seq_len=seq, baseline="megatron")
             row["megatron_s"] = megatron.predicted_time_s
             row["megatron_plan"] = (f"TP{megatron.plan.stages[0].tp} PP{megatron.plan.pp} DP{megatron.plan.stages[0].dp} "
                                     f"mb{megatron.plan.stages[0].micro_batch} G{megatron.plan.grad_accum} "

@@ -1,26 +1,29 @@
-"""The compiler in one list: capture -> analysis -> tune -> lowering -> runtime.
+"""The compiler in one list: capture -> analysis -> tune -> check -> lowering -> runtime.
 
-:func:`compile_model` is the whole pipeline, used alike by the command line, the Python API and
-the ``torch.compile`` backend; each step is one call into the sub-package that owns it::
+:func:`compile_model` is the whole pipeline, used alike by the command line, the Python API, the
+Trainer and the ``torch.compile`` backend; each step is one call into the sub-package that owns it::
 
-    program = capture(model)                  # frontend: one trace -> IR + the program that runs
-    cost_model = analyse(program, hardware)   # analysis passes -> vectorised time/memory model
-    plan = tune(cost_model, cluster)          # tuner (skipped when a plan is given)
-    check_plan(program, plan)                 # the plan fits the captured model; TP splits proven
-    engine = Engine(program, plan)            # lowering passes + runtime, this rank's part
+    program = capture(model)                  # frontend: one trace -> the captured program (MistProgram)
+    cost_model = analyse(program, hardware)   # cost: analysis passes -> vectorised time/memory model
+    plan = tune(cost_model, cluster)          # tuner (skipped when a plan is given) -> Plan
+    check_plan(program, plan)                 # verify: the plan fits the captured model; TP splits proven
+    world = join_world(plan)                  # runtime: this rank's device and process groups
+    stage = lower(program, plan, world)       # lowering passes -> this rank's StageProgram, its weights
+    engine = Engine(stage, plan, world)       # runtime: schedules, ZeRO, offload, AdamW
 
 ``until`` stops early (``"plan"``: nothing runs, for ``mistc tune``/``analyze`` and the parent of
-``mistc run``, which checks the plan before it starts any rank).
+``mistc run``, which checks the plan, proofs included, before it starts any rank; the ranks
+check it again without the proofs).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .ir.plan import Plan, PlanError, load_plan
 from .ir.program import MistProgram
-
-DEFAULT_DTYPE = "bfloat16"
+from .ir.vocabulary import DEFAULT_DTYPE
 
 
 @dataclass
@@ -85,15 +88,18 @@ def workload(program: MistProgram, global_batch: int, seq_len: int):
 
 
 def tune(program: MistProgram, cost_model, *, nodes: int, gpus_per_node: int, global_batch: int, seq_len: int,
-         space=None, progress: Callable[[str], None] | None = None):
-    """Step 3 (tuner): the fastest plan the cost model predicts, and why."""
+         space=None, baseline: str | None = None, progress: Callable[[str], None] | None = None):
+    """Step 3 (tuner): the fastest plan the cost model predicts, and why (``baseline``: the best plan
+    of a baseline's restricted spaces instead, e.g. ``megatron``, see ``tuner.baselines``)."""
     from .tuner.api import tune as search
+    from .tuner.baselines import tune_baseline
+    from .tuner.space import Cluster
 
-    result = search(program.model_name, cost_model.hardware, nodes, gpus_per_node, global_batch, seq_len=seq_len,
-                    space=space, dtype=program.dtype, attention=cost_model.attention, cost_model=cost_model,
-                    progress=progress, workload=workload(program, global_batch, seq_len))
-    result.model_config = ir_shape(program)
-    return result
+    work, cluster, shape = workload(program, global_batch, seq_len), Cluster(nodes, gpus_per_node), ir_shape(program)
+    if baseline is None:
+        return search(cost_model, work, cluster, space=space, progress=progress, model_config=shape)
+    return tune_baseline(baseline, cost_model, work, cluster, progress=progress, space_override=space,
+                         model_config=shape)
 
 
 def check_sequence(program: MistProgram, seq_len: int, field: str = "--seq") -> None:
@@ -102,8 +108,7 @@ def check_sequence(program: MistProgram, seq_len: int, field: str = "--seq") -> 
         raise PlanError(f"{field}: {seq_len} exceeds the {program.max_positions} positions {program.model_name} takes")
 
 
-def check_plan(program: MistProgram, plan: Plan, *, model_name: str | None = None, prove: bool = True,
-               buffers=None) -> None:
+def check_plan(program: MistProgram, plan: Plan, *, model_name: str | None = None, prove: bool = True) -> None:
     """Step 4: refuse a plan made for another model or one the captured model cannot run."""
     from .lowering.lower import check_plan_against_program
     from .verify.tp_check import prove_tensor_parallel
@@ -113,18 +118,35 @@ def check_plan(program: MistProgram, plan: Plan, *, model_name: str | None = Non
     check_plan_against_program(plan, program)
     if prove:
         for degree in sorted({stage.tp for stage in plan.stages} - {1}):
-            prove_tensor_parallel(program, degree, buffers)
+            prove_tensor_parallel(program, degree)
+
+
+def lower(program: MistProgram, plan: Plan, world, model=None, source=None):
+    """Step 6 (lowering): this rank's stage program, its modules holding this rank's slices of the
+    weights of ``source`` (default: the module's own tensors, or a model name's initialisation)."""
+    from .lowering.lower import lower as lower_program
+    from .lowering.materialize import tensor_source
+
+    source = source if source is not None else tensor_source(model, plan.seq_len)
+    return lower_program(program, plan, world.coord, source, device=world.device, tp_group=world.tp_group)
 
 
 def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes: int = 1, gpus_per_node: int = 1,
                   global_batch: int | None = None, seq_len: int | None = None, dtype: str | None = None,
-                  attention: str = "flash", space=None, until: str = "run", model_name: str | None = None,
-                  progress: Callable[[str], None] | None = None, program: MistProgram | None = None,
-                  **runtime: Any) -> Compiled:
-    """The whole pipeline (see the module docstring). ``model``: an ``nn.Module`` (trained in
-    place of its own weights) or a model name; ``plan``: run this plan instead of tuning."""
+                  attention: str = "flash", space=None, baseline: str | None = None, grad_dtype: str = "float32",
+                  until: str = "run", model_name: str | None = None, progress: Callable[[str], None] | None = None,
+                  program: MistProgram | None = None, prove: bool = True, optimizer=None, device=None,
+                  timeout_s: float | None = None, source=None) -> Compiled:
+    """The whole pipeline (see the module docstring). ``model``: an ``nn.Module`` (trained from its
+    own weights) or a model name; ``plan``: run this plan instead of tuning (else tune for
+    ``hardware`` and the cluster, in ``space`` or a ``baseline``'s spaces, with ``grad_dtype``
+    gradients); ``optimizer`` (AdamW
+    settings), ``device``, ``timeout_s`` and ``source`` (where the initial weights come from) are for
+    the runtime."""
     if isinstance(plan, str):
         plan = load_plan(plan)
+    if plan is not None and not isinstance(plan, Plan):
+        raise PlanError(f"plan: expected a Plan or a path to a plan file, got {type(plan).__name__}")
     dtype = plan.dtype if plan is not None else (dtype or DEFAULT_DTYPE)
     seq_len = plan.seq_len if plan is not None else seq_len
     program = program or capture(model, dtype=dtype, attention=attention, seq_len=seq_len, analyse=plan is None)
@@ -134,28 +156,43 @@ def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes
             raise PlanError("without a plan, compiling needs the hardware and the global batch to tune one")
         seq = seq_len or program.seq_len
         check_sequence(program, seq, "seq_len")
-        cost_model = analyse(program, hardware, seq_len=seq, attention=attention)
+        started = time.perf_counter()
+        cost_model = analyse(program, hardware, seq_len=seq, attention=attention, grad_dtype=grad_dtype)
+        analysis_s = time.perf_counter() - started
         tuning = tune(program, cost_model, nodes=nodes, gpus_per_node=gpus_per_node, global_batch=global_batch,
-                      seq_len=seq, space=space, progress=progress)
+                      seq_len=seq, space=space, baseline=baseline, progress=progress)
+        tuning.stats["analysis_s"] = analysis_s
         plan = tuning.plan
-    check_plan(program, plan, model_name=model_name, prove=runtime.pop("prove", True))
+    check_plan(program, plan, model_name=model_name, prove=prove)
     compiled = Compiled(program, plan, tuning, cost_model)
     if until == "plan":
         return compiled
     from .runtime.engine import Engine
+    from .runtime.world import DEFAULT_TIMEOUT_S, join_world
 
-    compiled.engine = Engine(model, plan, program=program, **runtime)
+    world = join_world(plan, tied=bool(program.model_graph.tied_parameters()), device=device,
+                       timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    stage = lower(program, plan, world, model, source)
+    compiled.engine = Engine(stage, plan, world, optimizer=optimizer)
     return compiled
 
 
 def tune_model(model, hardware, *, nodes: int = 1, gpus_per_node: int = 1, global_batch: int, seq_len: int | None = None,
-               dtype: str = DEFAULT_DTYPE, attention: str = "flash", space=None,
-               progress: Callable[[str], None] | None = None):
+               dtype: str = DEFAULT_DTYPE, attention: str = "flash", space=None, baseline: str | None = None,
+               grad_dtype: str = "float32", progress: Callable[[str], None] | None = None):
     """``mist_compiler.tune``: the pipeline up to the plan; returns the tuner's result (plan, times, why)."""
     compiled = compile_model(model, hardware=hardware, nodes=nodes, gpus_per_node=gpus_per_node,
                              global_batch=global_batch, seq_len=seq_len, dtype=dtype, attention=attention, space=space,
-                             until="plan", progress=progress, prove=False)
+                             baseline=baseline, grad_dtype=grad_dtype, until="plan", progress=progress, prove=False)
     return compiled.tuning
+
+
+def price(model, hardware, *, seq_len: int, dtype: str = DEFAULT_DTYPE, attention: str = "flash",
+          grad_dtype: str = "float32") -> tuple[MistProgram, Any]:
+    """Steps 1 and 2 for benchmarks and tools that search or price many plans of one model: the
+    captured program and its stage cost model on ``hardware``."""
+    program = capture(model, dtype=dtype, attention=attention, seq_len=seq_len)
+    return program, analyse(program, hardware, seq_len=seq_len, attention=attention, grad_dtype=grad_dtype)
 
 
 def analyze_plan(model, plan: Plan | str, hardware, *, attention: str = "flash"):
@@ -172,10 +209,14 @@ def analyze_plan(model, plan: Plan | str, hardware, *, attention: str = "flash")
     return analyze(program, plan, hardware, attention=attention)
 
 
-def build_engine(model, plan: Plan | str, **runtime: Any):
-    """``mist_compiler.compile``: this rank's training engine for ``model`` under ``plan``."""
-    return compile_model(model, plan=plan, **runtime).engine
+def build_engine(model, plan: Plan | str, *, optimizer=None, device=None, timeout_s: float | None = None,
+                 source=None):
+    """``mist_compiler.compile``: this rank's training engine for ``model`` (a module, trained from its
+    own weights, or a model name, built and initialised shard by shard) under ``plan`` (a Plan or a
+    path). Collective under torchrun: every rank calls it."""
+    return compile_model(model, plan=plan, optimizer=optimizer, device=device, timeout_s=timeout_s,
+                         source=source).engine
 
 
 __all__ = ["Compiled", "IRShape", "analyse", "analyze_plan", "build_engine", "capture", "check_plan", "compile_model",
-           "ir_shape", "tune", "tune_model", "workload"]
+           "ir_shape", "lower", "price", "tune", "tune_model", "workload"]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import yaml
 
-from mist_compiler.cost import analyze_command
-from mist_compiler.cost.analyze import analyze
+from mist_compiler.cli import analyze as analyze_command
+from mist_compiler import analyze
 from mist_compiler.cost.hardware import load_profile
 from mist_compiler.cost.stage_api import pipeline_iteration_time
 from mist_compiler.ir.plan import Plan, PlanError

@@ -23,7 +23,7 @@ def test_dump_after_each_lowering_pass(llama_tiny_program):
     after_ckpt = dump_lowered(llama_tiny_program, PLAN, "checkpoint")
     assert after_ckpt.count("checkpoint_block(") == 1 and "checkpointed" in after_ckpt
     after_offload = dump_lowered(llama_tiny_program, PLAN, "offload_insertion")
-    assert "UnitOffload(weights=0.5" in after_offload
+    assert "Offload(weights=0.5" in after_offload
 
 
 def test_unknown_pass_is_named(llama_tiny_program):

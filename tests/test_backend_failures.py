@@ -33,7 +33,7 @@ def _failing_worker(rank: int, world: int, port: int, mode: str, out_dir: str) -
     os.dup2(log, 1)
     torch.set_num_threads(1)
     from mist_compiler.models import build_model
-    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler import compile as compile_plan
     from mist_compiler.verify.check import synthetic_batch
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -123,7 +123,7 @@ def _count_forward_calls(model):
 
 def test_plan_for_another_world_size_is_rejected_before_compute():
     from mist_compiler.models import build_model
-    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler import compile as compile_plan
 
     _single_rank_group()
     try:
@@ -138,7 +138,7 @@ def test_plan_for_another_world_size_is_rejected_before_compute():
 
 def test_plan_for_another_model_is_rejected_before_compute():
     from mist_compiler.models import build_model
-    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler import compile as compile_plan
 
     data = _plan(2).to_dict()
     data["stages"] = [{**data["stages"][0], "layers": [0, 6], "gpus_per_node": 1, "dp": 1, "micro_batch": 4}]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from mist_compiler.frontend import ir_command
+from mist_compiler.cli import ir as ir_command
 from mist_compiler.models import parameter_count, zoo_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,10 +30,10 @@ def test_json_summary_of_a_mid_size_model(capsys):
     assert document["block_classes"] == 3 and document["layers"] == cfg.layers
     assert [b["kind"] for b in document["blocks"]] == ["pre"] + ["layer"] * cfg.layers + ["post"]
     assert sum(b["params"] for b in document["blocks"]) == document["params"]
-    assert document["dtype"] == "float16" and document["attention"] == "flash"
+    assert document["dtype"] == "bfloat16" and document["attention"] == "flash"  # the one default dtype
     layer = next(c for c in document["classes"] if c["kind"] == "layer")
     assert layer["blocks"] == list(range(cfg.layers))
-    # fp16 GPT layer, flash: (8h + 2*ffn + 4 LayerNorm stats) * 2 bytes + 4 bytes of log-sum-exp per head
+    # bf16 GPT layer, flash: (8h + 2*ffn + 4 LayerNorm stats) * 2 bytes + 4 bytes of log-sum-exp per head
     per_token = (8 * cfg.hidden + 2 * cfg.ffn + 4) * 2 + 4 * cfg.heads
     assert layer["saved_bytes"] == 2 * 128 * per_token
     assert layer["saved_bytes_expr"] == f"{per_token}*b*s"
@@ -68,7 +68,7 @@ def test_bad_arguments_are_named(capsys):
 
 
 def _measure(model: str) -> tuple[float, float, int, dict]:
-    script = ("import argparse, sys; from mist_compiler.frontend import ir_command; p = argparse.ArgumentParser(); "
+    script = ("import argparse, sys; from mist_compiler.cli import ir as ir_command; p = argparse.ArgumentParser(); "
               "ir_command.add_arguments(p); sys.exit(ir_command.run(p.parse_args(sys.argv[1:])))")
     result = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", script, model, "--json"],
                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=300)

@@ -9,14 +9,20 @@ import pytest
 
 from mist_compiler.cost.stage_api import StageCandidates
 from mist_compiler.cost.stage_model import StageModelError, build_stage_cost_model
+from mist_compiler.driver import capture
 from mist_compiler.passes.cost_annotation import Sharding
 
 SEQ = 128
 
 
 @pytest.fixture(scope="module")
-def model():
-    return build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="float32")
+def program():
+    return capture("gpt-tiny", seq_len=SEQ, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def model(program):
+    return build_stage_cost_model(program, "l4", seq_len=SEQ)
 
 
 def one(**overrides) -> StageCandidates:
@@ -81,7 +87,8 @@ def test_tensor_parallel_degree_must_divide_heads(model):
 
 
 def test_math_attention_costs_time_and_memory(model):
-    math = build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="float32", attention="math")
+    math = build_stage_cost_model(capture("gpt-tiny", seq_len=SEQ, dtype="float32", attention="math"), "l4",
+                                  seq_len=SEQ, attention="math")
     flash_estimate, math_estimate = model.evaluate(one()), math.evaluate(one())
     assert math_estimate.stable_s[0] > flash_estimate.stable_s[0]
     assert math_estimate.breakdown["acts"][0] > flash_estimate.breakdown["acts"][0]
@@ -148,15 +155,17 @@ def test_gradient_buffer_passes_are_priced(model):
     assert growth[2] == pytest.approx(growth[0] / 4)
 
 
-def test_bad_arguments_name_the_field():
+def test_bad_arguments_name_the_field(program):
     with pytest.raises(StageModelError, match="attention"):
-        build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="float32", attention="paged")
+        build_stage_cost_model(program, "l4", seq_len=SEQ, attention="paged")
     with pytest.raises(StageModelError, match="seq_len"):
-        build_stage_cost_model("gpt-tiny", "l4", seq_len=0, dtype="float32")
+        build_stage_cost_model(program, "l4", seq_len=0)
     with pytest.raises(ValueError, match="dtype"):
-        build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ, dtype="int8")
+        build_stage_cost_model(program, "l4", seq_len=SEQ, dtype="int8")
     with pytest.raises(ValueError, match="unknown hardware"):
-        build_stage_cost_model("gpt-tiny", "no-such-gpu", seq_len=SEQ, dtype="float32")
+        build_stage_cost_model(program, "no-such-gpu", seq_len=SEQ)
+    with pytest.raises(StageModelError, match="captured program"):
+        build_stage_cost_model("gpt-tiny", "l4", seq_len=SEQ)
 
 
 def test_memory_knobs_are_monotone(model):

@@ -56,7 +56,7 @@ def test_a_step_waits_for_the_device_once_whatever_the_micro_batch_count(monkeyp
 
     from mist_compiler.ir.plan import Plan
     from mist_compiler.models import build_model
-    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler import compile as compile_plan
     from mist_compiler.verify.check import synthetic_batch
 
     if not dist.is_initialized():

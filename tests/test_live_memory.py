@@ -69,7 +69,7 @@ def test_backward_is_seen():
 
 def _peak_rank(rank: int, world: int, plan: Plan) -> float:
     from mist_compiler.models import build_model
-    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler import compile as compile_plan
     from mist_compiler.verify.check import synthetic_batch
     from mist_compiler.verify.check import vocab_size as model_vocab
 
@@ -113,7 +113,7 @@ def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype:
 ], ids=["zero3-ckpt", "zero2-offload-accumulate", "pipeline", "tp2-ckpt", "pipeline-bf16-accumulate",
         "pipeline-dp2-zero2-bf16"])
 def test_backend_peak_matches_the_memory_model(plan):
-    from mist_compiler.cost.analyze import analyze
+    from mist_compiler import analyze
     from mist_compiler.cost.hardware import load_profile
     from mist_compiler.ir.topology import Topology
 

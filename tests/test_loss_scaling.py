@@ -45,7 +45,7 @@ def test_only_float16_is_scaled():
 
 def _fp16_pipeline_skips_together(rank, world, data):
     from mist_compiler.models import build_model
-    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler import compile as compile_plan
     from mist_compiler.verify.check import synthetic_batch
 
     plan = Plan.from_dict(data)
@@ -82,10 +82,10 @@ def test_fp16_overflow_skips_the_step_on_every_stage():
 def test_cost_model_prices_the_overflow_check():
     from mist_compiler.cost.op_time import op_class_time
     from mist_compiler.cost.stage_api import StageCandidates
-    from mist_compiler.cost.stage_model import build_stage_cost_model
+    from mist_compiler.driver import price
 
-    fp16 = build_stage_cost_model("gpt-tiny", "l4", seq_len=128, dtype="float16")
-    bf16 = build_stage_cost_model("gpt-tiny", "l4", seq_len=128, dtype="bfloat16")
+    _, fp16 = price("gpt-tiny", "l4", seq_len=128, dtype="float16")
+    _, bf16 = price("gpt-tiny", "l4", seq_len=128, dtype="bfloat16")
     candidate = StageCandidates(num_layers=4, has_pre=True, has_post=True, nodes=1, gpus_per_node=2, micro_batch=4,
                                 dp=2, tp=1, zero=1, ckpt_layers=0, offload_weights=0.0, offload_grads=0.0,
                                 offload_opt=0.0, offload_acts=0.0, inflight=1)

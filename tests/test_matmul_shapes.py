@@ -57,6 +57,7 @@ def test_stage_model_prices_each_gemm_by_its_shape():
     model makes the same stage slower (GEMMs of a tiny model are small and pay their tails)."""
     from mist_compiler.cost.stage_api import StageCandidates
     from mist_compiler.cost.stage_model import build_stage_cost_model
+    from mist_compiler.driver import capture
 
     h100 = load_profile("h100-80gb")
     plain = dataclasses.replace(h100, matmul_model=None)
@@ -65,8 +66,9 @@ def test_stage_model_prices_each_gemm_by_its_shape():
                             tp=1, zero=0, ckpt_layers=0, offload_weights=0.0, offload_grads=0.0, offload_opt=0.0,
                             offload_acts=0.0, inflight=1)
     times = {}
+    program = capture("gpt-tiny", seq_len=128, dtype="bfloat16")
     for name, profile in (("plain", plain), ("flat", flat), ("shaped", h100)):
-        model = build_stage_cost_model("gpt-tiny", profile, seq_len=128, dtype="bfloat16")
+        model = build_stage_cost_model(program, profile, seq_len=128)
         times[name] = float(model.evaluate(stage).breakdown["compute"][0])
     assert times["flat"] == pytest.approx(times["plain"], rel=1e-9)
     assert times["shaped"] > times["plain"]
@@ -94,12 +96,13 @@ def test_bad_mfu_ceiling_and_shape_points_are_named():
 
 def test_predicted_mfu_above_the_hardware_ceiling_is_flagged():
     """A profile claiming that published runs reach only 0.001% MFU makes any plan suspicious."""
-    from mist_compiler.tuner.api import tune
+    from mist_compiler import tune
     from mist_compiler.tuner.report import format_result
 
     doubtful = dataclasses.replace(load_profile("h100-80gb"), mfu_ceiling=1e-5)
-    result = tune("gpt-tiny", doubtful, 1, 2, 8, seq_len=128, dtype="bfloat16")
+    result = tune("gpt-tiny", doubtful, nodes=1, gpus_per_node=2, global_batch=8, seq_len=128, dtype="bfloat16")
     assert result.mfu > 1e-5 and "is above 0%, the best published training runs" in result.stats["mfu_flag"]
     assert "WARNING" in format_result(result, result.model_config, result.peak_flops)
-    plausible = tune("gpt-tiny", load_profile("h100-80gb"), 1, 2, 8, seq_len=128, dtype="bfloat16")
+    plausible = tune("gpt-tiny", load_profile("h100-80gb"), nodes=1, gpus_per_node=2, global_batch=8, seq_len=128,
+                     dtype="bfloat16")
     assert "mfu_flag" not in plausible.stats

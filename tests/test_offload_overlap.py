@@ -11,7 +11,7 @@ from torch import nn
 
 from mist_compiler.runtime.optimizer import AdamWConfig
 from mist_compiler.runtime.stage_runtime import StageRuntime
-from mist_compiler.runtime.zero import UnitOffload
+from mist_compiler.ir.plan import Offload
 
 WIDTH = 768
 UNITS = 6
@@ -22,7 +22,7 @@ def _units(seed: int = 0) -> list[tuple[str, nn.Module]]:
     return [(f"layer{i}", nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())) for i in range(UNITS)]
 
 
-def _runtime(units, zero: int, offload: UnitOffload, grad_accum_free: bool = True) -> StageRuntime:
+def _runtime(units, zero: int, offload: Offload, grad_accum_free: bool = True) -> StageRuntime:
     return StageRuntime(units, dp_group=None, zero=zero, offload={name: offload for name, _ in units},
                         optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1), device=torch.device("cpu"))
 
@@ -47,7 +47,7 @@ def _overlapping(first, second) -> list:
     return [(a, b) for a in first for b in second if a[0] != b[0] and a[1] < b[2] and b[1] < a[2]]
 
 
-def _profile(zero: int, offload: UnitOffload, grad_accum: int, trace_path=None):
+def _profile(zero: int, offload: Offload, grad_accum: int, trace_path=None):
     units = _units()
     runtime = _runtime(units, zero, offload)
     _train_step(runtime, units, grad_accum)  # warm-up (first-touch allocations)
@@ -61,7 +61,7 @@ def _profile(zero: int, offload: UnitOffload, grad_accum: int, trace_path=None):
     return prof, weights
 
 
-def _synchronous_weights(zero: int, offload: UnitOffload, grad_accum: int) -> dict[str, torch.Tensor]:
+def _synchronous_weights(zero: int, offload: Offload, grad_accum: int) -> dict[str, torch.Tensor]:
     units = _units()
     runtime = _runtime(units, zero, offload)
     runtime.host_memory.workers = None  # writes inline, host AdamW inline
@@ -74,7 +74,7 @@ def _synchronous_weights(zero: int, offload: UnitOffload, grad_accum: int) -> di
 
 
 def test_host_adamw_runs_while_the_device_part_is_updated(tmp_path):
-    offload = UnitOffload(opt=0.5)
+    offload = Offload(opt=0.5)
     for attempt in range(3):  # the machine is shared: a busy moment can serialise the threads
         prof, weights = _profile(0, offload, 1, tmp_path / "adamw_trace.json")
         pairs = _overlapping(_intervals(prof, "mist.host_adamw"), _intervals(prof, "mist.device_adamw"))
@@ -89,7 +89,7 @@ def test_host_adamw_runs_while_the_device_part_is_updated(tmp_path):
 
 
 def test_offloaded_gradients_are_added_on_host_threads_during_the_backward():
-    offload = UnitOffload(grads=0.5)
+    offload = Offload(grads=0.5)
     for attempt in range(3):
         prof, weights = _profile(2, offload, 2)
         main_compute = [i for i in _intervals(prof, "aten::mm") + _intervals(prof, "aten::addmm")]

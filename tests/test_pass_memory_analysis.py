@@ -62,7 +62,7 @@ def test_saved_bytes_agree_with_capture_ir_and_the_pass():
     assert same(blocks["layer"].memory.saved["flash"].subs(T, 1), layer_class.saved_bytes_expr("flash"))
     result = memory_analysis(program)
     assert not result.modified and not hasattr(program, "memory")  # pure: results on a copy
-    assert same(result.program.memory[layer_class.class_id].saved["flash"], blocks["layer"].memory.saved["flash"])
+    assert same(result.program.analysis.memory[layer_class.class_id].saved["flash"], blocks["layer"].memory.saved["flash"])
 
 
 def test_peaks_cover_saved_plus_gradients():
@@ -109,7 +109,8 @@ def test_predicted_peak_matches_a_real_run(fused):
     """Peak of live tensors in a real fp32 forward+backward of gpt-tiny (Adam states allocated; the
     gradients appear during the backward, as in the backend), with the unfused loss (eager) and with
     the fused head + loss (the dynamo graph with ``mist::linear_cross_entropy``, run eagerly)."""
-    from mist_compiler.cost.analysis import analyse_program, capture_program
+    from mist_compiler.cost.analysis import analyse_program
+    from mist_compiler.driver import capture as capture_program
     from mist_compiler.frontend.joint import loss_fusion
     from mist_compiler.profiling.live_memory import DevicePeakMemory
 

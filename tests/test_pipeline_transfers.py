@@ -40,7 +40,8 @@ def equal_tags():
 
 def _train_with_equal_tags(rank, world, cases):
     """Each case is (plan dict, schedule name); rank 0 judges the run against one-process training."""
-    from mist_compiler.runtime.engine import compile as compile_plan
+    from mist_compiler import compile as compile_plan
+    from mist_compiler.models import build_model
     from mist_compiler.runtime.optimizer import AdamWConfig
     from mist_compiler.verify.check import vocab_size
 
@@ -50,7 +51,7 @@ def _train_with_equal_tags(rank, world, cases):
             plan = Plan.from_dict(data)
             engine = compile_plan(plan.model, plan, optimizer=AdamWConfig(**LR), timeout_s=60)
             engine.set_schedule(schedule)
-            verdict = train_engine_and_check(engine, plan, vocab_size(engine.captured), rank, LR)
+            verdict = train_engine_and_check(engine, plan, vocab_size(build_model(plan.model)), rank, LR)
             if verdict is not None:
                 results.append({"stages": data["stages"], "schedule": schedule, "ok": verdict.ok,
                                 "line": verdict.line()})

@@ -6,7 +6,7 @@ import argparse
 import numpy as np
 import pytest
 
-from mist_compiler.cost import profile_command
+from mist_compiler.cli import profile as profile_command
 from mist_compiler.cost.comm import collective_time
 from mist_compiler.cost.hardware import CHANNELS, ProfileError, load_profile
 from mist_compiler.profiling.comm import fit_alpha_beta, fit_collectives
@@ -157,7 +157,7 @@ def test_torchrun_over_two_simulated_nodes_measures_the_inter_node_shape(tmp_pat
 
     script = tmp_path / "profile_rank.py"
     script.write_text("import argparse, sys\n"
-                      "from mist_compiler.cost import profile_command\n"
+                      "from mist_compiler.cli import profile as profile_command\n"
                       "parser = argparse.ArgumentParser(); profile_command.add_arguments(parser)\n"
                       "sys.exit(profile_command.run(parser.parse_args(sys.argv[1:])))\n")
     output = tmp_path / "cluster.yaml"

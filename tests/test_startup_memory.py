@@ -26,7 +26,7 @@ def _start(rank: int, world: int) -> dict:
     from mist_compiler.ir.model_graph import PARAMETER
     from mist_compiler.ir.plan import Plan
     from mist_compiler.lowering.materialize import InitTensors
-    from mist_compiler.runtime.engine import Engine
+    from mist_compiler import compile as compile_plan
 
     class Recording(InitTensors):
         def __init__(self, *args):
@@ -44,7 +44,7 @@ def _start(rank: int, world: int) -> dict:
 
     plan = Plan.from_dict(PLAN)
     source = Recording(plan.model, plan.seq_len)
-    engine = Engine(plan.model, plan, source=source, timeout_s=60)
+    engine = compile_plan(plan.model, plan, source=source, timeout_s=60)
     stage_fqns = set(engine.program.fqn.values())
     units = {name: sum(p.numel() for p in module.parameters()) for name, module in engine.program.units}
     engine.close()

@@ -12,13 +12,15 @@ import os
 
 import pytest
 
+from mist_compiler.cli import explain as explain_command
+from mist_compiler.cli import tune as tune_command
+from mist_compiler import driver
 from mist_compiler.cost.analyze import analyze
 from mist_compiler.cost.hardware import load_profile
 from mist_compiler.ir.plan import load_plan
-from mist_compiler.tuner import explain_command, tune_command
 from mist_compiler.tuner.api import tune
 from mist_compiler.tuner.baselines import tune_baseline
-from mist_compiler.tuner.space import SearchSpace, TuneError
+from mist_compiler.tuner.space import Cluster, SearchSpace, TuneError
 
 MODEL, HARDWARE, SEQ = "gpt-tiny", "l4", 128
 
@@ -27,7 +29,7 @@ MODEL, HARDWARE, SEQ = "gpt-tiny", "l4", 128
 def cost_model():
     from mist_compiler.cost import stage_model
 
-    model = stage_model.build_stage_cost_model(MODEL, HARDWARE, seq_len=SEQ)
+    _, model = driver.price(MODEL, HARDWARE, seq_len=SEQ)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(stage_model, "build_stage_cost_model", lambda *args, **kwargs: model)
         yield model
@@ -49,7 +51,7 @@ def test_tune_writes_a_plan_that_analyze_accepts(cost_model, tmp_path, capsys):
     assert plan.to_dict() == out["plan"]
     assert plan.world_size == 4 and plan.global_batch == 16 and plan.num_layers == 4
     assert 0 < out["mfu"] < 1
-    estimate = analyze(MODEL, plan, HARDWARE, cost_model=cost_model)
+    estimate = analyze(None, plan, HARDWARE, cost_model=cost_model)
     assert estimate.fits
     assert estimate.iteration_time_s == pytest.approx(out["predicted_time_s"], rel=1e-9)
     assert os.path.isfile(str(tmp_path / "plan.frontiers.json"))
@@ -63,29 +65,34 @@ def test_tune_table_shows_time_mfu_and_memory(cost_model, capsys):
     assert "predicted iteration" in text and "MFU" in text and "peak GB" in text
 
 
-def test_tune_is_deterministic_with_the_real_model(cost_model):
-    first = tune(MODEL, HARDWARE, 2, 2, 16, seq_len=SEQ, cost_model=cost_model)
-    second = tune(MODEL, HARDWARE, 2, 2, 16, seq_len=SEQ, cost_model=cost_model)
+@pytest.fixture(scope="module")
+def work():
+    return driver.workload(driver.capture(MODEL, seq_len=SEQ), 16, SEQ)
+
+
+def test_tune_is_deterministic_with_the_real_model(cost_model, work):
+    first = tune(cost_model, work, Cluster(2, 2))
+    second = tune(cost_model, work, Cluster(2, 2))
     assert first.plan.to_dict() == second.plan.to_dict()
 
 
-def test_tuned_plan_never_worse_than_baselines(cost_model):
-    full = tune(MODEL, HARDWARE, 1, 4, 16, seq_len=SEQ, cost_model=cost_model)
+def test_tuned_plan_never_worse_than_baselines(cost_model, work):
+    full = tune(cost_model, work, Cluster(1, 4))
     for name in ("megatron", "zero3", "mist-paper"):
-        baseline = tune_baseline(name, MODEL, HARDWARE, 1, 4, 16, seq_len=SEQ, cost_model=cost_model)
+        baseline = tune_baseline(name, cost_model, work, Cluster(1, 4))
         assert full.predicted_time_s <= baseline.predicted_time_s * (1 + 1e-9), name
 
 
-def test_too_little_memory_names_the_memory_that_would_fit(cost_model, tmp_path):
+def test_too_little_memory_names_the_memory_that_would_fit(cost_model, work, tmp_path):
     profile = dataclasses.replace(load_profile(HARDWARE), device_memory=1e5, memory_headroom=0.0)
     small = dataclasses.replace(cost_model, hardware=profile)
     with pytest.raises(TuneError, match=r"no plan fits in 0\.00 GB per device: the smallest memory that would fit"):
-        tune(MODEL, profile, 1, 4, 16, seq_len=SEQ, cost_model=small)
+        tune(small, work, Cluster(1, 4))
 
 
-def test_more_gpus_per_node_than_the_profile_is_rejected(cost_model):
+def test_more_gpus_per_node_than_the_profile_is_rejected(cost_model, work):
     with pytest.raises(TuneError, match=r"gpus_per_node = 16 exceeds the hardware profile's 8 GPUs per node"):
-        tune(MODEL, HARDWARE, 1, 16, 16, seq_len=SEQ, cost_model=cost_model)
+        tune(cost_model, work, Cluster(1, 16))
 
 
 def test_bad_offload_grid_flag_is_named(cost_model):
@@ -137,9 +144,9 @@ def test_explain_without_timing_source_still_describes(tmp_path, capsys):
     assert "no timing" in capsys.readouterr().out
 
 
-def test_space_flags_restrict(cost_model):
+def test_space_flags_restrict(cost_model, work):
     space = SearchSpace(offload_weights=False, offload_grads=False, offload_opt=False, offload_acts=False)
-    result = tune(MODEL, HARDWARE, 1, 2, 8, seq_len=SEQ, cost_model=cost_model, space=space)
+    result = tune(cost_model, dataclasses.replace(work, global_batch=8), Cluster(1, 2), space=space)
     assert not any(stage.offload.any for stage in result.plan.stages)
 
 
@@ -170,8 +177,8 @@ def test_real_model_has_the_properties_the_intra_stage_shortcuts_use(cost_model)
     import numpy as np
 
     from mist_compiler.tuner.knobs import _trade_families
-    from mist_compiler.tuner.stage_configs import enumerate_bases
     from mist_compiler.tuner.space import Cluster, SearchSpace, Workload
+    from mist_compiler.tuner.stage_configs import enumerate_bases
 
     rng = np.random.default_rng(0)
     base = _random_candidates(rng, 400)

@@ -20,7 +20,7 @@ from test_tuner_double import AnalyticStageModel  # noqa: E402
 from mist_compiler.cost.stage_api import StageCandidates, pipeline_iteration_time  # noqa: E402
 from mist_compiler.tuner.api import tune  # noqa: E402
 from mist_compiler.tuner.intra_stage import pareto_mask  # noqa: E402
-from mist_compiler.tuner.space import SearchSpace, TuneError, Workload  # noqa: E402
+from mist_compiler.tuner.space import Cluster, SearchSpace, TuneError, Workload  # noqa: E402
 
 
 def naive_pareto(group, stable, delta):
@@ -140,7 +140,7 @@ def _stage_points(model, work, space, combos, layers, index, stages, shape, g):
 def test_tuner_finds_brute_force_optimum(memory):
     model = small_model(memory)
     want = brute_force_best(model, WORK, 1, 4, SPACE)
-    result = tune("toy", None, 1, 4, WORK.global_batch, seq_len=WORK.seq_len, space=SPACE, cost_model=model, workload=WORK)
+    result = tune(model, WORK, Cluster(1, 4), space=SPACE)
     assert result.predicted_time_s == pytest.approx(want, rel=1e-9)
     plan = result.plan
     assert plan.world_size == 4 and plan.num_layers == 4
@@ -153,13 +153,13 @@ def test_tuner_brute_force_two_nodes_heterogeneous():
     space = SearchSpace(offload_grid=(0.0, 1.0), zero_levels=(0, 3), offload_grads=False, offload_weights=False)
     work = Workload(num_layers=5, heads=4, global_batch=8, seq_len=256, model_name="toy")
     want = brute_force_best(model, work, 2, 2, space)
-    got = tune("toy", None, 2, 2, 8, seq_len=256, space=space, cost_model=model, workload=work)
+    got = tune(model, work, Cluster(2, 2), space=space)
     assert got.predicted_time_s == pytest.approx(want, rel=1e-9)
 
 
 def test_tune_is_deterministic():
-    first = tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=small_model(4e7), workload=WORK)
-    second = tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=small_model(4e7), workload=WORK)
+    first = tune(small_model(4e7), WORK, Cluster(1, 4), space=SPACE)
+    second = tune(small_model(4e7), WORK, Cluster(1, 4), space=SPACE)
     assert first.plan.to_dict() == second.plan.to_dict()
     assert first.predicted_time_s == second.predicted_time_s
 
@@ -167,7 +167,7 @@ def test_tune_is_deterministic():
 def test_switches_restrict_the_plan():
     space = SearchSpace(offload_weights=False, offload_grads=False, offload_opt=False, offload_acts=False,
                         zero_levels=(1,), ckpt="none", stage_counts=(2,))
-    result = tune("toy", None, 1, 4, 8, seq_len=256, space=space, cost_model=small_model(1e8), workload=WORK)
+    result = tune(small_model(1e8), WORK, Cluster(1, 4), space=space)
     assert result.plan.pp == 2
     for stage in result.plan.stages:
         assert stage.zero == 1 and stage.ckpt_layers == 0 and not stage.offload.any
@@ -175,11 +175,11 @@ def test_switches_restrict_the_plan():
 
 def test_restricted_space_is_never_better_than_full():
     model = small_model(4e7)
-    full = tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=model, workload=WORK)
+    full = tune(model, WORK, Cluster(1, 4), space=SPACE)
     for restricted in (SPACE.restrict(zero_levels=(0,)), SPACE.restrict(ckpt="all_or_none"),
                        SPACE.restrict(uniform_devices=True), SPACE.restrict(layer_slack=0, micro_batches=(1, 2))):
         try:
-            other = tune("toy", None, 1, 4, 8, seq_len=256, space=restricted, cost_model=model, workload=WORK)
+            other = tune(model, WORK, Cluster(1, 4), space=restricted)
         except TuneError:
             continue
         assert full.predicted_time_s <= other.predicted_time_s * (1 + 1e-9)
@@ -187,25 +187,24 @@ def test_restricted_space_is_never_better_than_full():
 
 def test_nothing_fits_names_the_memory_needed():
     with pytest.raises(TuneError, match=r"no plan fits in 0\.00 GB per device: the smallest memory that would fit .* is \d+\.\d+ GB"):
-        tune("toy", None, 1, 4, 8, seq_len=256, space=SPACE, cost_model=small_model(1e5), workload=WORK)
+        tune(small_model(1e5), WORK, Cluster(1, 4), space=SPACE)
 
 
 def test_batch_not_divisible_names_a_batch_that_is():
     space = SearchSpace(tp_degrees=(1,), partial_node_stages=False)
     with pytest.raises(TuneError, match=r"global batch 7 cannot be split.*multiple of 2, e\.g\. 8"):
-        tune("toy", None, 2, 2, 7, seq_len=256, space=space, cost_model=small_model(), workload=Workload(4, 4, 7, 256))
+        tune(small_model(), Workload(4, 4, 7, 256), Cluster(2, 2), space=space)
 
 
 def test_more_stages_than_layers_is_rejected():
     with pytest.raises(TuneError, match=r"stage_counts \[6\] all exceed the model's 4 layers.*most stages possible is 4"):
-        tune("toy", None, 1, 8, 8, seq_len=256, space=SearchSpace(stage_counts=(6,)), cost_model=small_model(),
-             workload=WORK)
+        tune(small_model(), WORK, Cluster(1, 8), space=SearchSpace(stage_counts=(6,)))
 
 
 def test_more_devices_than_usable_is_rejected():
     work = Workload(num_layers=2, heads=1, global_batch=1, seq_len=256)
     with pytest.raises(TuneError, match=r"8 devices are more than this model and batch can use \(2 = "):
-        tune("toy", None, 1, 8, 1, seq_len=256, cost_model=small_model(), workload=work)
+        tune(small_model(), work, Cluster(1, 8))
 
 
 def test_bad_space_fields_are_named():
@@ -222,10 +221,10 @@ def test_full_space_never_worse_than_each_baseline():
 
     model = small_model(4e7)
     work = Workload(num_layers=4, heads=4, global_batch=16, seq_len=256, model_name="toy")
-    full = tune("toy", None, 2, 2, 16, seq_len=256, cost_model=model, workload=work)
+    full = tune(model, work, Cluster(2, 2))
     for name in ("megatron", "zero3", "mist-paper"):
         try:
-            baseline = tune_baseline(name, "toy", None, 2, 2, 16, seq_len=256, cost_model=model, workload=work)
+            baseline = tune_baseline(name, model, work, Cluster(2, 2))
         except TuneError:
             continue
         assert full.predicted_time_s <= baseline.predicted_time_s * (1 + 1e-9), name
@@ -235,7 +234,7 @@ def test_megatron_baseline_is_uniform():
     from mist_compiler.tuner.baselines import tune_baseline
 
     work = Workload(num_layers=4, heads=4, global_batch=16, seq_len=256, model_name="toy")
-    result = tune_baseline("megatron", "toy", None, 1, 4, 16, seq_len=256, cost_model=small_model(1e8), workload=work)
+    result = tune_baseline("megatron", small_model(1e8), work, Cluster(1, 4))
     stages = result.plan.stages
     assert len({(s.dp, s.tp, s.devices, s.micro_batch) for s in stages}) == 1
     assert all(s.zero == 1 and not s.offload.any and s.ckpt_layers in (0, s.num_layers) for s in stages)
@@ -336,11 +335,10 @@ def test_big_cluster_is_certified_within_the_gap():
                                peak_flops=2e12, intra_bw=20e9, inter_bw=2e9, pcie_bw=8e9)
     work = Workload(num_layers=48, heads=16, global_batch=1024, seq_len=512, model_name="toy")
     space = SearchSpace(gap=0.01)
-    result = tune("toy", None, 128, 8, 1024, seq_len=512, space=space, cost_model=model, workload=work)
+    result = tune(model, work, Cluster(128, 8), space=space)
     assert result.stats["gap"] <= 0.01 + 1e-12
     assert result.stats["bound_s"] <= result.predicted_time_s * (1 + 1e-12)
-    even = tune("toy", None, 128, 8, 1024, seq_len=512, space=space.restrict(uniform_devices=True, layer_slack=0),
-                cost_model=model, workload=work)
+    even = tune(model, work, Cluster(128, 8), space=space.restrict(uniform_devices=True, layer_slack=0))
     assert result.predicted_time_s <= even.predicted_time_s * (1 + 1e-9)
-    megatron = tune_baseline("megatron", "toy", None, 128, 8, 1024, seq_len=512, cost_model=model, workload=work)
+    megatron = tune_baseline("megatron", model, work, Cluster(128, 8))
     assert result.predicted_time_s <= megatron.predicted_time_s * (1 + 1e-9)

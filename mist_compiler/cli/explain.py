@@ -43,13 +43,11 @@ def stage_predictions(plan: Plan, args: argparse.Namespace) -> tuple[list[dict],
     if args.hardware:
         from .. import driver
         from ..cost.analyze import plan_candidates
-        from ..cost.stage_model import build_stage_cost_model
 
         program = driver.capture(model_to_price(plan, args.model), dtype=plan.dtype, attention=args.attention,
                                  seq_len=plan.seq_len)
         driver.check_plan(program, plan, prove=False)  # layers, positions, tp degrees: as analyze and run refuse
-        cost_model = build_stage_cost_model(program, args.hardware, seq_len=plan.seq_len, dtype=plan.dtype,
-                                            attention=args.attention)
+        cost_model = driver.analyse(program, args.hardware, seq_len=plan.seq_len, attention=args.attention)
         estimates = cost_model.evaluate(plan_candidates(plan))
         stages = []
         for i in range(plan.pp):

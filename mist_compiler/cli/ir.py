@@ -10,6 +10,7 @@ import json
 import sys
 
 from ..ir.vocabulary import ATTENTION_KERNELS
+from ..ir.vocabulary import DEFAULT_DTYPE
 from ..ir.vocabulary import TRAINING_DTYPES as DTYPE_CHOICES
 
 CAPTURE_PASSES = ("build_fake_model", "group_layers", "keep_one_layer_per_group", "cast_weights", "check_model_output",
@@ -27,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=1, help="b at which saved bytes are evaluated (default 1)")
     parser.add_argument("--seq", type=int, default=None,
                         help="s at which saved bytes are evaluated (default: the model's max sequence, else 2048)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="float16", help="weight/activation dtype (default float16)")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=DEFAULT_DTYPE,
+                        help=f"weight/activation dtype (default {DEFAULT_DTYPE})")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash",
                         help="target attention kernel: decides what attention saves (default flash)")
     parser.add_argument("--plan", help="plan file: with --after LOWERING_PASS, dump each stage's program after that pass")

@@ -97,21 +97,13 @@ def run(args: argparse.Namespace) -> int:
     space = space_from_args(args)
     progress = None if args.quiet else _stderr_progress
     program = driver.capture(args.model, dtype=args.dtype, attention=args.attention, seq_len=args.seq)
-    seq = args.seq or program.seq_len
-    driver.check_sequence(program, seq)
-    cost_model = driver.analyse(program, hardware_from_args(args), seq_len=seq, attention=args.attention,
-                                grad_dtype=args.grad_dtype)
-    work = driver.workload(program, args.global_batch, seq)
-    if args.space != "full":
-        from ..tuner.baselines import tune_baseline
-
-        result = tune_baseline(args.space, args.model, cost_model.hardware, args.nodes, args.gpus_per_node,
-                               args.global_batch, seq_len=seq, dtype=args.dtype, attention=args.attention,
-                               cost_model=cost_model, workload=work, progress=progress, space_override=space)
-        result.model_config = driver.ir_shape(program)
-    else:
-        result = driver.tune(program, cost_model, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                             global_batch=args.global_batch, seq_len=seq, space=space, progress=progress)
+    driver.check_sequence(program, args.seq or program.seq_len)  # named as the option typed (--seq)
+    compiled = driver.compile_model(args.model, program=program, hardware=hardware_from_args(args), nodes=args.nodes,
+                                    gpus_per_node=args.gpus_per_node, global_batch=args.global_batch, seq_len=args.seq,
+                                    dtype=args.dtype, attention=args.attention, space=space, grad_dtype=args.grad_dtype,
+                                    baseline=None if args.space == "full" else args.space, until="plan", prove=False,
+                                    progress=progress)
+    result = compiled.tuning
     result.plan = dataclasses.replace(result.plan, model=args.model)
     if args.output:
         save_plan(result.plan, args.output)

@@ -1,8 +1,7 @@
 """Glue between the captured program and the stage cost model: run the analysis passes per class.
 
-``capture_program`` turns a model name into a ``MistProgram`` (through the frontend's capture)
-or passes a captured one through. ``analyse_program`` runs the cost-annotation and
-memory-analysis passes over the program's captured forward/backward graphs once (the capture
+``analyse_program`` runs the analysis passes (cost annotation, memory analysis) over the program's
+captured forward/backward graphs once (the capture
 traces one layer per layer class between the pre and post blocks) and returns, per block kind
 (pre, layer, post), the restricted costs, memory and parameter counts the stage model needs.
 """
@@ -13,19 +12,10 @@ import math
 import sympy
 import torch.fx as fx
 
-from ..passes.cost_annotation import ATTENTION_FORWARD, T, annotate_graphs, op_name, program_graphs, tensor_shape
-from ..passes.memory_analysis import analyse_memory
+from ..passes.cost_annotation import ATTENTION_FORWARD, T, cost_annotation, op_name, tensor_shape
+from ..passes.manager import PassManager
+from ..passes.memory_analysis import memory_analysis
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
-
-
-def capture_program(model, *, seq_len: int, dtype: str):
-    """A ``MistProgram`` for ``model`` (a name is captured, every time: callers that price one
-    model repeatedly capture it once and pass the program); a program is returned as is."""
-    if not isinstance(model, str):
-        return model
-    from ..frontend.capture import capture
-
-    return capture(model, seq_len=seq_len, dtype=dtype)
 
 
 def _param_elements(forward: fx.GraphModule, names: set[str], params: set[str], states: dict[str, str]) -> tuple[sympy.Expr, int]:
@@ -71,8 +61,15 @@ def _tp_granularity(forward: fx.GraphModule, names: set[str], states: dict[str, 
     return math.gcd(*sizes) if sizes else 0
 
 
+ANALYSIS_PASSES = (
+    cost_annotation,  # FLOPs, bytes, op class and tensor-parallel state per node; TP collectives
+    memory_analysis,  # saved activations and peaks per block class, by liveness
+)
+
+
 def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
-    """Per block kind (pre, layer, post) analysis of a captured program, and its layer count."""
+    """Per block kind (pre, layer, post) analysis of a captured program (the analysis passes, run
+    once by the pass manager), and its layer count."""
     classes = {}
     for kind in BLOCK_KINDS:
         class_ids = sorted({block.class_id for block in program.blocks if block.kind == kind})
@@ -86,13 +83,13 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
                                   "block classes; the stage model needs identical layers")
         classes[kind] = program.block_class(class_ids[0])
     try:
-        graphs = program_graphs(program)
+        analysed = PassManager(ANALYSIS_PASSES)(program).program
     except ValueError as error:
         raise StageModelError(str(error)) from None
-    forward, backward, params, symbols = graphs.forward, graphs.backward, graphs.params, graphs.symbols
-    costs = annotate_graphs(forward, backward, params, symbols, sharding=graphs.sharding)
+    graphs, costs = analysed.analysis.graphs, analysed.analysis.costs
+    forward, params = graphs.forward, graphs.params
     blocks = {kind: graphs.blocks[block_class.class_id] for kind, block_class in classes.items()}
-    memory = analyse_memory(forward, backward, costs, params, blocks, symbols)
+    memory = {kind: analysed.analysis.memory[block_class.class_id] for kind, block_class in classes.items()}
     result = {}
     plan = program.model_graph.tp if program.model_graph is not None else None
     for kind, names in blocks.items():

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..ir.program import MistProgram
 from ..ir.plan import Plan, PlanError, load_plan
 from .hardware import HardwareProfile, load_profile
 from .stage_api import StageCandidates, pipeline_iteration_time
@@ -114,27 +115,21 @@ def _check_plan(plan: Plan, cost_model: StageCostModel, profile: HardwareProfile
                             f"and sharded weight dimensions (their gcd is {granularity})")
 
 
-def analyze(model, plan, hardware, *, attention: str = "flash",
+def analyze(program: MistProgram | None, plan, hardware, *, attention: str = "flash",
             cost_model: StageCostModel | None = None) -> PlanEstimate:
     """Predict a plan's iteration time and per-stage memory.
 
-    ``model``: a model name or captured ``MistProgram`` (None: the plan's ``model``);
-    ``plan``: a :class:`Plan` or a path to a plan file; ``hardware``: a profile name, path or
-    :class:`HardwareProfile`. ``cost_model`` reuses an already built stage model.
+    ``program``: the captured model (``driver.capture``; None when ``cost_model`` is given); ``plan``: a :class:`Plan` or a path to a
+    plan file; ``hardware``: a profile name, path or :class:`HardwareProfile`. ``cost_model`` reuses
+    an already built stage model.
     """
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    if model is None:  # only a built-in name is taken from a plan: nothing a plan names is loaded
-        from ..models import known_model_names
-
-        if plan.model not in known_model_names():
-            raise PlanError(f"the plan names the model {plan.model!r}; pass the model to analyze it (a plan's model "
-                            "is compared with it, never loaded)")
-        model = plan.model
-    if isinstance(model, str) and model != plan.model:
-        raise PlanError(f"plan field model: the plan was made for {plan.model!r}, not for {model!r}")
     if cost_model is None:
-        cost_model = build_stage_cost_model(model, profile, seq_len=plan.seq_len, dtype=plan.dtype, attention=attention)
+        if program is None:
+            raise PlanError("analyze needs the captured program (driver.capture) or a cost model")
+        cost_model = build_stage_cost_model(program, profile, seq_len=plan.seq_len, dtype=plan.dtype,
+                                            attention=attention)
     if cost_model.grad_dtype not in ("float32", plan.grad_dtype):
         raise PlanError(f"plan field grad_dtype: {plan.grad_dtype!r}, but the cost model given prices "
                         f"{cost_model.grad_dtype!r} gradients")

@@ -58,7 +58,6 @@ from ..ir.vocabulary import TRAINING_DTYPES
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 CHANNELS = ("compute", "collective", "h2d", "d2h")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "broadcast", "all_to_all")
-DTYPES = TRAINING_DTYPES
 # A fused AdamW step (the backend's flat-shard kernel) reads master weight, gradient and both moments
 # and writes weight and moments back with the low-precision copy: 28 bytes per fp32 parameter.
 FUSED_ADAM_BYTES_PER_PARAM = 28.0
@@ -235,8 +234,8 @@ class HardwareProfile:
         _require(isinstance(gpus_per_node, int) and not isinstance(gpus_per_node, bool) and gpus_per_node > 0,
                  "gpus_per_node", f"expected a positive integer, got {gpus_per_node!r}")
         peak = data["peak_tflops"]
-        _keys(peak, "peak_tflops", set(), set(DTYPES))
-        _require(bool(peak), "peak_tflops", f"give at least one of {list(DTYPES)}")
+        _keys(peak, "peak_tflops", set(), set(TRAINING_DTYPES))
+        _require(bool(peak), "peak_tflops", f"give at least one of {list(TRAINING_DTYPES)}")
         efficiency = data["efficiency"]
         _require(isinstance(efficiency, dict) and efficiency, "efficiency", "expected a non-empty mapping op class -> fraction")
         for op_class, value in efficiency.items():

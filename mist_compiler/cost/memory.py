@@ -28,7 +28,8 @@ backend (``runtime/zero.py``, one flat bucket per unit) holds at each point of a
   S-i). A checkpointed layer keeps only its input ``I``; its activations come back during its
   backward. Activation offload keeps ``1 - acts`` of the saved activations of every block other
   than the one running (and the one prefetched back for the backward) on the device;
-- **optimizer step**: everything reduced + the fallback AdamW's one-chunk temporary.
+- **optimizer step**: everything reduced (torch's fused AdamW allocates nothing); with
+  low-precision gradients the chunked torch AdamW's one-chunk temporaries.
 
 The peak is the largest of these sums over the program points: forward of each block of the
 newest micro-batch, backward of each block of the oldest (gradients grow as the activations
@@ -43,7 +44,8 @@ import numpy as np
 MIXED_PRECISION_BYTES = (2.0, 2.0, 12.0)  # weight, gradient, optimizer state per parameter
 FP32_BYTES = (4.0, 4.0, 8.0)
 ACCUMULATOR_BYTES = 4.0  # gradients are reduced and accumulated in fp32
-# the backend's torch AdamW updates at most this many elements at once (runtime.kernels)
+# the backend's chunked torch AdamW (low-precision gradients) updates at most this many elements at once
+# (runtime.kernels)
 ADAMW_CHUNK_ELEMENTS = 1 << 20
 
 
@@ -364,10 +366,11 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
         np.take_along_axis(parts, largest, axis=0)[0] for parts in (acts_by_point, weights_by_point, grads_by_point))
     in_steps = np.take_along_axis(sums, largest, axis=0)[0]
     largest_unit_shard = np.maximum(np.maximum(p_pre, p_layer), p_post) * shard * (1.0 - o)
-    # the torch AdamW's chunk temporaries: the denominator, and an fp32 copy of param-dtype gradients
+    # fp32 gradients: torch's fused AdamW, no temporary; param-dtype gradients: the chunked torch AdamW's
+    # temporaries (the denominator, and an fp32 copy of the gradient chunk)
     low_at_step = (np.asarray(config.low_precision_grads, dtype=bool) & (zero == 0) & (grad_b < ACCUMULATOR_BYTES)
                    & (np.asarray(config.offload_grads, dtype=float) == 0))
-    step = at_step + np.minimum(largest_unit_shard, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES * (1.0 + low_at_step)
+    step = at_step + np.minimum(largest_unit_shard, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES * 2.0 * low_at_step
     peak = weights + opt + np.maximum(in_steps, step)
     at_step_wins = step > in_steps
     return StageMemory(

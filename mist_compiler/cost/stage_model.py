@@ -1,7 +1,7 @@
 """Stage cost model: time and memory of pipeline-stage candidates, vectorised (the tuner's oracle).
 
-``build_stage_cost_model(model, hardware, seq_len=..., dtype=..., attention=...)`` captures the
-model once (or takes a captured ``MistProgram``), runs the cost-annotation and memory-analysis
+``build_stage_cost_model(program, hardware, seq_len=..., attention=...)`` takes a captured
+``MistProgram`` (the driver's ``capture``: the cost model never captures), runs the cost-annotation and memory-analysis
 passes on each block class (pre, layer, post), lambdifies their sympy expressions in
 ``(b, s, t)`` and returns a :class:`StageCostModel` whose ``evaluate`` prices any number of
 :class:`~mist_compiler.cost.stage_api.StageCandidates` with numpy.
@@ -45,7 +45,9 @@ import sympy
 
 from ..passes.cost_annotation import B, BlockCosts, S, T
 from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
-from .analysis import analyse_program, capture_program
+from ..ir.program import MistProgram
+from ..ir.vocabulary import DEFAULT_DTYPE
+from .analysis import analyse_program
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
@@ -196,7 +198,7 @@ class StageCostModel:
     blocks: dict[str, BlockAnalysis]
     hardware: HardwareProfile
     seq_len: int
-    dtype: str = "float16"
+    dtype: str = DEFAULT_DTYPE
     attention: str = "flash"
     model_name: str = ""
     num_layers: int = 0
@@ -480,32 +482,24 @@ def accumulation_bytes_moved(stage_params: np.ndarray, zero: np.ndarray, dp: np.
     return 3.0 * accumulator_bytes * np.maximum(np.asarray(grad_accum, dtype=float) - 1.0, 0.0)
 
 
-def _capture_seq_len(name: str, seq_len: int) -> int:
-    """Sizes stay symbolic in s, so one capture serves every sequence length up to the model's
-    maximum (only a longer one changes the model: a larger position table)."""
-    from ..models import resolve_model
-
-    config = resolve_model(name).config if not name.startswith("hf:") and ":" not in name else None
-    return config.max_seq if config is not None and seq_len <= config.max_seq else seq_len
-
-
-def build_stage_cost_model(model, hardware, *, seq_len: int, dtype: str = "float16",
+def build_stage_cost_model(program: MistProgram, hardware, *, seq_len: int, dtype: str | None = None,
                            attention: str = "flash", grad_dtype: str = "float32") -> StageCostModel:
-    """Capture (if given a name) and analyse ``model`` once; return the vectorised stage model.
+    """Analyse a captured program once; return the vectorised stage model.
 
-    ``model``: a model name (zoo, ``hf:``, ``module:function``) or a captured ``MistProgram``;
-    ``hardware``: a profile name/path or a :class:`HardwareProfile`; ``grad_dtype``: the plans'
+    ``hardware``: a profile name/path or a :class:`HardwareProfile`; ``dtype``: the training dtype
+    (default: the program's, which is what its graphs were traced in); ``grad_dtype``: the plans'
     gradient dtype (``float32`` or ``dtype``: low-precision gradients for ZeRO 0/1, every candidate).
     """
-
+    if not isinstance(program, MistProgram):
+        raise StageModelError(f"the stage cost model prices a captured program (driver.capture), not "
+                              f"{type(program).__name__}")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise StageModelError(f"seq_len must be a positive integer, got {seq_len!r}")
     if attention not in ATTENTION_KERNELS:
         raise StageModelError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
+    dtype = dtype or program.dtype
     state_bytes_per_param(dtype)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    program = capture_program(model, seq_len=_capture_seq_len(model, seq_len) if isinstance(model, str) else seq_len,
-                              dtype=dtype)
     (blocks, num_layers), name = analyse_program(program), program.model_name
     return StageCostModel(blocks, profile, seq_len, dtype, attention, model_name=name, num_layers=num_layers,
                           grad_dtype=grad_dtype)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "CaptureState": "capture",
     "ModelOutputError": "joint", "UnsupportedOpError": "to_ir",
 }
 

@@ -22,12 +22,13 @@ from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
+from ..ir.capture_state import CaptureState
 from ..ir.model_graph import ModelGraph
 from ..ir.program import ATTENTION_KERNELS, IRError, MistProgram
 from ..ir.vocabulary import TORCH_DTYPES
 from ..models import resolve_model
 from ..passes.block_discovery import BlockPartition, block_discovery, wl_hash
-from ..passes.manager import PassManager, PassResult
+from ..passes.manager import PassManager, PassResult, transforms
 from ..passes.shape_prop import shape_prop
 from ..passes.tp_model import recognise
 from .boundaries import install_boundary_hooks
@@ -42,45 +43,7 @@ FAKE_TENSOR_LIMITS = (
     fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
     fake_tensor.UnsupportedOperatorException, GuardOnDataDependentSymNode,
 )
-DTYPES = TORCH_DTYPES
 EXAMPLE_BATCH = 2
-
-
-@dataclass(frozen=True)
-class CaptureState:
-    """What flows through the capture passes; each pass returns a new state."""
-
-    source: Any  # nn.Module or model name
-    model_name: str
-    attention: str
-    dtype: str | None = None
-    seq_len: int | None = None
-    token_dtypes: tuple = (torch.long, torch.long)  # input_ids, labels
-    model: nn.Module | None = None  # FakeTensor weights
-    fake_mode: FakeTensorMode | None = None
-    config: dict | None = None
-    layer_list: str | None = None  # module path of the nn.ModuleList of layers
-    layer_groups: tuple = ()  # per kept layer: the original layer indices it stands for
-    joint: JointCapture | None = None
-    shapes: dict | None = None
-    partition: BlockPartition | None = None
-    program: MistProgram | None = None
-    model_graph: ModelGraph | None = None
-    max_positions: int | None = None
-    analyse: bool = True  # False: only the torch-level program (no joint graph, no pricing)
-
-    def __str__(self) -> str:
-        if self.program is not None:
-            from ..ir.printer import format_program
-            return format_program(self.program)
-        lines = [f"capture state of {self.model_name}: layer list {self.layer_list!r}, groups {list(self.layer_groups)}"]
-        if self.joint is not None:
-            lines.append(f"joint graph: {len(self.joint.joint_graph.graph.nodes)} nodes, "
-                         f"{len(self.joint.saved_names)} saved values")
-        if self.partition is not None:
-            blocks = sorted(set(self.partition.node_block.values()))
-            lines.append(f"blocks: {blocks}; layer hashes {self.partition.layer_hash}")
-        return "\n".join(lines)
 
 
 def capture(
@@ -149,8 +112,8 @@ def _dtype_name(dtype: str | torch.dtype | None) -> str | None:
     if dtype is None:
         return None
     name = str(dtype).replace("torch.", "")
-    if name not in DTYPES:
-        raise IRError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if name not in TORCH_DTYPES:
+        raise IRError(f"dtype must be one of {list(TORCH_DTYPES)}, got {dtype!r}")
     return name
 
 
@@ -184,6 +147,7 @@ def fake_copy(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
     return copy_module(model)
 
 
+@transforms(CaptureState)
 def build_fake_model(state: CaptureState) -> CaptureState:
     """Pass: the model with FakeTensor weights, in the requested dtype."""
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
@@ -210,12 +174,13 @@ def build_fake_model(state: CaptureState) -> CaptureState:
                    max_positions=max_positions)
 
 
+@transforms(CaptureState)
 def cast_weights(state: CaptureState) -> CaptureState:
     """Pass: cast the reduced model's floating-point weights to the requested dtype (after the
     reduction: the layers that are not traced are never cast, which costs 0.4 s on a 48-layer model)."""
     if state.dtype is not None:
         with state.fake_mode:
-            cast_floating(state.model, DTYPES[state.dtype])
+            cast_floating(state.model, TORCH_DTYPES[state.dtype])
     return state
 
 
@@ -286,6 +251,7 @@ def module_signature(module: nn.Module) -> str:
     return hashlib.sha1(wl_hash(tree).encode()).hexdigest()[:16]
 
 
+@transforms(CaptureState)
 def group_layers(state: CaptureState) -> CaptureState:
     """Pass: find the layer list and group its layers by module signature."""
     path = find_layer_list(state.model)
@@ -307,6 +273,7 @@ def replace_submodule(root: nn.Module, path: str, new: nn.Module) -> nn.Module:
     return copied
 
 
+@transforms(CaptureState)
 def keep_one_layer_per_group(state: CaptureState) -> CaptureState:
     """Pass: a model whose layer list holds one representative per group (traced in that order)."""
     if state.layer_list is None:
@@ -317,6 +284,7 @@ def keep_one_layer_per_group(state: CaptureState) -> CaptureState:
     return replace(state, model=replace_submodule(state.model, state.layer_list, kept))
 
 
+@transforms(CaptureState)
 def check_layer_chain(state: CaptureState) -> PassResult:
     """Pass (check): the traced program stands for the whole model only if the layers are called
     back to back, each on the previous one's output; one eager fake forward with the kept layers
@@ -343,6 +311,7 @@ def _example_tokens(state: CaptureState) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, labels
 
 
+@transforms(CaptureState)
 def check_model_output(state: CaptureState) -> PassResult:
     """Pass (check): one eager fake forward; the output must be a scalar loss or logits."""
     input_ids, labels = _example_tokens(state)
@@ -372,6 +341,7 @@ def check_model_output(state: CaptureState) -> PassResult:
     return PassResult(state, modified=False)
 
 
+@transforms(CaptureState)
 def find_model_graph(state: CaptureState) -> CaptureState:
     """Pass: the torch-level graph of the trace, cut into regions (what the lowering runs)."""
     if state.layer_list is None or not state.joint.boundaries:
@@ -381,6 +351,7 @@ def find_model_graph(state: CaptureState) -> CaptureState:
     return replace(state, model_graph=graph)
 
 
+@transforms(CaptureState)
 def recognise_tensor_parallel(state: CaptureState) -> CaptureState:
     """Pass: decide how the model splits over tensor-parallel ranks (priced and run alike)."""
     if state.model_graph is None:
@@ -388,6 +359,7 @@ def recognise_tensor_parallel(state: CaptureState) -> CaptureState:
     return replace(state, model_graph=replace(state.model_graph, tp=recognise(state.model_graph)))
 
 
+@transforms(CaptureState)
 def trace_joint_graph(state: CaptureState) -> CaptureState:
     """Pass: joint forward+backward ATen graph of the (reduced) model, b and s symbolic."""
     input_ids, labels = _example_tokens(state)

@@ -19,8 +19,10 @@ import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
+from ..ir.capture_state import CaptureState
 from ..ir.program import AttentionInfo, Block, BlockClass, IRNode, MistProgram, SavedTensor
 from ..passes.block_discovery import POST, PRE, is_backward_node, layer_label, module_paths
+from ..passes.manager import transforms
 from ..passes.shape_prop import to_sympy
 
 aten = torch.ops.aten
@@ -88,7 +90,10 @@ def check_representable(graph: torch.fx.Graph) -> None:
             )
 
 
-def op_name(node: torch.fx.Node) -> str:
+def ir_op_label(node: torch.fx.Node) -> str:
+    """What an IR node prints as its op: the full ATen overload (``aten.mm.default``), attention ops
+    by their role whatever kernel captured them (the cost passes name ops by ``cost_annotation.op_name``,
+    the short ATen name)."""
     if node.target in ATTENTION_FORWARD_OPS:
         return "attention"
     if node.target in ATTENTION_BACKWARD_OPS:
@@ -147,7 +152,7 @@ def _ir_node(node: torch.fx.Node, shapes: dict, phase: str, symbol_map: dict) ->
     if isinstance(value, (torch.SymInt, int)) and not isinstance(value, bool):
         attrs["value"] = str(to_sympy(value, symbol_map))  # a size computed in the graph, e.g. b*s
     paths = module_paths(node)
-    return IRNode(node.name, op_name(node), [a.name for a in node.all_input_nodes], list(shapes.get(node.name, [])),
+    return IRNode(node.name, ir_op_label(node), [a.name for a in node.all_input_nodes], list(shapes.get(node.name, [])),
                   phase, attrs, paths[-1] if paths else "")
 
 
@@ -188,7 +193,7 @@ def saved_by_block(joint, partition, shapes) -> dict[str, list[SavedTensor]]:
         else:
             kind = "input" if partition.node_block.get(base.name) != block else "activation"
         result.setdefault(block, []).append(SavedTensor(
-            base.name, op_name(base) if base.op != "placeholder" else "placeholder", shapes[base.name][0], kind,
+            base.name, ir_op_label(base) if base.op != "placeholder" else "placeholder", shapes[base.name][0], kind,
             tuple(n for n in names if n != base.name)))
     return result
 
@@ -226,7 +231,8 @@ def lower_block_class(class_id, kind, label, representative, joint, partition, s
     )
 
 
-def lower_to_ir(state):
+@transforms(CaptureState)
+def lower_to_ir(state: CaptureState) -> CaptureState:
     """Pass: build the MistProgram from the joint graph, its shapes and its block partition."""
     joint, partition, shapes = state.joint, state.partition, state.shapes
     check_representable(joint.joint_graph.graph)

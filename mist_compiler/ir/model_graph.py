@@ -131,6 +131,17 @@ class ModelGraph:
     def node(self, name: str) -> torch.fx.Node:
         return self._by_name()[name]
 
+    def tied_parameters(self) -> set[str]:
+        """Names (in the model) of the parameters both the pre part (embedding) and the post part
+        (head) read: the weights a pipeline must keep tied."""
+        by_name = self._by_name()
+
+        def read_by(nodes: tuple[str, ...]) -> set[str]:
+            return {a.name for n in nodes for a in by_name[n].all_input_nodes
+                    if self.tensors.get(a.name, ("", ""))[0] == PARAMETER}
+
+        return {self.tensors[p][1] for p in read_by(self.pre) & read_by(self.post)}
+
     def _by_name(self) -> dict[str, torch.fx.Node]:
         cache = getattr(self, "_nodes", None)
         if cache is None or len(cache) != len(self.graph.graph.nodes):

@@ -24,7 +24,7 @@ from typing import Any
 
 from .files import write_atomic
 from .vocabulary import OFFLOAD_KINDS
-from .vocabulary import TRAINING_DTYPES as DTYPES
+from .vocabulary import TRAINING_DTYPES
 
 
 class PlanError(ValueError):
@@ -70,6 +70,10 @@ class Offload:
     grads: float = 0.0
     opt: float = 0.0
     acts: float = 0.0
+
+    def __post_init__(self) -> None:
+        for kind in OFFLOAD_KINDS:
+            _ratio(getattr(self, kind), f"offload.{kind}")
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "Offload":
@@ -176,7 +180,7 @@ class Plan:
     def from_dict(cls, data: Any) -> "Plan":
         _check_keys(data, cls, "<plan>")
         _require(isinstance(data["model"], str) and data["model"], "model", "expected a non-empty string")
-        _require(data["dtype"] in DTYPES, "dtype", f"must be one of {list(DTYPES)}, got {data['dtype']!r}")
+        _require(data["dtype"] in TRAINING_DTYPES, "dtype", f"must be one of {list(TRAINING_DTYPES)}, got {data['dtype']!r}")
         stages_data = data["stages"]
         _require(isinstance(stages_data, list) and stages_data, "stages", "expected a non-empty list")
         plan = cls(

@@ -291,6 +291,9 @@ class MistProgram:
     max_positions: int | None = None  # the longest sequence the model takes (its position table), if bounded
     # the torch-level program the lowering passes cut and the runtime executes (live, not serialised)
     model_graph: Any = field(default=None, repr=False, compare=False)
+    # what the analysis passes found (``passes.cost_annotation.PricedGraphs``: graphs, costs, memory per
+    # block class); None until priced (live, not serialised)
+    analysis: Any = field(default=None, repr=False, compare=False)
 
     @property
     def params(self) -> int:

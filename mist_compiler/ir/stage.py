@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 from .model_graph import ShardSpec
+from .plan import Offload
 
 FREE = -1  # stage of a value computed from the batch alone (every stage recomputes it)
 
@@ -67,22 +68,6 @@ def split_boundary(numel: int, host_fraction: float) -> int:
     return numel - int(round(host_fraction * numel))
 
 
-@dataclass(frozen=True)
-class UnitOffload:
-    """Fractions of one unit's weights / grads / optimizer state / activations kept on the host."""
-
-    weights: float = 0.0
-    grads: float = 0.0
-    opt: float = 0.0
-    acts: float = 0.0
-
-    def __post_init__(self) -> None:
-        for kind in ("weights", "grads", "opt", "acts"):
-            value = getattr(self, kind)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"UnitOffload.{kind} must be in [0, 1], got {value}")
-
-
 @dataclass
 class Unit:
     """One parameter-holding piece of a stage: the ``pre`` part, a layer or the ``post`` part."""
@@ -96,7 +81,7 @@ class Unit:
     layer: int | None = None
     shards: dict[str, ShardSpec] = field(default_factory=dict)  # attribute -> tensor-parallel split
     checkpointed: bool = False
-    offload: UnitOffload = field(default_factory=UnitOffload)
+    offload: Offload = field(default_factory=Offload)  # fractions of this unit's state kept on the host
     needs_tp: bool = False  # its graph calls the tensor-parallel collectives (module ``tp``)
 
 

@@ -1,6 +1,6 @@
 """The words every part of the compiler shares, defined once.
 
-Training dtypes (names and their torch types), the symbols shapes are written in (``b`` micro-batch,
+Training dtypes (names, their torch types, the default), the symbols shapes are written in (``b`` micro-batch,
 ``s`` sequence, ``t`` tensor-parallel degree), the target attention kernels and the kinds of state
 that can be offloaded. Every sub-package imports them from here.
 """
@@ -10,6 +10,7 @@ import sympy
 import torch
 
 TRAINING_DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_DTYPE = "bfloat16"  # what a plan trains in unless the user says otherwise (every entry point)
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,

@@ -52,18 +52,29 @@ def lowering_passes(program: MistProgram, plan: Plan, coord: RankCoord) -> list[
     ]
 
 
+def graphs_are_well_formed(program: Any) -> None:
+    """Invariant between lowering passes: every fx graph of a stage (its top level and each distinct
+    unit graph) passes ``Graph.lint`` (each use after its definition, targets that exist)."""
+    if not isinstance(program, StageGraph):
+        return  # the captured model graph, before partitioning: linted by capture's trace
+    for graph in {id(g): g for g in [program.graph, *(unit.graph for unit in program.units)]}.values():
+        graph.lint()
+
+
 def lower_stage(program: MistProgram, plan: Plan, coord: RankCoord, *, print_after: tuple[str, ...] = (),
                 on_dump: Callable[[str, Any], None] | None = None) -> StageGraph:
-    """Run the lowering passes for one rank (no weights involved)."""
-    check_plan_against_program(plan, program)
-    manager = PassManager(lowering_passes(program, plan, coord), print_after=print_after, on_dump=on_dump)
+    """Run the lowering passes for one rank (no weights involved); the plan was checked against the
+    program before (:func:`check_plan_against_program`, the driver's ``check_plan``)."""
+    manager = PassManager(lowering_passes(program, plan, coord), invariants=(graphs_are_well_formed,),
+                          print_after=print_after, on_dump=on_dump)
     return manager(program.model_graph).program
 
 
 def lower(program: MistProgram, plan: Plan, coord: RankCoord, source: TensorSource, *, device: torch.device,
-          tp_group: Any = None, deferred: bool = False) -> StageProgram:
+          tp_group: Any = None, deferred: bool = True) -> StageProgram:
     """This rank's runnable stage program: the lowered stage, built with this rank's weights (made
-    when the runtime asks for them when ``deferred``)."""
+    when the runtime lays each unit out when ``deferred``, so no rank ever holds more than its own
+    state plus one unit in flight)."""
     stage = lower_stage(program, plan, coord)
     return build_stage(stage, program.model_graph, source, device=device, group=tp_group, deferred=deferred)
 
@@ -72,6 +83,7 @@ def dump_lowered(program: MistProgram, plan: Plan, after: str) -> str:
     """The program of every stage (tensor-parallel rank 0) right after the pass ``after``."""
     if after not in LOWERING_PASSES:
         raise PlanError(f"unknown pass {after!r}; lowering passes are: {', '.join(LOWERING_PASSES)}")
+    check_plan_against_program(plan, program)
     out = io.StringIO()
     for stage_index in range(plan.pp):
         dumps: list[str] = []

@@ -26,7 +26,8 @@ import torch.fx as fx
 from torch import nn
 
 from ..ir.model_graph import BUFFER, CONSTANT, PARAMETER, ModelGraph, ShardSpec
-from ..ir.stage import StageGraph, StageInterface, UnitOffload
+from ..ir.plan import Offload
+from ..ir.stage import StageGraph, StageInterface
 from ..ops.tensor_parallel import TP_CHILDREN, TensorParallelOps
 
 
@@ -70,11 +71,12 @@ class StageProgram:
     module: fx.GraphModule
     interface: StageInterface
     units: list[tuple[str, nn.Module]]
-    offload: dict[str, UnitOffload]
+    offload: dict[str, Offload]
     checkpointed: set[str]
     fqn: dict[str, str] = field(default_factory=dict)  # runtime parameter name -> name in the model
     shards: dict[str, ShardSpec] = field(default_factory=dict)  # runtime parameter name -> its TP split
     deferred: dict[int, "DeferredParameter"] = field(default_factory=dict, repr=False)  # id(param) -> how to make it
+    tied: set[str] = field(default_factory=set)  # runtime names of weights the model ties across pre and post
 
     def initial_value(self, param: nn.Parameter) -> torch.Tensor | None:
         """The initial fp32 value of a deferred parameter (made now, on the stage's device; read it,
@@ -163,7 +165,15 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
     module = fx.GraphModule(root, stage.graph, class_name=f"Stage{stage.stage}")
     offload = {unit.name: unit.offload for unit in stage.units}
     checkpointed = {unit.name for unit in stage.units if unit.checkpointed}
-    return StageProgram(module, stage.interface, units, offload, checkpointed, fqn, shards, pending)
+    tied_fqns = model.tied_parameters()
+    tied = {name for name, full_name in fqn.items() if full_name in tied_fqns}
+    return StageProgram(module, stage.interface, units, offload, checkpointed, fqn, shards, pending, tied)
+
+
+def tensor_source(model: nn.Module | str, seq_len: int | None) -> TensorSource:
+    """Where the stage's initial weights come from: a live module's own tensors, or a model name's
+    initialisation made tensor by tensor."""
+    return ModuleTensors(model) if isinstance(model, nn.Module) else InitTensors(model, seq_len)
 
 
 class InitTensors:

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 import torch.fx
 
+from ..ir.capture_state import CaptureState
+from .manager import transforms
+
 PRE, POST = "pre", "post"
 
 _DYNAMO_ROOT = re.compile(r"^L\[['\"]\w+['\"]\]\.?")
@@ -233,6 +236,7 @@ def discover_blocks(graph: torch.fx.Graph) -> BlockPartition:
     return replace(partition, layer_hash=hashes)
 
 
-def block_discovery(state):
+@transforms(CaptureState)
+def block_discovery(state: CaptureState) -> CaptureState:
     """Pass: partition the captured joint graph into blocks (``state.joint.joint_graph``)."""
     return replace(state, partition=discover_blocks(state.joint.joint_graph.graph))

@@ -38,6 +38,7 @@ class ActivationCheckpoint:
 
     ckpt_layers: int
     name: str = "checkpoint"
+    input_type = output_type = StageGraph
 
     def __call__(self, stage: StageGraph) -> PassResult:
         layers = stage.layer_units

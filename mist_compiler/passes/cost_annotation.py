@@ -37,7 +37,9 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from ..ir.program import MistProgram
 from ..ir.vocabulary import SYMBOLS, B, S, T
+from .manager import PassResult, transforms
 
 CANONICAL_SYMBOLS = SYMBOLS
 
@@ -464,6 +466,16 @@ def _block_node_sets(program, backward: fx.GraphModule) -> dict[int, set[str]]:
     return blocks
 
 
+@dataclass
+class PricedGraphs:
+    """What the analysis passes attach to a program (``MistProgram.analysis``): its live graphs,
+    their costs (``cost_annotation``) and each block class's memory (``memory_analysis``)."""
+
+    graphs: ProgramGraphs
+    costs: ProgramCosts
+    memory: dict[int, Any] = field(default_factory=dict)  # block class id -> memory_analysis.BlockMemory
+
+
 def program_graphs(program) -> ProgramGraphs:
     """The live graphs of a freshly captured program (a program read back from JSON has none)."""
     graphs = next(iter(program.block_classes.values())).graphs or {}
@@ -500,18 +512,19 @@ def _annotated_nodes(ir_nodes, costs: dict[str, NodeCost], collectives: dict[str
     return annotated
 
 
-def cost_annotation(program):
+@transforms(MistProgram)
+def cost_annotation(program: MistProgram) -> PassResult:
     """Pass: every IR node gets ``op_class``, ``flops``, ``bytes`` and ``tp`` attributes
     (expressions in b, s, t); the collectives the tensor-parallel sharding implies become IR
-    nodes (``all_reduce`` with its ``bytes``) right after the node they reduce. Pure: returns a
-    new program; the input is not modified."""
+    nodes (``all_reduce`` with its ``bytes``) right after the node they reduce; the costs are
+    kept as ``program.analysis`` for the passes after it and the stage cost model. Pure: returns
+    a new program; the input is not modified."""
     import copy
-
-    from .manager import PassResult
 
     graphs = program_graphs(program)
     costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols, sharding=graphs.sharding)
     annotated = copy.copy(program)
+    annotated.analysis = PricedGraphs(graphs, costs)
     annotated.block_classes = {}
     from ..ir.program import IRNode
 

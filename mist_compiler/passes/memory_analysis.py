@@ -46,6 +46,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..ir.program import MistProgram
 from ..ir.vocabulary import ATTENTION_KERNELS
 from ..ops.linear_cross_entropy import workspace_points
 from .cost_annotation import (
@@ -63,6 +64,7 @@ from .cost_annotation import (
     tensor_shape,
     value_bytes,
 )
+from .manager import PassResult, transforms
 
 MATMUL_BACKWARD_OPS = {"mm", "bmm", "addmm", "baddbmm"}
 
@@ -490,19 +492,25 @@ def _first_param_uses(graph: fx.Graph, param_nodes: set[fx.Node], grad_outputs: 
     return first
 
 
-def memory_analysis(program):
+@transforms(MistProgram)
+def memory_analysis(program: MistProgram) -> PassResult:
     """Pass: per block class memory (saved activations per attention kernel, forward/backward
     peak candidates, input/output bytes), attached to a copy of the program as
-    ``program.memory`` (class id -> :class:`BlockMemory`). IR nodes are unchanged."""
+    ``program.analysis.memory`` (class id -> :class:`BlockMemory`; the costs of ``cost_annotation``
+    are reused when it ran before). IR nodes are unchanged."""
     import copy
+    from dataclasses import replace
 
-    from .cost_annotation import annotate_graphs, program_graphs
-    from .manager import PassResult
+    from .cost_annotation import PricedGraphs, annotate_graphs, program_graphs
 
-    graphs = program_graphs(program)
-    costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols, sharding=graphs.sharding)
+    priced = program.analysis
+    if priced is None:
+        graphs = program_graphs(program)
+        costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols, sharding=graphs.sharding)
+        priced = PricedGraphs(graphs, costs)
+    graphs = priced.graphs
     blocks = {str(class_id): names for class_id, names in graphs.blocks.items()}
-    results = analyse_memory(graphs.forward, graphs.backward, costs, graphs.params, blocks, graphs.symbols)
+    results = analyse_memory(graphs.forward, graphs.backward, priced.costs, graphs.params, blocks, graphs.symbols)
     analysed = copy.copy(program)
-    analysed.memory = {int(label): memory for label, memory in results.items()}
+    analysed.analysis = replace(priced, memory={int(label): memory for label, memory in results.items()})
     return PassResult(analysed, False)

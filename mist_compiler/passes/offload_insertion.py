@@ -17,27 +17,20 @@ from dataclasses import dataclass, replace
 
 from ..ir.model_graph import PARAMETER
 from ..ir.plan import OFFLOAD_KINDS, Offload
-from ..ir.stage import StageGraph, UnitOffload
+from ..ir.stage import StageGraph
 from .manager import PassResult
 
 
-class OffloadInsertionError(ValueError):
-    """Bad input to the offload-insertion pass; the message names the field."""
-
-
-def unit_offload(has_parameters: bool, offload: Offload) -> UnitOffload:
-    """One unit's offload fractions under the stage's ``offload`` ratios (the rule above)."""
-    for kind in OFFLOAD_KINDS:
-        value = getattr(offload, kind)
-        if not 0.0 <= value <= 1.0:
-            raise OffloadInsertionError(f"offload insertion: offload.{kind} must be in [0, 1], got {value}")
+def unit_offload(has_parameters: bool, offload: Offload) -> Offload:
+    """One unit's offload fractions under the stage's ``offload`` ratios (the rule above; an
+    ``Offload`` holds fractions in [0, 1] by construction)."""
     if not has_parameters:
-        return UnitOffload(acts=offload.acts)
-    return UnitOffload(**{kind: getattr(offload, kind) for kind in OFFLOAD_KINDS})
+        return Offload(acts=offload.acts)
+    return Offload(**{kind: getattr(offload, kind) for kind in OFFLOAD_KINDS})
 
 
-def unit_offload_table(units: list[tuple[str, int]], offload: Offload) -> dict[str, UnitOffload]:
-    """``[(unit name, parameter elements)]`` -> ``{name: UnitOffload}`` (for runtimes built by hand)."""
+def unit_offload_table(units: list[tuple[str, int]], offload: Offload) -> dict[str, Offload]:
+    """``[(unit name, parameter elements)]`` -> ``{name: Offload}`` (for runtimes built by hand)."""
     return {name: unit_offload(elements > 0, offload) for name, elements in units}
 
 
@@ -47,6 +40,7 @@ class OffloadInsertion:
 
     offload: Offload
     name: str = "offload_insertion"
+    input_type = output_type = StageGraph
 
     def __call__(self, stage: StageGraph) -> PassResult:
         units = [replace(u, offload=unit_offload(any(kind == PARAMETER for kind, _ in u.tensors.values()), self.offload))

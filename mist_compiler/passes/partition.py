@@ -224,6 +224,8 @@ class Partition:
     plan: Plan
     stage: int
     name: str = "partition"
+    input_type = ModelGraph
+    output_type = StageGraph
 
     def __call__(self, model: ModelGraph) -> PassResult:
         if model.num_layers != self.plan.num_layers:

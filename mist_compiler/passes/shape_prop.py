@@ -19,7 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ..ir.capture_state import CaptureState
 from ..ir.program import SYMBOLS, TensorInfo
+from .manager import transforms
 
 # distinct example sizes (>= 2, unlikely to collide with model dimensions) for named dimensions
 _EXAMPLE_SIZES = (3, 5, 7, 11, 13, 17, 19, 23)
@@ -100,7 +102,8 @@ def propagate_symbolic_shapes(
     return {n.name: node_outputs(n, symbol_map) for n in gm.graph.nodes if n.op != "output"}
 
 
-def shape_prop(state):
+@transforms(CaptureState)
+def shape_prop(state: CaptureState) -> CaptureState:
     """Pass: symbolic shapes of every node of the captured joint graph (``state.shapes``)."""
     shapes = propagate_symbolic_shapes(state.joint.joint_graph, state.joint.symbol_map)
     return replace(state, shapes=shapes)

@@ -13,7 +13,6 @@ import operator
 import torch.fx as fx
 
 from ..ir.model_graph import PARAMETER, GraphEdit, ModelGraph, RegionSharding, ShardSpec, TensorParallelPlan
-from .manager import PassResult
 from .tp_recognition import (FUSED_LOSS, P, R, NotShardable, _shape, _step, _Walk, is_sharded, op_of,
                              recognise_region)
 
@@ -142,13 +141,4 @@ def _post_params(model: ModelGraph) -> set[str]:
     return {a.name for n in model.post for a in by_name[n].all_input_nodes if a.name in model.tensors}
 
 
-def tp_recognition(program):
-    """Pass: attach the tensor-parallel plan to the captured program's model graph."""
-    graph = program.model_graph
-    if graph is None:
-        return PassResult(program, False)
-    graph.tp = recognise(graph)
-    return PassResult(program, True)
-
-
-__all__ = ["derives_from", "recognise", "tp_recognition"]
+__all__ = ["derives_from", "recognise"]

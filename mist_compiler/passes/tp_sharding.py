@@ -179,6 +179,7 @@ class TensorParallel:
     rank: int
     degree: int
     name: str = "tp_sharding"
+    input_type = output_type = StageGraph
 
     def __call__(self, stage: StageGraph) -> PassResult:
         if self.degree == 1:

@@ -21,8 +21,6 @@ import os
 import torch
 import torch.distributed as dist
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 class DeviceError(RuntimeError):
     """The rank's device cannot be chosen (e.g. LOCAL_RANK beyond the visible GPUs)."""

@@ -1,11 +1,12 @@
-"""The training engine: ``mist_compiler.compile(model, plan) -> Engine`` and ``engine.step(batch)``.
+"""The training engine: a lowered stage program run under a plan, ``engine.step(batch)``.
 
-Set-up reads top to bottom in the order it happens: check the plan against the launched world
-and the captured model (before any computation), build the process groups, lower this rank's
-stage out of the captured program and build it with only this rank's weights (:mod:`.codegen`,
-:mod:`.materialize`), wrap its units in the per-stage data-parallel runtime (ZeRO, offload,
-AdamW), tie embedding/head gradients across stages, link the pipeline neighbours. On a CPU
-device the process keeps freed host memory for reuse (:mod:`.host_allocator`).
+``Engine(stage, plan, world)`` takes what the driver made before it: this rank's place in the
+world (:func:`.world.join_world`: device, process groups) and its lowered stage program
+(:func:`mist_compiler.lowering.lower.lower`, modules holding only this rank's weights, made unit by
+unit as the runtime lays them out). Set-up reads top to bottom in the order it happens: wrap the
+stage's units in the per-stage data-parallel runtime (ZeRO, offload, AdamW), tie embedding/head
+gradients across stages, link the pipeline neighbours. On a CPU device the process keeps freed
+host memory for reuse (:mod:`.host_allocator`).
 
 ``step(batch)`` runs one training iteration: every rank is given the same global batch and takes
 its own rows; the stage runs its pipeline schedule (1F1B unless ``set_schedule`` chose another)
@@ -13,7 +14,8 @@ over ``grad_accum`` micro-batches, each loss scaled by ``1/G`` (the runtime aver
 data-parallel ranks), then the optimizer steps.
 It returns the mean loss of the global batch, the same on every rank.
 
-``forward_backward`` and ``optimizer_step`` are the two halves (the dynamo runtime uses them).
+``forward_backward`` and ``optimizer_step`` are the two halves (the ``torch.compile`` runtime
+and ``--check`` use them).
 
 Failures (:class:`.failure.FailureMonitor`): every collective and transfer has a timeout; a rank that
 fails writes the reason to the rendezvous store and every other rank stops within a heartbeat,
@@ -22,7 +24,6 @@ naming it; a rank that dies is found by its stale heartbeat and named the same w
 from __future__ import annotations
 
 import contextlib
-import datetime
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -31,23 +32,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mist_compiler.ir.model_graph import ShardSpec
-from mist_compiler.ir.plan import Plan, PlanError, load_plan
-from mist_compiler.ir.program import MistProgram
-
-from ..ir.topology import Topology
-from ..lowering.lower import check_plan_against_program, lower
-from ..lowering.materialize import InitTensors, ModuleTensors, StageProgram, TensorSource
-from ..ops.groups import ProcessGroup
-from .device import DTYPES, init_process_group, select_device, warm_up_world
+from ..ir.model_graph import ShardSpec
+from ..ir.plan import Plan, PlanError
+from ..lowering.materialize import StageProgram
+from ..ir.vocabulary import TORCH_DTYPES
 from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error
 from .host_allocator import keep_freed_host_memory
 from .loss_scaling import loss_scaler_for
+from .optimizer import AdamWConfig
 from .pipeline import BACKWARD, FORWARD, P2P, SCHEDULES
-from .process_groups import ProcessGroups, build_groups
-from .tied_weights import TiedWeights, tied_parameters
+from .stage_runtime import StageRuntime
+from .tied_weights import TiedWeights
+from .world import DEFAULT_TIMEOUT_S, RankWorld
 
-DEFAULT_TIMEOUT_S = 300.0
+__all__ = ["DEFAULT_TIMEOUT_S", "BatchError", "Engine", "RankFailure"]
 
 
 class RankFailure(RuntimeError):
@@ -56,18 +54,6 @@ class RankFailure(RuntimeError):
 
 class BatchError(ValueError):
     """A batch that does not match the plan."""
-
-
-def _default_runtime_factory() -> Callable[..., Any]:
-    from .stage_runtime import StageRuntime
-
-    return StageRuntime
-
-
-def _default_optimizer() -> Any:
-    from .stage_runtime import AdamWConfig
-
-    return AdamWConfig()
 
 
 @dataclass
@@ -82,61 +68,39 @@ class StepState:
 class Engine:
     """Executes a Plan on this rank; see the module docstring."""
 
-    def __init__(self, model: nn.Module | str, plan: Plan, *, optimizer: Any = None,
-                 device: torch.device | str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 runtime_factory: Callable[..., Any] | None = None, program: MistProgram | None = None,
-                 source: TensorSource | None = None) -> None:
+    def __init__(self, stage: StageProgram, plan: Plan, world: RankWorld, *, optimizer: AdamWConfig | None = None) -> None:
         self.plan = plan
-        self.timeout_s = timeout_s
-        self.source_model: nn.Module | None = None  # set by the dynamo runtime
-        self._step_pending = False
+        self.world_info = world
+        self.timeout_s = world.timeout_s
+        self.topology, self.device, self.groups = world.topology, world.device, world.groups
+        self.rank, self.world, self.coord = world.rank, world.size, world.coord
+        self.stage_plan = world.stage
+        self.program = stage
+        self.source_model: nn.Module | None = None  # set by the torch.compile runtime
         self.loss_scaler = loss_scaler_for(plan.dtype)  # fp16 only: dynamic loss scaling, overflowing steps skipped
         self._skip_next_step = False
-        self.topology = Topology(plan)
-        self.device = select_device(device)  # made current first: every kernel and collective on the rank's own GPU
-        init_process_group(timeout_s, self.device)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.topology.check_world_size(self.world)
-        # the program that was (or would be) analysed: the same capture is what this rank runs
-        self.captured = program if program is not None else capture_for_plan(model, plan)
-        check_plan_against_program(plan, self.captured)
-        self.monitor = FailureMonitor(self.rank, self.world, timeout_s)
-        self.coord = self.topology.coord(self.rank)
-        self.stage_plan = plan.stages[self.coord.stage]
-        timeout = datetime.timedelta(seconds=timeout_s)
-        tied_fqns = tied_parameters(self.captured.model_graph)
-        self.groups: ProcessGroups = build_groups(self.topology, self.rank, tied=bool(tied_fqns), timeout=timeout)
-        warm_up_world(self.device)
-        source = source or (ModuleTensors(model) if isinstance(model, nn.Module) else InitTensors(model, plan.seq_len))
-        tp_group = ProcessGroup(self.groups.tp, self.coord.tp_index, self.stage_plan.tp)
-        # parameters get their values unit by unit as the runtime lays them out (no rank ever holds
-        # more than its own state plus one unit in flight)
-        self.program: StageProgram = lower(self.captured, plan, self.coord, source, device=self.device,
-                                           tp_group=tp_group, deferred=True)
-        self.tied_names = {name for name, fqn in self.program.fqn.items() if fqn in tied_fqns}
+        self.monitor = FailureMonitor(self.rank, self.world, self.timeout_s)
+        self.tied_names = stage.tied
         self.tied = TiedWeights.create(self) if self.tied_names and plan.pp > 1 else None
         if self.tied is not None:
             for param in self.tied.params.values():
-                self.program.materialize(param)
-        units = self.program.units
-        self.offload_table = {name: self.program.offload[name] for name, _ in units}
-        extra = {"initial": self.program.initial_value}
-        if runtime_factory is not None:  # another runtime gets a module with its values
-            self.program.materialize_all()
-            extra = {}
-        self.runtime = (runtime_factory or _default_runtime_factory())(
+                stage.materialize(param)
+        units = stage.units
+        self.offload_table = {name: stage.offload[name] for name, _ in units}
+        self.runtime = StageRuntime(
             units, dp_group=self.groups.dp, zero=self.stage_plan.zero, offload=self.offload_table,
-            optimizer=optimizer if optimizer is not None else _default_optimizer(), device=self.device,
-            param_dtype=DTYPES[plan.dtype], timeout_s=timeout_s, grad_dtype=DTYPES[plan.grad_dtype],
-            exclude=frozenset(self.tied.params.values()) if self.tied is not None else frozenset(), **extra,
+            optimizer=optimizer if optimizer is not None else AdamWConfig(), device=self.device,
+            param_dtype=TORCH_DTYPES[plan.dtype], timeout_s=self.timeout_s, grad_dtype=TORCH_DTYPES[plan.grad_dtype],
+            exclude=frozenset(self.tied.params.values()) if self.tied is not None else frozenset(),
+            initial=stage.initial_value,
         )
         self._offload_hooks = install_activation_offload(self.runtime, units, self.offload_table,
-                                                         checkpointed=self.program.checkpointed)
+                                                         checkpointed=stage.checkpointed)
         if self.tied is not None:
             self.tied.attach(self.runtime)
-        self.interface = self.program.interface
+        self.interface = stage.interface
         # activations travel in the plan's dtype (the runtime casts the weights to it)
-        inputs, outputs = (_in_dtype(values, DTYPES[plan.dtype]) for values in (self.interface.inputs, self.interface.outputs))
+        inputs, outputs = (_in_dtype(values, TORCH_DTYPES[plan.dtype]) for values in (self.interface.inputs, self.interface.outputs))
         self._boundary = (inputs, outputs)
         self.set_schedule("1f1b")
         if self.device.type == "cpu":
@@ -168,13 +132,11 @@ class Engine:
 
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> float:
         """The micro-batch schedule (forward and backward); gradients are reduced, not yet applied."""
-        self.flush_optimizer_step()
         with math_attention_in_compute_dtype():
             return self._guarded(self._forward_backward, batch)
 
     def optimizer_step(self) -> None:
         """Apply the reduced gradients (AdamW) and sync tied weights."""
-        self._step_pending = False
         self._guarded(self._optimizer_step)
 
     def skip_optimizer_step(self) -> None:
@@ -192,15 +154,6 @@ class Engine:
     def set_optimizer(self, config: Any) -> None:
         """Use these AdamW settings from the next update on (a learning-rate schedule changes them)."""
         self.runtime.optimizer.config = config
-
-    def request_optimizer_step(self) -> None:
-        """Apply the gradients before the next forward or weight read (used from autograd hooks,
-        where running collectives and in-place weight updates is not safe)."""
-        self._step_pending = True
-
-    def flush_optimizer_step(self) -> None:
-        if self._step_pending:
-            self.optimizer_step()
 
     def _guarded(self, fn: Callable, *args: Any) -> Any:
         try:
@@ -344,7 +297,6 @@ class Engine:
     # ----------------------------------------------------------------- checks
     def named_full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, unsharded over data parallelism (names as in the stage program)."""
-        self.flush_optimizer_step()
         params = dict(self.runtime.named_full_parameters())
         if self.tied is not None:
             params.update(self.tied.local_parameters())
@@ -353,7 +305,6 @@ class Engine:
     def gather_full_state(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """The whole model's parameters (unsharded, fp32, CPU) on rank ``dst``, named as in the model;
         None elsewhere. Collective: every rank must call it."""
-        self.flush_optimizer_step()
         return self._gather_to(self.named_full_parameters(), dst)  # a collective under ZeRO-3
 
     def gather_full_gradients(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
@@ -465,24 +416,3 @@ def unshard(by_tp: dict[int, tuple[torch.Tensor, ShardSpec | None, int]]) -> tor
         offset = sum(p // degree for p in parts[:index])
         columns += [by_tp[r][0].narrow(spec.dim, offset, piece) for r in ranks]
     return torch.cat(columns, dim=spec.dim)
-
-
-def capture_for_plan(model: nn.Module | str, plan: Plan) -> MistProgram:
-    """Capture ``model`` as the plan will run it (the plan's dtype: dtypes are part of the trace)."""
-    from ..frontend.capture import capture
-
-    return capture(model, dtype=plan.dtype, seq_len=plan.seq_len, analyse=False)
-
-
-def compile(model: nn.Module | str, plan: Plan | str, *, optimizer: Any = None,
-            device: torch.device | str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-            runtime_factory: Callable[..., Any] | None = None, program: MistProgram | None = None,
-            source: TensorSource | None = None) -> Engine:
-    """This rank's training engine for ``model`` (a module, trained from its own weights, or a model
-    name, built and initialised shard by shard) under ``plan`` (a Plan or a path)."""
-    if isinstance(plan, str):
-        plan = load_plan(plan)
-    if not isinstance(plan, Plan):
-        raise PlanError(f"plan: expected a Plan or a path to a plan file, got {type(plan).__name__}")
-    return Engine(model, plan, optimizer=optimizer, device=device, timeout_s=timeout_s,
-                  runtime_factory=runtime_factory, program=program, source=source)

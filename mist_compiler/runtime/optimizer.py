@@ -155,13 +155,12 @@ class FlatAdamW:
         return out, event
 
     # ---- the update ----------------------------------------------------------------------------
-    def _update(self, part: _Part, lo: int = 0, hi: int | None = None, host: bool = False) -> None:
-        """The fused update (Triton on a GPU) of a device part, torch's flat AdamW on a host part."""
+    def _update(self, part: _Part, lo: int = 0, hi: int | None = None) -> None:
+        """torch's fused AdamW over the part's window (its chunked twin for low-precision gradients)."""
         cfg = self.config
         window = slice(lo, part.param.numel() if hi is None else hi)
-        update = kernels.adamw_torch if host else kernels.adamw
-        update(part.param[window], part.grad[window], part.exp_avg[window], part.exp_avg_sq[window],
-               step=self.step_count, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        kernels.adamw(part.param[window], part.grad[window], part.exp_avg[window], part.exp_avg_sq[window],
+                      step=self.step_count, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
     def _launch(self, part: _Part) -> list:
         """The host part's update: on the workers (chunked) when there are some, else now."""
@@ -169,7 +168,7 @@ class FlatAdamW:
             if part.event is not None:
                 part.event.synchronize()  # the gradient's copy to the host (only this thread waits)
             with torch.profiler.record_function("mist.host_adamw"):
-                self._update(part, lo, hi, host=True)
+                self._update(part, lo, hi)
 
         if self.workers is None:
             run(0, part.param.numel())

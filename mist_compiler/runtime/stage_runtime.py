@@ -51,9 +51,9 @@ from .dist_compat import all_gather_flat, group_rank, group_size
 from .offload import ActivationOffloader, HostMemory
 from .optimizer import AdamWConfig, FlatAdamW
 from .streams import HostWorkers, Streams
-from .zero import BucketContext, UnitBucket, UnitOffload
+from .zero import BucketContext, UnitBucket
 
-__all__ = ["AdamWConfig", "StageRuntime", "StageRuntimeError", "UnitOffload"]
+__all__ = ["AdamWConfig", "StageRuntime", "StageRuntimeError"]
 
 
 class StageRuntimeError(ValueError):
@@ -69,7 +69,7 @@ class StageRuntime:
     """ZeRO 0-3 over flat per-unit buckets, fractional offload and AdamW for one pipeline stage."""
 
     def __init__(self, units: list[tuple[str, nn.Module]], *, dp_group: dist.ProcessGroup | None,
-                 zero: int, offload: Offload | dict[str, UnitOffload], optimizer: AdamWConfig,
+                 zero: int, offload: Offload | dict[str, Offload], optimizer: AdamWConfig,
                  device: torch.device, param_dtype: torch.dtype = torch.float32,
                  timeout_s: float = 300.0, exclude: frozenset = frozenset(),
                  initial: Callable[[nn.Parameter], torch.Tensor | None] | None = None,
@@ -142,7 +142,7 @@ class StageRuntime:
                 owned[unit].append((f"{unit}.{name}", param))
         return owned, needs
 
-    def _offload_table(self, offload, owned) -> dict[str, UnitOffload]:
+    def _offload_table(self, offload, owned) -> dict[str, Offload]:
         if isinstance(offload, Offload):
             sizes = [(name, sum(p.numel() for _, p in owned[name])) for name in self.unit_names]
             return unit_offload_table(sizes, offload)
@@ -151,7 +151,7 @@ class StageRuntime:
             if missing:
                 raise StageRuntimeError(f"StageRuntime: offload table lacks unit(s) {missing}")
             return {name: offload[name] for name in self.unit_names}
-        raise StageRuntimeError(f"StageRuntime: offload must be a plan Offload or {{unit: UnitOffload}}, got {offload!r}")
+        raise StageRuntimeError(f"StageRuntime: offload must be a plan Offload or {{unit: Offload}}, got {offload!r}")
 
     def _install_hooks(self) -> None:
         by_name = {bucket.unit: bucket for bucket in self.buckets}

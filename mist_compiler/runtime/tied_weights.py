@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ir.model_graph import PARAMETER
-from .device import DTYPES
+from ..ir.vocabulary import TORCH_DTYPES
 
 
 class TiedWeights:
@@ -61,7 +60,7 @@ class TiedWeights:
             for name in self.names:
                 runtime.register_grad_transform(name, lambda grad, name=name: self._add_last_stage_share(name, grad))
         else:
-            dtype = DTYPES[self.engine.plan.dtype]
+            dtype = TORCH_DTYPES[self.engine.plan.dtype]
             for param in self.params.values():
                 param.data = param.data.to(self.engine.device, dtype)
 
@@ -151,15 +150,3 @@ def _unit_parameters(units: list[tuple[str, nn.Module]]):
     for unit_name, module in units:
         for name, param in module.named_parameters():
             yield f"{unit_name}.{name}" if unit_name else name, param
-
-
-def tied_parameters(graph) -> set[str]:
-    """Names (in the model) of the parameters both the pre part (embedding) and the post part (head)
-    of a captured model graph read: the weights a pipeline must keep tied."""
-    by_name = graph._by_name()
-
-    def read_by(nodes: tuple[str, ...]) -> set[str]:
-        return {a.name for n in nodes for a in by_name[n].all_input_nodes
-                if graph.tensors.get(a.name, ("", ""))[0] == PARAMETER}
-
-    return {graph.tensors[p][1] for p in read_by(graph.pre) & read_by(graph.post)}

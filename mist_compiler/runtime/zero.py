@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ir.stage import UnitOffload
+from ..ir.plan import Offload
 from . import kernels
 from .dist_compat import Pending, all_gather_flat, all_reduce_flat, reduce_scatter_flat
 from .flat_buffer import FlatLayout, FreeableBuffer, bind_grads, bind_params
@@ -78,7 +78,7 @@ class BucketContext:
 class UnitBucket:
     """The flat weights, gradients and optimizer shard of one unit's parameters."""
 
-    def __init__(self, unit: str, named_params: list[tuple[str, nn.Parameter]], offload: UnitOffload,
+    def __init__(self, unit: str, named_params: list[tuple[str, nn.Parameter]], offload: Offload,
                  ctx: BucketContext) -> None:
         self.unit = unit
         self.ctx = ctx
@@ -297,7 +297,7 @@ class UnitBucket:
         kernels.scale_accumulate(comm, grads, scale, accumulate=False)
         if ctx.zero == 0:
             pending = all_reduce_flat(comm, ctx.group, f"all_reduce of unit {self.unit!r} grads")
-            pending.then.append(lambda: kernels.cast_copy(grads, comm))
+            pending.then.append(lambda: grads.copy_(comm))
             self.reduced = grads  # the mean, back in the param dtype, until the optimizer step
         else:
             self.grads.free()
@@ -374,14 +374,14 @@ class UnitBucket:
             for start, part in self.master.parts():
                 part = self._on_device(part)
                 if ctx.zero == 0 and self.persistent_full:
-                    kernels.cast_copy(self.full.tensor[start:start + part.numel()], part)
+                    self.full.tensor[start:start + part.numel()].copy_(part)
                 else:
                     self.source.write(start, part)
             return None
         new = torch.empty(self.master.numel, dtype=ctx.param_dtype, device=ctx.device)
         for start, part in self.master.parts():
             target = new[start:start + part.numel()]
-            kernels.cast_copy(target, self._on_device(part))
+            target.copy_(self._on_device(part))
         out = self.full.tensor if self.persistent_full else torch.empty(self.layout.padded_numel, dtype=ctx.param_dtype,
                                                                       device=ctx.device)
         pending = all_gather_flat(out, new, ctx.group, f"all_gather of unit {self.unit!r} updated weights")

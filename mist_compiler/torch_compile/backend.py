@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..frontend.capture import CaptureState
+from ..ir.capture_state import CaptureState
 from ..frontend.joint import JointCapture, joint_backend
 from ..frontend.to_ir import lower_to_ir
 from ..ir.program import ATTENTION_KERNELS, MistProgram

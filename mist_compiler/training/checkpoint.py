@@ -115,7 +115,6 @@ def _buffers(view: BucketView) -> dict[str, Any]:
 
 def stage_state(engine: Any, views: list[BucketView]) -> dict[str, Any]:
     """This rank's owned master weights and moments as CPU chunks (a copy: training may go on)."""
-    engine.flush_optimizer_step()
     state: dict[str, Any] = {}
     cpu = torch.device("cpu")
     for view in views:

@@ -169,14 +169,14 @@ class Trainer:
         return lock
 
     def _flops_per_token(self) -> float:
-        """6 x parameters (forward and backward of every weight); 0 unless MFU was asked for."""
+        """Training FLOPs per token (:mod:`mist_compiler.cost.flops`, the tuner's formula); 0 unless MFU
+        was asked for."""
         if not self.config.peak_tflops:
             return 0.0
-        from ..models import build_model
+        from ..cost.flops import flops_per_token
+        from ..driver import ir_shape
 
-        with torch.device("meta"):
-            module = build_model(self.model_name, seq_len=self.plan.seq_len, seed=None)
-        return 6.0 * sum(p.numel() for p in module.parameters())
+        return flops_per_token(ir_shape(self.program), self.plan.seq_len) or 0.0
 
     def _resume(self, path: str, meta: dict, verification: BackgroundVerification) -> None:
         mine = verification.problems()

@@ -9,7 +9,6 @@ and gap (and the frontiers it chose from, for ``mistc explain``).
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -54,7 +53,7 @@ class TuneResult:
 
     @property
     def mfu(self) -> float | None:
-        from .flops import mfu
+        from ..cost.flops import mfu
 
         return mfu(self, self.model_config, self.peak_flops)
 
@@ -65,35 +64,6 @@ class TuneResult:
 
 def _stderr_progress(message: str) -> None:
     print(f"[tune] {message}", file=sys.stderr, flush=True)
-
-
-def workload_of(model: str, seq_len: int, global_batch: int, dtype: str) -> tuple[Workload, object]:
-    """Layer and head counts of a model, without allocating its weights (zoo config, HF config
-    file, or a factory built on the meta device)."""
-    from ..models import resolve_model
-
-    spec = resolve_model(model, seq_len)
-    config = spec.config
-    if config is None:
-        if model.startswith("hf:"):
-            with open(model[3:]) as handle:
-                config = json.load(handle)
-            layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
-        else:
-            import torch
-
-            with torch.device("meta"):
-                built = spec.build()
-            config = getattr(built, "cfg", None) or getattr(built, "config", None)
-            layers = getattr(config, "layers", None) or getattr(config, "num_hidden_layers", None)
-            heads = getattr(config, "heads", None) or getattr(config, "num_attention_heads", None)
-        if layers is None or heads is None:
-            raise TuneError(f"model {model!r}: cannot find its layer and head counts to tune it")
-        if isinstance(config, dict):
-            config = None
-    else:
-        layers, heads = config.layers, config.heads
-    return Workload(int(layers), int(heads), global_batch, seq_len, dtype, model), config
 
 
 def check_request(work: Workload, cluster: Cluster, space: SearchSpace, hardware_gpus_per_node: int | None) -> None:
@@ -201,49 +171,25 @@ def _memory_diagnosis(cost_model: StageCostModel, work: Workload, cluster: Clust
             f"least that much memory, more devices, or a smaller global batch/sequence")
 
 
-def tune(model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int, seq_len: int = 2048,
-         space: SearchSpace | None = None, dtype: str = "bfloat16", attention: str = "flash",
-         cost_model: StageCostModel | None = None, progress: Progress | None = None,
-         workload: Workload | None = None, grad_dtype: str = "float32") -> TuneResult:
-    """Search the fastest plan. ``hardware`` is a profile name/path or a HardwareProfile;
-    ``grad_dtype`` the plans' gradient dtype (``float32``, or ``dtype``: ZeRO 0/1 stages keep
-    low-precision gradients, see ``ir.plan``).
-
-    ``cost_model`` overrides the project's stage cost model (tests pass an analytic double);
-    ``workload`` then supplies layer and head counts for a model that is not in the zoo.
-    """
+def tune(cost_model: StageCostModel, work: Workload, cluster: Cluster, *, space: SearchSpace | None = None,
+         progress: Progress | None = None, model_config: object = None) -> TuneResult:
+    """Search the fastest plan for ``work`` (layers, TP granularity, batch, sequence, dtype: read
+    from the captured program by ``driver.workload``) on ``cluster``, priced by ``cost_model``
+    (its hardware profile and gradient dtype are the plans'). ``model_config``: the model's sizes
+    (``driver.ir_shape``), for the predicted MFU."""
     space = space or SearchSpace()
     say = progress or (lambda message: None)
     started = time.perf_counter()
-    cluster = Cluster(nodes, gpus_per_node)
-    profile = None
-    if hardware is not None:
-        from ..cost.hardware import HardwareProfile, load_profile
-
-        profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    if cost_model is None:
-        if profile is None:
-            raise TuneError("tune needs a hardware profile (or a cost_model)")
-        from ..cost.stage_model import build_stage_cost_model
-
-        say(f"analysing {model} (seq {seq_len}, {dtype}, {attention} attention)")
-        cost_model = build_stage_cost_model(model, profile, seq_len=seq_len, dtype=dtype, attention=attention,
-                                            grad_dtype=grad_dtype)
-    stats_analysis_s = time.perf_counter() - started
-    started = time.perf_counter()
-    config = None
-    if workload is None:
-        workload, config = workload_of(model, seq_len, global_batch, dtype)
-    work = workload
+    profile = getattr(cost_model, "hardware", None)
     check_request(work, cluster, space, profile.gpus_per_node if profile is not None else None)
     search = _Search(cost_model, work, cluster, space, say, started)
-    search.stats["analysis_s"] = stats_analysis_s
+    search.stats["analysis_s"] = 0.0
     best, best_table = search.run()
     if best is None:
         raise TuneError(_memory_diagnosis(cost_model, work, cluster, space))
     result = _result(cost_model, work, space, best_table, best, search.stats)
-    result.model_config = config
-    result.peak_flops = profile.peak_flops.get(dtype) if profile is not None else None
+    result.model_config = model_config
+    result.peak_flops = profile.peak_flops.get(work.dtype) if profile is not None else None
     _flag_optimistic_mfu(result, profile)
     return result
 

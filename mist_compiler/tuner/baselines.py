@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .api import TuneResult, tune
-from .space import SearchSpace, TuneError
+from .space import Cluster, SearchSpace, TuneError, Workload
 
 NO_OFFLOAD = dict(offload_weights=False, offload_grads=False, offload_opt=False, offload_acts=False)
 TP_DEGREES = (1, 2, 4, 8, 16)
@@ -45,24 +45,18 @@ BASELINE_SPACES: dict[str, Callable[[], list[SearchSpace]]] = {
 }
 
 
-def tune_baseline(name: str, model: str, hardware, nodes: int, gpus_per_node: int, global_batch: int, *,
-                  seq_len: int = 2048, dtype: str = "float16", attention: str = "flash", cost_model=None,
-                  workload=None, progress=None, space_override: SearchSpace | None = None) -> TuneResult:
+def tune_baseline(name: str, cost_model, work: Workload, cluster: Cluster, *, progress=None,
+                  space_override: SearchSpace | None = None, model_config: object = None) -> TuneResult:
     """The best plan of one baseline (its spaces tried in turn, sharing one cost model)."""
     if name not in BASELINE_SPACES:
         raise ValueError(f"unknown baseline {name!r}; known: {sorted(BASELINE_SPACES)}")
-    if cost_model is None and hardware is not None:
-        from ..cost.stage_model import build_stage_cost_model
-
-        cost_model = build_stage_cost_model(model, hardware, seq_len=seq_len, dtype=dtype, attention=attention)
     best: TuneResult | None = None
     errors = []
     for space in BASELINE_SPACES[name]():
         if space_override is not None:
             space = _merge(space, space_override)
         try:
-            result = tune(model, hardware, nodes, gpus_per_node, global_batch, seq_len=seq_len, space=space,
-                          dtype=dtype, attention=attention, cost_model=cost_model, workload=workload, progress=progress)
+            result = tune(cost_model, work, cluster, space=space, progress=progress, model_config=model_config)
         except TuneError as error:
             errors.append(f"{space.name}: {error}")
             continue

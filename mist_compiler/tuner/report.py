@@ -5,12 +5,13 @@ import json
 import os
 
 from ..ir.files import write_atomic
+from ..ir.vocabulary import OFFLOAD_KINDS
 from .api import TuneResult
-from .flops import mfu
+from ..cost.flops import mfu
 
 
 def describe_stage(index: int, stage, grad_accum: int) -> str:
-    offload = ", ".join(f"{k} {getattr(stage.offload, k):.0%}" for k in ("weights", "grads", "opt", "acts")
+    offload = ", ".join(f"{k} {getattr(stage.offload, k):.0%}" for k in OFFLOAD_KINDS
                         if getattr(stage.offload, k) > 0)
     where = (f"{stage.nodes} node(s) x {stage.gpus_per_node} GPUs" if stage.nodes > 1
              else f"{stage.gpus_per_node} GPU(s) of one node")

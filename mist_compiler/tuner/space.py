@@ -22,8 +22,10 @@ from itertools import product
 
 import numpy as np
 
+from ..ir.vocabulary import DEFAULT_DTYPE, OFFLOAD_KINDS
+
 CKPT_MODES = ("tune", "all_or_none", "none", "all")
-OFFLOAD_FAMILIES = ("weights", "grads", "opt", "acts")
+OFFLOAD_FAMILIES = OFFLOAD_KINDS  # each kind of state the search may offload
 DEFAULT_OFFLOAD_GRID = (0.0, 0.5, 1.0)
 
 
@@ -203,6 +205,6 @@ class Workload:
     heads: int
     global_batch: int
     seq_len: int
-    dtype: str = "float16"
+    dtype: str = DEFAULT_DTYPE
     model_name: str = "model"
     extra: dict = field(default_factory=dict, compare=False)

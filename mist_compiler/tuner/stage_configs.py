@@ -16,7 +16,6 @@ from .space import Cluster, DeviceShape, SearchSpace, Workload
 PP_NONE, PP_PRE, PP_POST, PP_BOTH = 0, 1, 2, 3
 PP_NAMES = {PP_NONE: "middle", PP_PRE: "first", PP_POST: "last", PP_BOTH: "only"}
 EVAL_CHUNK = 250_000
-OFFLOAD_NAMES = ("weights", "grads", "opt", "acts")
 MEMORY_TOLERANCE = 1e-9  # relative slack against float rounding in the memory comparisons
 
 

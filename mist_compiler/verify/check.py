@@ -31,7 +31,7 @@ from ..ir.vocabulary import TORCH_DTYPES
 
 NOISE_FACTOR = 10.0  # plans reorder more sums than one run does (TP splits inner products, DP splits batches)
 ULPS = 16  # the smallest allowance: 16 x the dtype's machine epsilon (a scalar loss can round that far)
-DTYPES = {**TORCH_DTYPES, "float64": torch.float64}
+REFERENCE_DTYPES = {**TORCH_DTYPES, "float64": torch.float64}  # what a reference or noise run computes in
 FP16_LOSS_SCALE = 1024.0
 
 
@@ -88,9 +88,9 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
 
 def _train(build: Callable[[], nn.Module], batches: list[dict], optimizer: dict, dtype: str, chunks: int,
            reverse: bool, call_kwargs: dict, master_dtype: str = "float32") -> Run:
-    model = build().to(DTYPES[master_dtype])
+    model = build().to(REFERENCE_DTYPES[master_dtype])
     masters = dict(model.named_parameters())
-    compute = model if dtype == master_dtype else copy.deepcopy(model).to(DTYPES[dtype])
+    compute = model if dtype == master_dtype else copy.deepcopy(model).to(REFERENCE_DTYPES[dtype])
     compute_params = dict(compute.named_parameters())
     scale = FP16_LOSS_SCALE if dtype == "float16" else 1.0
     opt = torch.optim.AdamW(list(masters.values()), **optimizer)
@@ -103,7 +103,7 @@ def _train(build: Callable[[], nn.Module], batches: list[dict], optimizer: dict,
         pieces = [{k: v.chunk(chunks)[i] for k, v in batch.items()} for i in range(chunks)]
         total = 0.0
         for piece in (reversed(pieces) if reverse else pieces):
-            loss = loss_of(compute(**piece, **call_kwargs)).to(DTYPES[master_dtype]) / chunks
+            loss = loss_of(compute(**piece, **call_kwargs)).to(REFERENCE_DTYPES[master_dtype]) / chunks
             (loss * scale).backward()
             total += float(loss.detach())
         for name, master in masters.items():

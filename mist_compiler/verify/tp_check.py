@@ -90,8 +90,7 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a64 - b64).norm()) / max(float(b64.norm()), 1e-12)
 
 
-def prove_tensor_parallel(program: MistProgram, degree: int, buffers: TensorSource | None = None,
-                          seq: int | None = None, batch: int = 2) -> None:
+def prove_tensor_parallel(program: MistProgram, degree: int, seq: int | None = None, batch: int = 2) -> None:
     """Raise :class:`TensorParallelError` unless the split over ``degree`` ranks computes what the
     whole program does (see the module docstring). Cached per program and degree."""
     key = (id(program), degree)
@@ -101,7 +100,7 @@ def prove_tensor_parallel(program: MistProgram, degree: int, buffers: TensorSour
     model = reduced_graph(program.model_graph)
     reduced = replace(program, model_graph=model)
     seq = seq or max(4, min(8, program.seq_len or 8))
-    source = RandomTensors(model, buffers)
+    source = RandomTensors(model, None)
     vocab = _vocabulary(model)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq), generator=generator)
