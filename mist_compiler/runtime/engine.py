@@ -142,7 +142,6 @@ class Engine:
     def skip_optimizer_step(self) -> None:
         """Drop this step's reduced gradients without updating anything (a diverged step). Every rank
         must make the same choice (call it instead of ``optimizer_step``)."""
-        self._step_pending = False
         self._skip_next_step = False
         self._guarded(self.runtime.skip_step)
 
