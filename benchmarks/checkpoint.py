@@ -13,13 +13,33 @@ data-parallel ZeRO-1 plan (each rank owns half the optimizer state, so both writ
 - ``load``: resuming from the checkpoint (DCP read + resharding into the buffers + weight rebuild);
 - ``size``: bytes on disk (fp32 masters and both Adam moments).
 
-Usage: ``PYTHONPATH=. python benchmarks/checkpoint.py [--models gpt-small,llama-350m] [--out FILE.md]``
+Integrity (``--integrity``, :mod:`mist_compiler.training.integrity`), blocking saves and resumes of the
+same state, medians of ``--repeat``:
+
+- ``save``: a blocking save as shipped (torch.save's record CRC-32s + the manifest) against the same
+  save without the manifest (what saves cost before it), and with torch's record CRCs off too (no
+  checksum computed at all: what computing them costs);
+- ``resume``: loading (DCP read + resharding + weight rebuild) alone against this rank's share of the
+  data-file check followed by the load, as if run serially; the trainer runs the check on a thread
+  while the model compiles, so ``resume, as run`` (Trainer construction with ``resume``: compile,
+  check, load) against the same construction with the check skipped is what a resumed job pays.
+
+Preemption (``--preempt``): ``mistc train MODEL --nproc-per-node 2`` is sent SIGTERM (to the launcher)
+after a few steps; from the signal to the launcher's exit (finishing the step, a synchronous save,
+every process gone), with the save's own time from its line.
+
+Usage: ``PYTHONPATH=. python benchmarks/checkpoint.py [--models gpt-small,llama-350m] [--integrity]
+[--preempt] [--out FILE.md]``
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -83,12 +103,143 @@ def _measure(rank: int, world: int, model: str, seq: int, root: str) -> dict:
             "write": timing.write_s, "during": during, "load": load, "size": size}
 
 
+@contextlib.contextmanager
+def _without(manifest: bool = False, record_crcs: bool = False):
+    """Switch off, for a measurement, what the integrity checks cost: the manifest, torch.save's record CRCs."""
+    import torch.utils.serialization
+
+    from mist_compiler.training import checkpoint
+
+    build, crcs = checkpoint.build_manifest, torch.utils.serialization.config.save.compute_crc32
+    if manifest:
+        checkpoint.build_manifest = lambda path, record_crcs: {}
+    if record_crcs:
+        torch.utils.serialization.config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        checkpoint.build_manifest, torch.utils.serialization.config.save.compute_crc32 = build, crcs
+
+
+def _timed(fn) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    started = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - started
+
+
+def _integrity(rank: int, world: int, model: str, seq: int, root: str, repeat: int) -> dict:
+    from mist_compiler.training import trainer as trainer_module
+    from mist_compiler.training.checkpoint import load_state
+    from mist_compiler.training.integrity import verify_data_files
+    from mist_compiler.training.save_dir import read_meta
+    from mist_compiler.training.trainer import TrainConfig, Trainer
+
+    config = {"steps": 1000, "save_dir": f"{root}/ck", "timeout_s": 600, "blocking_save": True}
+    trainer = Trainer(model, _plan(model, seq), TrainConfig.from_dict(config), say=lambda line: None)
+    trainer.train_step()
+    saves: dict[str, list[float]] = {"shipped": [], "no manifest": [], "no checksums": []}
+    for i in range(repeat):
+        for kind, switches in (("shipped", {}), ("no manifest", {"manifest": True}),
+                               ("no checksums", {"manifest": True, "record_crcs": True})):
+            with _without(**switches):
+                saves[kind].append(_timed(lambda: trainer.checkpointer.save(100 + i, trainer._meta())))
+    trainer.checkpointer.save(1000, trainer._meta())  # as shipped: the one resumed from
+    path = f"{root}/ck/step-001000"
+    meta = read_meta(path)
+    loads, checks = [], []
+    for _ in range(repeat):
+        loads.append(_timed(lambda: load_state(trainer.engine, trainer.optimizer.views, path, same_world=True,
+                                               group=trainer.group)))
+        checks.append(_timed(lambda: verify_data_files(path, meta, rank, world)))
+    trainer.close()
+    resumed: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    resume_config = TrainConfig.from_dict({**config, "save_dir": None, "blocking_save": False, "resume": path})
+    original = trainer_module.BackgroundVerification
+    for _ in range(repeat):
+        for kind in ("checked", "unchecked"):
+            if kind == "unchecked":
+                trainer_module.BackgroundVerification = _NoCheck
+            started = time.perf_counter()
+            again = Trainer(model, _plan(model, seq), resume_config, say=lambda line: None)
+            resumed[kind].append(time.perf_counter() - started)
+            trainer_module.BackgroundVerification = original
+            again.close()
+    median = statistics.median
+    return {"model": model, "size": sum(e["bytes"] for e in meta["files"].values()),
+            **{f"save {k}": median(v) for k, v in saves.items()}, "load": median(loads), "check": median(checks),
+            **{f"resume {k}": median(v) for k, v in resumed.items()}}
+
+
+class _NoCheck:
+    """BackgroundVerification that checks nothing (the resume without integrity checks)."""
+
+    def __init__(self, *args) -> None:
+        pass
+
+    def problems(self) -> list[str]:
+        return []
+
+
+def _preempt(model: str, root: str) -> dict:
+    """Signal to exit of a preempted ``mistc train`` (2 ranks), and the save inside it."""
+    from mist_compiler.launch.local_ranks import free_port
+
+    mistc = os.path.join(os.path.dirname(sys.executable), "mistc")
+    command = [mistc, "train", model, "--nproc-per-node", "2", "--steps", "100000", "--save-dir", f"{root}/pre",
+               "--save-every", "100000", "--master-port", str(free_port()), "--timeout", "600"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("mist: step 4/"):
+            break
+    step_s = float(re.search(r"([0-9.]+) s/step", lines[-1]).group(1))
+    started = time.perf_counter()
+    process.send_signal(signal.SIGTERM)
+    rest, err = process.communicate(timeout=1200)
+    exit_s = time.perf_counter() - started
+    saved = re.search(r"saved \S+ \(([0-9.]+) (\w+) in ([0-9.]+) s\)", rest)
+    return {"model": model, "code": process.returncode, "step_s": step_s, "exit_s": exit_s,
+            "save_s": float(saved.group(3)) if saved else float("nan"), "stderr": err.strip().splitlines()[-1:]}
+
+
+def _integrity_table(rows: list[dict]) -> str:
+    lines = ["| model | checkpoint (MB) | save, no checksums (s) | save, before the manifest (s) | save, shipped (s) | "
+             "save overhead | load (s) | data check, one rank's share (s) | serial overhead | resume as run, "
+             "unchecked (s) | resume as run, checked (s) | resume overhead |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        save_over = r["save shipped"] / r["save no manifest"] - 1
+        resume_over = r["resume checked"] / r["resume unchecked"] - 1
+        lines.append(f"| {r['model']} | {r['size'] / 1e6:.1f} | {r['save no checksums']:.3f} | "
+                     f"{r['save no manifest']:.3f} | {r['save shipped']:.3f} | {100 * save_over:+.1f}% | {r['load']:.3f} | "
+                     f"{r['check']:.3f} | {100 * r['check'] / r['load']:+.1f}% | {r['resume unchecked']:.2f} | "
+                     f"{r['resume checked']:.2f} | {100 * resume_over:+.1f}% |")
+    return "\n".join(lines)
+
+
+def _preempt_table(rows: list[dict]) -> str:
+    lines = ["| model | exit code | step (s) | SIGTERM to exit (s) | of which the save (s) |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['code']} | {r['step_s']:.2f} | {r['exit_s']:.2f} | {r['save_s']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt-small,llama-350m")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
+    parser.add_argument("--integrity", action="store_true", help="only the save/resume cost of the integrity checks")
+    parser.add_argument("--preempt", action="store_true", help="only preemption-to-exit through mistc train")
+    parser.add_argument("--repeat", type=int, default=3, help="measurements per median (--integrity)")
     args = parser.parse_args(argv)
+    if args.integrity or args.preempt:
+        return _reliability(args)
     rows = []
     for model in args.models.split(","):
         with tempfile.TemporaryDirectory(prefix="mist-ckpt-bench-") as root:
@@ -109,6 +260,29 @@ def main(argv: list[str] | None = None) -> int:
             handle.write(f"# Checkpoint cost on CPU (2 gloo ranks, dp=2 ZeRO-1, fp32, sequence {args.seq})\n\n"
                          f"Generated by `python benchmarks/checkpoint.py` on {os.cpu_count()} CPU cores.\n\n"
                          f"{table}\n")
+    return 0
+
+
+def _reliability(args: argparse.Namespace) -> int:
+    tables = []
+    for model in args.models.split(","):
+        with tempfile.TemporaryDirectory(prefix="mist-ckpt-bench-") as root:
+            if args.integrity:
+                row = run_ranks(_integrity, world=2, args=(model, args.seq, root, args.repeat), timeout_s=6000,
+                                collective_timeout_s=600)[0]
+                tables.append(("integrity", row))
+            if args.preempt:
+                tables.append(("preempt", _preempt(model, root)))
+    text = []
+    for kind, render in (("integrity", _integrity_table), ("preempt", _preempt_table)):
+        rows = [row for k, row in tables if k == kind]
+        if rows:
+            text.append(render(rows))
+    table = "\n\n".join(text)
+    print(table)
+    if args.out:
+        with open(args.out, "a") as handle:
+            handle.write(f"\n{table}\n")
     return 0
 
 
