@@ -142,11 +142,14 @@ def _integrity(rank: int, world: int, model: str, seq: int, root: str, repeat: i
     trainer = Trainer(model, _plan(model, seq), TrainConfig.from_dict(config), say=lambda line: None)
     trainer.train_step()
     saves: dict[str, list[float]] = {"shipped": [], "no manifest": [], "no checksums": []}
+    kinds = [("shipped", {}), ("no manifest", {"manifest": True}), ("no checksums", {"manifest": True, "record_crcs": True})]
+    trainer.checkpointer.save(99, trainer._meta())  # warm-up
+    step = 100
     for i in range(repeat):
-        for kind, switches in (("shipped", {}), ("no manifest", {"manifest": True}),
-                               ("no checksums", {"manifest": True, "record_crcs": True})):
+        for kind, switches in (kinds if i % 2 == 0 else kinds[::-1]):  # alternate: a loaded machine drifts
+            step += 1
             with _without(**switches):
-                saves[kind].append(_timed(lambda: trainer.checkpointer.save(100 + i, trainer._meta())))
+                saves[kind].append(_timed(lambda: trainer.checkpointer.save(step, trainer._meta())))
     trainer.checkpointer.save(1000, trainer._meta())  # as shipped: the one resumed from
     path = f"{root}/ck/step-001000"
     meta = read_meta(path)
@@ -159,10 +162,10 @@ def _integrity(rank: int, world: int, model: str, seq: int, root: str, repeat: i
     resumed: dict[str, list[float]] = {"checked": [], "unchecked": []}
     resume_config = TrainConfig.from_dict({**config, "save_dir": None, "blocking_save": False, "resume": path})
     original = trainer_module.BackgroundVerification
-    for _ in range(repeat):
-        for kind in ("checked", "unchecked"):
-            if kind == "unchecked":
-                trainer_module.BackgroundVerification = _NoCheck
+    Trainer(model, _plan(model, seq), resume_config, say=lambda line: None).close()  # warm-up (compile caches)
+    for i in range(repeat):
+        for kind in (("checked", "unchecked") if i % 2 == 0 else ("unchecked", "checked")):
+            trainer_module.BackgroundVerification = _NoCheck if kind == "unchecked" else original
             started = time.perf_counter()
             again = Trainer(model, _plan(model, seq), resume_config, say=lambda line: None)
             resumed[kind].append(time.perf_counter() - started)
@@ -185,26 +188,34 @@ class _NoCheck:
 
 
 def _preempt(model: str, root: str) -> dict:
-    """Signal to exit of a preempted ``mistc train`` (2 ranks), and the save inside it."""
+    """Signal to exit of a preempted ``mistc train`` (2 ranks): when the checkpoint was written, when every
+    process was gone."""
+    import threading
+
     from mist_compiler.launch.local_ranks import free_port
 
     mistc = os.path.join(os.path.dirname(sys.executable), "mistc")
     command = [mistc, "train", model, "--nproc-per-node", "2", "--steps", "100000", "--save-dir", f"{root}/pre",
                "--save-every", "100000", "--master-port", str(free_port()), "--timeout", "600"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    for line in process.stdout:
-        lines.append(line)
-        if line.startswith("mist: step 4/"):
-            break
-    step_s = float(re.search(r"([0-9.]+) s/step", lines[-1]).group(1))
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.perf_counter(), line) for line in process.stdout),
+                              daemon=True)
+    reader.start()
+    while not any(line.startswith("mist: step 4/") for _, line in list(lines)):
+        if process.poll() is not None:
+            raise RuntimeError(f"mistc train ended early: {process.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    step_s = float(re.search(r"([0-9.]+) s/step", [line for _, line in lines if "step 4/" in line][0]).group(1))
     started = time.perf_counter()
     process.send_signal(signal.SIGTERM)
-    rest, err = process.communicate(timeout=1200)
+    err = process.communicate(timeout=1200)[1]
     exit_s = time.perf_counter() - started
-    saved = re.search(r"saved \S+ \(([0-9.]+) (\w+) in ([0-9.]+) s\)", rest)
-    return {"model": model, "code": process.returncode, "step_s": step_s, "exit_s": exit_s,
-            "save_s": float(saved.group(3)) if saved else float("nan"), "stderr": err.strip().splitlines()[-1:]}
+    reader.join(5)
+    saved = [(at, line) for at, line in lines if line.startswith("mist: saved")]
+    save_s = float(re.search(r" in ([0-9.]+) s\)", saved[-1][1]).group(1)) if saved else float("nan")
+    return {"model": model, "code": process.returncode, "step_s": step_s, "exit_s": exit_s, "save_s": save_s,
+            "saved_s": saved[-1][0] - started if saved else float("nan"), "stderr": err.strip().splitlines()[-1:]}
 
 
 def _integrity_table(rows: list[dict]) -> str:
@@ -223,9 +234,11 @@ def _integrity_table(rows: list[dict]) -> str:
 
 
 def _preempt_table(rows: list[dict]) -> str:
-    lines = ["| model | exit code | step (s) | SIGTERM to exit (s) | of which the save (s) |", "|---|---|---|---|---|"]
+    lines = ["| model | exit code | step (s) | SIGTERM to checkpoint written (s) | the save itself (s) | "
+             "SIGTERM to every process gone (s) |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['code']} | {r['step_s']:.2f} | {r['exit_s']:.2f} | {r['save_s']:.2f} |")
+        lines.append(f"| {r['model']} | {r['code']} | {r['step_s']:.2f} | {r['saved_s']:.2f} | {r['save_s']:.2f} | "
+                     f"{r['exit_s']:.2f} |")
     return "\n".join(lines)
 
 
