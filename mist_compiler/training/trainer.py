@@ -260,6 +260,8 @@ class Trainer:
                 rows.append(row)
                 bad = bad + [row] if row.get("diverged") else []
                 stopping = row["stop"] and self.step < cfg.steps
+                if stopping and self.checkpointer is not None:
+                    self.checkpointer.wait()  # a save in flight completes first (a failed one ends the run here)
                 due = (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps
                 if self.checkpointer is not None and due and not bad and not stopping:
                     row["save_stall_s"] = self.checkpointer.save(self.step, self._meta()).stage_s
@@ -273,8 +275,6 @@ class Trainer:
                         self.checkpointer.wait()  # the last good step's save completes: the message names it
                     raise DivergenceError(self._divergence(bad))
                 if stopping:
-                    if self.checkpointer is not None and self.checkpointer.failed():
-                        self.checkpointer.wait()  # raises the failed save's cause
                     self._preempt(stop.signal_name or "a signal to another rank")
             if self.checkpointer is not None:
                 self.checkpointer.wait()
