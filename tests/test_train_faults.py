@@ -132,8 +132,10 @@ def _preempted_line(job: Job, save_dir) -> int:
 @pytest.mark.distributed
 def test_preempted_by_sigterm_to_every_process_saves_the_step_and_resumes(tmp_path):
     save_dir, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
-    job = Job(_args("--steps", "100000", "--save-dir", str(save_dir), "--save-every", "5", "--metrics", str(metrics)))
-    job.wait_for_step(7)
+    env = {**os.environ, "MIST_CHECKPOINT_STALL": "10:30"}  # step 10's save is still being written at the signal
+    job = Job(_args("--steps", "100000", "--save-dir", str(save_dir), "--save-every", "5", "--metrics", str(metrics)),
+              env=env)
+    job.wait_for_step(11)
     second = _mistc("--steps", "20", "--save-dir", str(save_dir))  # a second run into the directory in use
     _one_error_line(second, "in use by another run", f"pid {job.process.pid}")
     started = time.monotonic()
@@ -141,8 +143,10 @@ def test_preempted_by_sigterm_to_every_process_saves_the_step_and_resumes(tmp_pa
     assert job.finish() == PREEMPTED, "".join(job.out[-5:] + job.err)
     stop_s = time.monotonic() - started
     step = _preempted_line(job, save_dir)
-    assert step >= 7 and stop_s < 30, (step, stop_s)
+    assert step >= 11 and stop_s < 60, (step, stop_s)
     assert not _descendants(job.process.pid)
+    listing = os.listdir(save_dir)
+    assert "step-000010" in listing and not [name for name in listing if name.endswith(".tmp")], listing
 
     rerun = _mistc("--steps", "20", "--save-dir", str(save_dir))  # the same command without --resume
     _one_error_line(rerun, "already holds checkpoints", f"latest: step-{step:06d}", "--resume", "--overwrite")
