@@ -14,7 +14,8 @@ data-parallel ZeRO-1 plan (each rank owns half the optimizer state, so both writ
 - ``size``: bytes on disk (fp32 masters and both Adam moments).
 
 Integrity (``--integrity``, :mod:`mist_compiler.training.integrity`), blocking saves and resumes of the
-same state, medians of ``--repeat``:
+same state, medians of ``--repeat`` (wall and CPU seconds of rank 0; the overheads use the CPU seconds,
+which the load of a shared machine changes least):
 
 - ``save``: a blocking save as shipped (torch.save's record CRC-32s + the manifest) against the same
   save without the manifest (what saves cost before it), and with torch's record CRCs off too (no
@@ -121,14 +122,17 @@ def _without(manifest: bool = False, record_crcs: bool = False):
         checkpoint.build_manifest, torch.utils.serialization.config.save.compute_crc32 = build, crcs
 
 
-def _timed(fn) -> float:
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds, all threads) of ``fn``, between barriers. The CPU time
+    is what a shared machine's load changes least: the overheads below are computed from it."""
     import torch.distributed as dist
 
     dist.barrier()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     fn()
+    cpu = time.process_time() - cpu
     dist.barrier()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, cpu
 
 
 def _integrity(rank: int, world: int, model: str, seq: int, root: str, repeat: int) -> dict:
@@ -141,7 +145,7 @@ def _integrity(rank: int, world: int, model: str, seq: int, root: str, repeat: i
     config = {"steps": 1000, "save_dir": f"{root}/ck", "timeout_s": 600, "blocking_save": True}
     trainer = Trainer(model, _plan(model, seq), TrainConfig.from_dict(config), say=lambda line: None)
     trainer.train_step()
-    saves: dict[str, list[float]] = {"shipped": [], "no manifest": [], "no checksums": []}
+    saves: dict[str, list[tuple[float, float]]] = {"shipped": [], "no manifest": [], "no checksums": []}
     kinds = [("shipped", {}), ("no manifest", {"manifest": True}), ("no checksums", {"manifest": True, "record_crcs": True})]
     trainer.checkpointer.save(99, trainer._meta())  # warm-up
     step = 100
@@ -159,19 +163,21 @@ def _integrity(rank: int, world: int, model: str, seq: int, root: str, repeat: i
                                                group=trainer.group)))
         checks.append(_timed(lambda: verify_data_files(path, meta, rank, world)))
     trainer.close()
-    resumed: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    resumed: dict[str, list[tuple[float, float]]] = {"checked": [], "unchecked": []}
     resume_config = TrainConfig.from_dict({**config, "save_dir": None, "blocking_save": False, "resume": path})
     original = trainer_module.BackgroundVerification
     Trainer(model, _plan(model, seq), resume_config, say=lambda line: None).close()  # warm-up (compile caches)
     for i in range(repeat):
         for kind in (("checked", "unchecked") if i % 2 == 0 else ("unchecked", "checked")):
             trainer_module.BackgroundVerification = _NoCheck if kind == "unchecked" else original
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             again = Trainer(model, _plan(model, seq), resume_config, say=lambda line: None)
-            resumed[kind].append(time.perf_counter() - started)
+            resumed[kind].append((time.perf_counter() - started, time.process_time() - cpu))
             trainer_module.BackgroundVerification = original
             again.close()
-    median = statistics.median
+    def median(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+        return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
     return {"model": model, "size": sum(e["bytes"] for e in meta["files"].values()),
             **{f"save {k}": median(v) for k, v in saves.items()}, "load": median(loads), "check": median(checks),
             **{f"resume {k}": median(v) for k, v in resumed.items()}}
@@ -209,7 +215,8 @@ def _preempt(model: str, root: str) -> dict:
     step_s = float(re.search(r"([0-9.]+) s/step", [line for _, line in lines if "step 4/" in line][0]).group(1))
     started = time.perf_counter()
     process.send_signal(signal.SIGTERM)
-    err = process.communicate(timeout=1200)[1]
+    err = process.stderr.read()  # stdout is the reader's
+    process.wait(timeout=1200)
     exit_s = time.perf_counter() - started
     reader.join(5)
     saved = [(at, line) for at, line in lines if line.startswith("mist: saved")]
@@ -219,17 +226,22 @@ def _preempt(model: str, root: str) -> dict:
 
 
 def _integrity_table(rows: list[dict]) -> str:
-    lines = ["| model | checkpoint (MB) | save, no checksums (s) | save, before the manifest (s) | save, shipped (s) | "
-             "save overhead | load (s) | data check, one rank's share (s) | serial overhead | resume as run, "
-             "unchecked (s) | resume as run, checked (s) | resume overhead |",
+    """Each cell: wall seconds / CPU seconds of rank 0 (medians); overheads from the CPU seconds."""
+    lines = ["| model | checkpoint (MB) | save, no checksums | save, before the manifest | save, shipped | save "
+             "overhead | load | data check, this rank's share | overhead if run before the load | resume as run, "
+             "unchecked | resume as run, checked | resume overhead |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(pair: tuple[float, float]) -> str:
+        return f"{pair[0]:.3f} / {pair[1]:.3f}"
+
     for r in rows:
-        save_over = r["save shipped"] / r["save no manifest"] - 1
-        resume_over = r["resume checked"] / r["resume unchecked"] - 1
-        lines.append(f"| {r['model']} | {r['size'] / 1e6:.1f} | {r['save no checksums']:.3f} | "
-                     f"{r['save no manifest']:.3f} | {r['save shipped']:.3f} | {100 * save_over:+.1f}% | {r['load']:.3f} | "
-                     f"{r['check']:.3f} | {100 * r['check'] / r['load']:+.1f}% | {r['resume unchecked']:.2f} | "
-                     f"{r['resume checked']:.2f} | {100 * resume_over:+.1f}% |")
+        save_over = r["save shipped"][1] / r["save no manifest"][1] - 1
+        resume_over = r["resume checked"][1] / r["resume unchecked"][1] - 1
+        lines.append(f"| {r['model']} | {r['size'] / 1e6:.1f} | {cell(r['save no checksums'])} | "
+                     f"{cell(r['save no manifest'])} | {cell(r['save shipped'])} | {100 * save_over:+.1f}% | "
+                     f"{cell(r['load'])} | {cell(r['check'])} | {100 * r['check'][1] / r['load'][1]:+.1f}% | "
+                     f"{cell(r['resume unchecked'])} | {cell(r['resume checked'])} | {100 * resume_over:+.1f}% |")
     return "\n".join(lines)
 
 

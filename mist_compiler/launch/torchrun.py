@@ -104,12 +104,30 @@ class Launch:
             self.kill()
 
     def wait(self) -> int:
-        code = self.process.wait()
+        while True:
+            try:
+                code = self.process.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                self._end_if_only_torchrun_is_left()
         if self._failing is not None:
             self._failing.join()
         for reader in self.readers:
             reader.join(timeout=5)
         return code
+
+    def _end_if_only_torchrun_is_left(self) -> None:
+        """Once a rank has said it stopped after saving and every rank has exited, torchrun only has its
+        report left to write (seconds of teardown a preempted job does not have): end it."""
+        if self.stopped() is None or not os.path.isdir("/proc"):
+            return
+        from .agent import worker_pids
+
+        if not worker_pids(self.process.pid):
+            try:
+                self.process.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
     def request_stop(self, sig: int = signal.SIGTERM) -> None:
         """Ask the ranks to finish the step, save and exit (torchrun forwards ``sig``, :mod:`.agent`)."""
