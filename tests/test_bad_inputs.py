@@ -283,3 +283,160 @@ def test_bad_torch_compile_options_are_named(options, named):
 def test_the_console_script_prints_one_line(argv, named):
     result = subprocess.run([MISTC, *argv], capture_output=True, text=True, timeout=120)
     assert_clean_error(result.returncode, result.stdout + result.stderr, *named)
+
+
+# ---- the held-out sweep's last failures, and more of their kind -----------------------------------------
+
+OUT_OF_RANGE_PLANS = [
+    ("seq 10**30", plan_with(seq_len=10**30), ["plan field seq_len", "at most 2147483647"]),
+    ("global batch 10**30", plan_with(global_batch=10**30, stage={"micro_batch": 10**30 // 4}),
+     ["plan field global_batch", "at most"]),
+    ("layers to 10**30", plan_with(stage={"layers": [0, 10**30]}), ["stages[0].layers", "<= 2147483647"]),
+    ("tp 2**40", plan_with(stage={"tp": 2**40, "dp": 1}), ["stages[0].tp", "at most"]),
+    ("seq infinite", '{"model": "gpt-tiny", "seq_len": 1e999, "global_batch": 4, "dtype": "float32", "grad_accum": 2, '
+                     '"stages": [{"layers": [0, 4], "nodes": 1, "gpus_per_node": 2, "micro_batch": 1, "dp": 2, "tp": 1}]}',
+     ["plan field seq_len", "expected an integer, got inf"]),
+    ("offload NaN", '{"model": "gpt-tiny", "seq_len": 16, "global_batch": 4, "dtype": "float32", "grad_accum": 2, '
+                    '"stages": [{"layers": [0, 4], "nodes": 1, "gpus_per_node": 2, "micro_batch": 1, "dp": 2, "tp": 1, '
+                    '"offload": {"acts": NaN}}]}', ["stages[0].offload.acts", "[0, 1]"]),
+]
+
+
+@pytest.mark.parametrize("name, content, named", OUT_OF_RANGE_PLANS, ids=[c[0] for c in OUT_OF_RANGE_PLANS])
+def test_out_of_range_numbers_in_a_plan_are_named(name, content, named, files, capsys):
+    path = files("plan.json", content)
+    assert_clean_error(*run_cli(["analyze", "gpt-tiny", "--plan", path, "--hardware", "cpu"], capsys), *named)
+
+
+BROKEN_FACTORIES = {
+    "does_not_parse.py": "import torch\ndef build(:\n    return None\n",
+    "raises_on_import.py": "import torch\nraise RuntimeError('needs a GPU at import time')\n",
+}
+HF_IMPOSSIBLE = {
+    "zero layers": ({"num_hidden_layers": 0}, "num_hidden_layers = 0"),
+    "no vocabulary": ({"vocab_size": 0}, "vocab_size = 0"),
+    "no heads": ({"num_attention_heads": 0}, "num_attention_heads = 0"),
+    "kv heads not dividing": ({"num_key_value_heads": 3}, "num_key_value_heads = 3: must divide"),
+    "hidden not dividing": ({"hidden_size": 30}, "hidden_size = 30: must be a multiple"),
+    "negative epsilon": ({"rms_norm_eps": -1e-6}, "rms_norm_eps = -1e-06"),
+    "no positions": ({"max_position_embeddings": 0}, "max_position_embeddings = 0"),
+    "unknown activation": ({"hidden_act": "swishy"}, "hidden_act = 'swishy'"),
+    "layers as text": ({"num_hidden_layers": "two"}, "num_hidden_layers = 'two'"),
+    "dropout above 1": ({"attention_dropout": 1.5}, "attention_dropout = 1.5"),
+}
+
+
+@pytest.mark.parametrize("spec, named", [
+    ("does_not_parse:build", ["does_not_parse:build", "does_not_parse.py line 2 does not parse"]),
+    ("raises_on_import:build", ["raises_on_import:build", "RuntimeError: needs a GPU at import time"]),
+], ids=["syntax error", "import raises"])
+def test_factory_modules_that_do_not_import_are_named(spec, named, files, capsys, monkeypatch):
+    for name, text in BROKEN_FACTORIES.items():
+        files(name, text)
+    monkeypatch.syspath_prepend(files.dir)
+    monkeypatch.delitem(sys.modules, spec.split(":")[0], raising=False)
+    code, output = run_cli(["ir", spec], capsys)
+    assert_clean_error(code, output, *named)
+
+
+@pytest.mark.parametrize("change, named", list(HF_IMPOSSIBLE.values()), ids=list(HF_IMPOSSIBLE))
+def test_impossible_hugging_face_config_values_are_named(change, named, files, capsys):
+    pytest.importorskip("transformers")
+    config = {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    path = files("config.json", {**config, **change})
+    code, output = run_cli(["ir", f"hf:{path}"], capsys)
+    assert_clean_error(code, output, f"hf:{path}", "config field", named)
+
+
+MORE_OPTION_CASES = [
+    ({"timeout_s": "ten"}, ["'timeout_s'", "seconds"]),
+    ({"hardware": "cpu", "global_batch": "8"}, ["'global_batch'", "integer"]),
+    ({"hardware": "cpu", "global_batch": 8, "seq_len": 2**40}, ["'seq_len'", "2147483647"]),
+    ({"hardware": "cpu", "global_batch": 8, "dtype": "int8"}, ["'dtype'", "bfloat16"]),
+    ({"hardware": "cpu", "global_batch": 8, "attention": "sparse"}, ["'attention'", "flash"]),
+    ({"hardware": "cpu", "global_batch": 8, "device": "gpu:zero"}, ["'device'", "torch device"]),
+    ({"hardware": 3.5, "global_batch": 8}, ["'hardware'", "profile"]),
+    ({"hardware": "cpu", "global_batch": 8, "timeout_s": float("inf")}, ["'timeout_s'"]),
+]
+
+
+@pytest.mark.parametrize("options, named", MORE_OPTION_CASES, ids=[str(o) for o, _ in MORE_OPTION_CASES])
+def test_torch_compile_option_values_are_named(options, named):
+    from mist_compiler.torch_compile.plan_runtime import parse_options
+
+    with pytest.raises(ValueError) as error:
+        parse_options(options)
+    for text in named:
+        assert text in str(error.value), str(error.value)
+
+
+def test_a_torch_compile_plan_for_another_model_is_refused():
+    from mist_compiler.ir.plan import Plan, PlanError
+    from mist_compiler.models import build_model
+    from mist_compiler.torch_compile.option_checks import check_plan_model
+
+    module = build_model("gpt-tiny")
+    check_plan_model(Plan.from_dict(GOOD_PLAN), module)  # a zoo plan for this very model
+    check_plan_model(Plan.from_dict(plan_with(model=type(module).__name__)), module)  # tuned by the backend
+    with pytest.raises(PlanError, match=r"plan field model: the plan was made for 'llama-tiny', which this "
+                                        r"\w+ is not: .* there, .* here"):
+        check_plan_model(Plan.from_dict(plan_with(model="llama-tiny")), module)
+    with pytest.raises(PlanError, match=r"made for 'LlamaForCausalLM', not for this"):
+        check_plan_model(Plan.from_dict(plan_with(model="LlamaForCausalLM")), module)
+
+
+def test_an_indivisible_global_batch_is_not_called_a_memory_problem(capsys):
+    code, output = run_cli(["tune", "gpt-tiny", "--hardware", "cpu", "--nodes", "1", "--gpus-per-node", "2",
+                            "--global-batch", "3", "--seq", "16", "--space", "zero3", "--quiet"], capsys)
+    assert_clean_error(code, output, "global batch 3 cannot be split", "divisible by 2")
+    assert "fits in" not in output and "memory" not in output
+
+
+@pytest.mark.parametrize("side, named", [
+    ("{not json", ["frontiers side file", "cannot be read as JSON"]),
+    ({"stage_estimates": [{"stable_s": "fast", "delta_s": 0.1}]}, ["stage_estimates[0].stable_s", "'fast'"]),
+    ({"stage_estimates": [{"stable_s": 0.1, "delta_s": -1}]}, ["stage_estimates[0].delta_s", "-1"]),
+    ({"stage_estimates": {"0": 1}}, ["stage_estimates: expected a list"]),
+    ([1, 2], ["frontiers side file", "expected an object"]),
+], ids=["not json", "text time", "negative time", "not a list", "a list"])
+def test_explain_side_files_are_named(side, named, files, capsys):
+    plan = files("plan.json", {**GOOD_PLAN, "grad_accum": 4, "stages": [{**GOOD_PLAN["stages"][0], "dp": 1,
+                                                                          "gpus_per_node": 1}]})
+    files("plan.frontiers.json", side)  # what mistc tune -o plan.json writes beside it
+    assert_clean_error(*run_cli(["explain", plan], capsys), *named)
+
+
+def test_out_of_range_command_line_numbers_are_named(files, capsys):
+    huge = str(10**30)
+    cases = [
+        (["tune", "gpt-tiny", "--hardware", "cpu", "--nodes", "1", "--gpus-per-node", "1", "--global-batch", huge],
+         ["--global-batch", "1048575"]),
+        (["tune", "gpt-tiny", "--hardware", "cpu", "--nodes", huge, "--gpus-per-node", "1", "--global-batch", "4"],
+         ["--nodes"]),
+        (["ir", "gpt-tiny", "--seq", huge], ["--seq"]),
+        (["ir", "gpt-tiny", "--seq", "100000"], ["--seq", "100000", "positions"]),
+        (["ir", "gpt-tiny", "--micro-batch", huge], ["--micro-batch"]),
+        (["train", "gpt-tiny", "--steps", huge], ["--steps"]),
+        (["train", "gpt-tiny", "--steps", "2", "--clip", "-1"], ["--clip", "-1"]),
+        (["train", "gpt-tiny", "--steps", "2", "--clip", "nan"], ["--clip", "nan"]),
+        (["train", "gpt-tiny", "--steps", "2", "--weight-decay", "inf"], ["--weight-decay"]),
+        (["train", "gpt-tiny", "--steps", "2", "--min-lr", "nan"], ["--min-lr"]),
+        (["train", "gpt-tiny", "--steps", "2", "--min-lr", "1", "--lr", "0.1"], ["--min-lr", "above --lr"]),
+        (["train", "gpt-tiny", "--steps", "2", "--peak-tflops", "-1"], ["--peak-tflops"]),
+        (["train", "gpt-tiny", "--steps", "2", "--seed", "-1"], ["--seed"]),
+        (["train", "gpt-tiny", "--steps", "2", "--max-bad-steps", "0"], ["--max-bad-steps"]),
+        (["train", "gpt-tiny", "--steps", "2", "--keep-last", "2"], ["--keep-last needs --save-dir"]),
+        (["train", "gpt-tiny", "--steps", "2", "--metrics", files.dir], ["--metrics", "is a directory"]),
+        (["run", "gpt-tiny", "--plan", files("plan.json", GOOD_PLAN), "--nproc-per-node", "2", "--timeout", "inf"],
+         ["--timeout"]),
+        (["run", "gpt-tiny", "--plan", files("plan.json", GOOD_PLAN), "--nproc-per-node", "2", "--lr", "inf"], ["--lr"]),
+    ]
+    failures = []
+    for argv, named in cases:
+        code, output = run_cli(argv, capsys)
+        try:
+            assert_clean_error(code, output, *named)
+        except AssertionError as error:
+            failures.append(f"{' '.join(argv)}: {error}")
+    assert not failures, "\n".join(failures)

@@ -61,7 +61,7 @@ def test_torchrun_command_names_the_worker_and_rendezvous(tmp_path):
     args = _args("--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
                  "--master-port", "1234", "gpt-tiny", "--plan", _plan_file(tmp_path), "--check")
     command = run_command.torchrun_command(args, 1234)
-    assert command[1:3] == ["-m", "torch.distributed.run"]
+    assert command[1:3] == ["-m", "mist_compiler.launch.agent"]  # torchrun, with mist's SIGTERM/SIGINT handling
     for flag in ("--nproc-per-node=2", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=1234"):
         assert flag in command
     assert "mist_compiler.launch.worker" in command and "--check" in command

@@ -57,12 +57,58 @@ def stage_predictions(plan: Plan, args: argparse.Namespace) -> tuple[list[dict],
         return stages, f"cost model ({args.hardware})"
     side = frontier_path(args.plan)
     if os.path.isfile(side):
-        with open(side) as handle:
-            data = json.load(handle)
-        estimates = data.get("stage_estimates", [])
-        if len(estimates) == plan.pp and all("stable_s" in s and "delta_s" in s for s in estimates):
+        estimates = read_side_file(side)["stage_estimates"]
+        if len(estimates) == plan.pp:
             return estimates, f"tuner predictions in {side}"
     return None
+
+
+def _number(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+        raise PlanError(f"{where}: expected a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def read_side_file(path: str) -> dict:
+    """The ``<plan>.frontiers.json`` that ``mistc tune -o`` writes, checked: errors name the file and the field."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PlanError(f"frontiers side file {path}: cannot be read as JSON ({error}); delete it or tune again "
+                        f"with -o") from error
+    where = f"frontiers side file {path}"
+    if not isinstance(data, dict):
+        raise PlanError(f"{where}: expected an object, got {type(data).__name__}")
+    estimates = data.get("stage_estimates", [])
+    if not isinstance(estimates, list):
+        raise PlanError(f"{where}: stage_estimates: expected a list, got {type(estimates).__name__}")
+    for i, stage in enumerate(estimates):
+        field = f"{where}: stage_estimates[{i}]"
+        if not isinstance(stage, dict):
+            raise PlanError(f"{field}: expected an object, got {stage!r}")
+        for key in ("stable_s", "delta_s"):
+            stage[key] = _number(stage.get(key), f"{field}.{key}")
+        stage["peak_memory_bytes"] = _number(stage.get("peak_memory_bytes", 0), f"{field}.peak_memory_bytes")
+        breakdown = stage.get("breakdown", {})
+        if not isinstance(breakdown, dict):
+            raise PlanError(f"{field}.breakdown: expected an object, got {breakdown!r}")
+        stage["breakdown"] = {k: _number(v, f"{field}.breakdown.{k}") for k, v in breakdown.items()}
+    frontiers = data.get("frontiers") or []
+    if not isinstance(frontiers, list):
+        raise PlanError(f"{where}: frontiers: expected a list, got {type(frontiers).__name__}")
+    for i, entry in enumerate(frontiers):
+        field = f"{where}: frontiers[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("points"), list) or \
+                not isinstance(entry.get("chosen"), dict) or not {"stage", "layers", "devices"} <= set(entry):
+            raise PlanError(f"{field}: expected an object with stage, layers, devices, points (a list) and chosen")
+        for j, point in enumerate([*entry["points"], entry["chosen"]]):
+            if not isinstance(point, dict):
+                raise PlanError(f"{field}.points[{j}]: expected an object, got {point!r}")
+            for key in ("stable_s", "delta_s"):
+                _number(point.get(key), f"{field}.points[{j}].{key}")
+    data["stage_estimates"], data["frontiers"] = estimates, frontiers
+    return data
 
 
 def model_to_price(plan: Plan, model: str | None) -> str:
@@ -124,8 +170,7 @@ def run(args: argparse.Namespace) -> int:
         written = [trace, picture]
         side = frontier_path(args.plan)
         if os.path.isfile(side):
-            with open(side) as handle:
-                frontiers = json.load(handle)
+            frontiers = read_side_file(side)
             if frontiers.get("frontiers"):
                 path = os.path.join(args.output_dir, "frontiers.png")
                 plot_frontiers({"grad_accum": frontiers.get("grad_accum"), "stages": frontiers["frontiers"]}, path)

@@ -69,10 +69,12 @@ def run(args: argparse.Namespace) -> int:
     from ..frontend.capture import capture
     from ..ir.printer import format_program
 
-    if args.micro_batch < 1:
-        raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
-    if args.seq is not None and args.seq < 1:
-        raise ValueError(f"--seq must be >= 1, got {args.seq}")
+    from ..ir.plan import MAX_INT
+
+    if not 1 <= args.micro_batch <= MAX_INT:
+        raise ValueError(f"--micro-batch must be in 1..{MAX_INT}, got {args.micro_batch}")
+    if args.seq is not None and not 1 <= args.seq <= MAX_INT:
+        raise ValueError(f"--seq must be in 1..{MAX_INT}, got {args.seq}")
 
     lowering_after = [name for name in args.after if name in LOWERING_PASSES]
     if lowering_after and not args.plan:
@@ -94,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
 
     program = capture(args.model, dtype=args.dtype, attention=args.attention, print_after=args.after, on_dump=dump)
     seq = args.seq or program.seq_len
+    from ..driver import check_sequence
+
+    check_sequence(program, seq)
     if args.json:
         document = summary(program, args.micro_batch, seq, args.attention)
         if args.full:

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of every sub-command that launches ranks through torchrun."""
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds any rank waits for another (default 300)")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds any rank waits for another; a rank silent that long is reported (default 120)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node")
     parser.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
@@ -49,8 +50,8 @@ def validate(args: argparse.Namespace):
     from mist_compiler.ir.plan import load_plan
 
     validate_launch(args)
-    if args.lr is not None and not args.lr >= 0:
-        raise RunArgumentError(f"--lr must be >= 0, got {args.lr}")
+    if args.lr is not None and not 0 <= args.lr < float("inf"):
+        raise RunArgumentError(f"--lr must be a finite number >= 0, got {args.lr}")
     plan = load_plan(args.plan)
     check_plan_fits(args, plan)
     return plan
@@ -58,11 +59,13 @@ def validate(args: argparse.Namespace):
 
 def validate_launch(args: argparse.Namespace) -> None:
     """The launch flags every launching sub-command shares (steps, processes, nodes, port, timeout)."""
+    from ..ir.plan import MAX_INT
+
     for name in ("steps", "nproc_per_node", "nnodes"):
-        if getattr(args, name) < 1:
-            raise RunArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.timeout > 0:
-        raise RunArgumentError(f"--timeout must be > 0, got {args.timeout}")
+        if not 1 <= getattr(args, name) <= MAX_INT:
+            raise RunArgumentError(f"--{name.replace('_', '-')} must be in 1..{MAX_INT}, got {getattr(args, name)}")
+    if not 0 < args.timeout < float("inf"):
+        raise RunArgumentError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
     if not 0 <= args.node_rank < args.nnodes:
         raise RunArgumentError(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
     if args.master_port is not None and not 1 <= args.master_port <= 65535:

@@ -82,13 +82,16 @@ def run(args: argparse.Namespace) -> int:
     from ..ir.files import check_output
     from ..tuner.report import format_result, result_to_dict, save_frontiers
 
-    for name in ("nodes", "gpus_per_node", "global_batch"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    from ..cost.stage_model import MAX_GROUP, MAX_MICRO_BATCH
+    from ..ir.plan import MAX_INT
+
+    limits = {"nodes": MAX_GROUP - 1, "gpus_per_node": MAX_GROUP - 1, "global_batch": MAX_MICRO_BATCH - 1, "seq": MAX_INT}
+    for name, most in limits.items():
+        value = getattr(args, name)
+        if value is not None and not 1 <= value <= most:
+            raise ValueError(f"--{name.replace('_', '-')} must be in 1..{most}, got {value}")
     if args.grad_dtype not in ("float32", args.dtype):
         raise ValueError(f"--grad-dtype must be float32 or --dtype ({args.dtype}), got {args.grad_dtype}")
-    if args.seq is not None and args.seq < 1:
-        raise ValueError(f"--seq must be >= 1, got {args.seq}")
     if args.output:
         check_output(args.output)  # before the search, not after it
     space = space_from_args(args)

@@ -56,6 +56,9 @@ from .op_time import matmul_time, op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import StageCandidates, StageEstimates
 
+MAX_MICRO_BATCH = 1 << 20  # the largest micro-batch (sequences) and group size the cost model prices
+MAX_GROUP = 1 << 14
+
 
 def _lambdify(expr: sympy.Expr) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     expr = sympy.sympify(expr)
@@ -298,8 +301,10 @@ class StageCostModel:
         (tp_nodes, tp_gpus), dp_shape = _group_shapes(tp, np.asarray(c.dp, dtype=np.int64),
                                                       np.asarray(c.nodes, dtype=np.int64),
                                                       np.asarray(c.gpus_per_node, dtype=np.int64))
-        if len(c) and (b.max() >= 1 << 20 or tp.max() >= 1 << 14 or tp_nodes.max() >= 1 << 14 or tp_gpus.max() >= 1 << 14):
-            raise StageModelError("micro_batch must be < 2^20 and tp, nodes, gpus_per_node < 2^14")
+        if len(c) and (b.max() >= MAX_MICRO_BATCH or tp.max() >= MAX_GROUP or tp_nodes.max() >= MAX_GROUP
+                       or tp_gpus.max() >= MAX_GROUP):
+            raise StageModelError(f"micro_batch must be < {MAX_MICRO_BATCH} and tp, nodes, gpus_per_node < {MAX_GROUP} "
+                                  f"(the cost model's range)")
         keys = ((b << 42) | (tp << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
         unique_keys, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)

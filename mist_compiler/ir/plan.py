@@ -46,9 +46,13 @@ def _check_keys(data: Any, cls: type, where: str) -> None:
     _require(not missing, where, f"missing key(s) {missing}")
 
 
+MAX_INT = 2**31 - 1  # no size, count or layer index of a real plan comes near it; tensor sizes overflow past 2**63
+
+
 def _int(value: Any, where: str, minimum: int = 0) -> int:
     _require(isinstance(value, int) and not isinstance(value, bool), where, f"expected an integer, got {value!r}")
     _require(value >= minimum, where, f"must be >= {minimum}, got {value}")
+    _require(value <= MAX_INT, where, f"must be at most {MAX_INT}, got {value}")
     return value
 
 
@@ -113,7 +117,7 @@ class StagePlan:
             f"{where}.layers", f"expected [start, end] integers, got {layers!r}",
         )
         start, end = layers
-        _require(0 <= start < end, f"{where}.layers", f"need 0 <= start < end, got [{start}, {end}]")
+        _require(0 <= start < end <= MAX_INT, f"{where}.layers", f"need 0 <= start < end <= {MAX_INT}, got [{start}, {end}]")
         stage = cls(
             layers=(start, end),
             nodes=_int(data["nodes"], f"{where}.nodes", 1),

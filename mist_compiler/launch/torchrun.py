@@ -1,10 +1,15 @@
 """Launching ranks through torchrun from the process the user started.
 
-:func:`launch` runs ``python -m torch.distributed.run ... -m MODULE`` (a free port unless one is
-given) with the package importable, forwards the ranks' stdout, keeps their stderr, and turns a
-failure into one line naming the rank and the reason. Whichever process dies or is signalled,
-all of them exit: torchrun runs in its own session, follows this process through Linux's
-parent-death signal, and is stopped with its whole session on SIGINT/SIGTERM.
+:func:`launch` runs torchrun (``python -m mist_compiler.launch.agent ... -m MODULE``: torchrun with
+mist's handling of SIGTERM/SIGINT, :mod:`.agent`; a free port unless one is given) with the package
+importable, forwards the ranks' stdout, keeps their stderr, and turns a failure into one line
+naming the rank and the reason, said once (the ranks' own error lines are collected, not echoed).
+Whichever process dies or is signalled, all of them exit: torchrun runs in its own session and
+follows this process through Linux's parent-death signal.
+
+On SIGINT/SIGTERM: ``mistc run`` stops every process at once (exit 130). ``mistc train``
+(``graceful=True``) asks the ranks to finish the step, save a checkpoint and exit
+(``exit_codes.PREEMPTED``, 75, once a rank has said it saved); a second signal stops at once.
 """
 from __future__ import annotations
 
@@ -20,7 +25,14 @@ import threading
 from collections import deque
 from typing import Callable
 
+from .exit_codes import FAILED, INTERRUPTED, OK, PREEMPTED
+
 STOP_GRACE_S = 10.0
+REPORT_AFTER_S = 1.0  # a failure is said this long after its first line (the origin's own line may follow)
+TEARDOWN_AFTER_S = 5.0  # then the ranks get this long to exit before they are killed (a frozen one never does)
+AGENT_MODULE = "mist_compiler.launch.agent"
+# lines of the ranks that the launcher reports itself, once, at the end (never echoed as they come)
+_COLLECTED = ("error:", "stops because", "mist: preempted", "mist: stopped")
 
 
 def free_port() -> int:
@@ -30,9 +42,9 @@ def free_port() -> int:
 
 
 def torchrun_prefix(args: argparse.Namespace, port: int, module: str) -> list[str]:
-    """``python -m torch.distributed.run ... -m MODULE`` for the launch flags."""
+    """``python -m mist_compiler.launch.agent ... -m MODULE`` (torchrun, :mod:`.agent`) for the launch flags."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", AGENT_MODULE,
         f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
         f"--master-addr={args.master_addr}", f"--master-port={port}", "-m", module,
     ]
@@ -47,12 +59,16 @@ def _die_with_parent() -> None:
 
 
 class Launch:
-    """A running torchrun: stdout forwarded live, stderr kept (shown with --debug or on failure)."""
+    """A running torchrun: stdout forwarded live, stderr kept (shown with --debug or on failure). The
+    first rank failure is said at once (``mistc NAME: error: ...``) and the job torn down soon after."""
 
-    def __init__(self, command: list[str], env: dict, debug: bool) -> None:
+    def __init__(self, command: list[str], env: dict, debug: bool, name: str = "run") -> None:
         self.debug = debug
+        self.name = name
         self.errors: deque[str] = deque(maxlen=200)
         self.reported: list[str] = []
+        self.said: str | None = None  # the failure line already printed
+        self._failing: threading.Timer | None = None
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         bufsize=1, preexec_fn=_die_with_parent, start_new_session=True)
         self.readers = [threading.Thread(target=self._pump, args=(self.process.stdout, True), daemon=True),
@@ -64,19 +80,77 @@ class Launch:
         for line in stream:
             line = line.rstrip("\n")
             if is_stdout:
-                if "error:" in line or "stops because" in line or "check:" in line:
+                collected = any(marker in line for marker in _COLLECTED)
+                if collected or "check:" in line:
                     self.reported.append(line)
-                print(line, flush=True)
+                if not collected or self.debug:
+                    print(line, flush=True)
+                if ("error:" in line or "stops because" in line) and self._failing is None:
+                    self._failing = threading.Timer(REPORT_AFTER_S, self._fail_fast)
+                    self._failing.daemon = True
+                    self._failing.start()
             else:
                 self.errors.append(line)
                 if self.debug:
                     print(line, file=sys.stderr, flush=True)
 
+    def _fail_fast(self) -> None:
+        """Say the failure now, then stop whatever has not exited by itself (a frozen rank never does)."""
+        self.said = f"mistc {self.name}: error: {self.failure(1)}"
+        print(self.said, file=sys.stderr, flush=True)
+        try:
+            self.process.wait(timeout=TEARDOWN_AFTER_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
     def wait(self) -> int:
-        code = self.process.wait()
+        while True:
+            try:
+                code = self.process.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                self._end_if_only_torchrun_is_left()
+        if self._failing is not None:
+            self._failing.join()
         for reader in self.readers:
             reader.join(timeout=5)
         return code
+
+    def _end_if_only_torchrun_is_left(self) -> None:
+        """Once a rank has said it stopped after saving and every rank has exited, torchrun only has its
+        report left to write (seconds of teardown a preempted job does not have): end it."""
+        if self.stopped() is None or not os.path.isdir("/proc"):
+            return
+        from .agent import worker_pids
+
+        if not worker_pids(self.process.pid):
+            try:
+                self.process.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def request_stop(self, sig: int = signal.SIGTERM) -> None:
+        """Ask the ranks to finish the step, save and exit (torchrun forwards ``sig``, :mod:`.agent`)."""
+        try:
+            os.kill(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """Stop now: SIGKILL the ranks (each in its own session: torchrun starts them so) and torchrun's session."""
+        from .agent import worker_pids
+
+        pids = worker_pids(self.process.pid) if os.path.isdir("/proc") else []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
     def stop(self) -> None:
         """Stop torchrun and every rank (its whole session)."""
@@ -93,11 +167,19 @@ class Launch:
             except subprocess.TimeoutExpired:
                 continue
 
+    def stopped(self) -> tuple[str, bool] | None:
+        """A rank's line saying it stopped on a signal, and whether it saved first (``mist: preempted ...``)
+        or had nowhere to save (``mist: stopped ...``); None if no rank said so."""
+        for line in self.reported:
+            if line.startswith(("mist: preempted", "mist: stopped")):
+                return line.replace("mist: ", "", 1), line.startswith("mist: preempted")
+        return None
+
     def failure(self, code: int) -> str:
         """One line saying which process failed and why."""
         if self.reported:
             origin = next((line for line in self.reported if "error:" in line), self.reported[0])
-            return origin.replace("mist: ", "", 1)
+            return origin.replace("mist: ", "", 1).replace(": error: ", ": ", 1)
         text = "\n".join(self.errors)
         rank = re.search(r"rank\s*:\s*(\d+)", text)
         exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", text)
@@ -111,36 +193,56 @@ class Launch:
         return f"torchrun exited with code {code}" + (f": {last.strip()}" if last else "")
 
 
-def launch(args: argparse.Namespace, command: Callable[[int], list[str]], name: str) -> int:
+def launch(args: argparse.Namespace, command: Callable[[int], list[str]], name: str, graceful: bool = False,
+           on_preempted: Callable[[str], str] | None = None) -> int:
     """Run torchrun (``command(port)``, a free port unless --master-port) with the package importable,
     forward its stdout, and turn a failure into one line ``mistc NAME: error: ...`` (exit code 1).
-    Shared by every sub-command that launches ranks (``run``, ``train``); call after validating."""
+    Shared by every sub-command that launches ranks (``run``, ``train``); call after validating.
+    ``graceful``: SIGTERM/SIGINT ask the ranks to save and stop (see the module docstring);
+    ``on_preempted(line)`` turns a rank's preemption line into the one the user reads."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     port = args.master_port or free_port()
-    launch = Launch(command(port), env, getattr(args, "debug", False))
+    launch = Launch(command(port), env, getattr(args, "debug", False), name)
     received: list[str] = []
 
-    def terminated(signum, frame):
+    def signalled(signum, frame):
         received.append(signal.Signals(signum).name)
+        if graceful and len(received) == 1:
+            print(f"mistc {name}: {received[0]}: finishing the current step and saving a checkpoint "
+                  f"(signal again to stop at once)", file=sys.stderr, flush=True)
+            launch.request_stop(signum)
+            return
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, terminated)
+    previous = {sig: signal.signal(sig, signalled) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = launch.wait()
     except KeyboardInterrupt:
-        launch.stop()
-        print(f"mistc {name}: interrupted ({received[0] if received else 'SIGINT'}); every rank stopped", file=sys.stderr)
-        return 130
+        launch.kill() if graceful else launch.stop()
+        print(f"mistc {name}: interrupted ({received[-1] if received else 'SIGINT'}); every rank stopped",
+              file=sys.stderr)
+        return INTERRUPTED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    stopped = launch.stopped()
+    if stopped is not None and not any("error:" in line for line in launch.reported):
+        line, saved = stopped
+        print(f"mistc {name}: {on_preempted(line) if on_preempted and saved else line}", file=sys.stderr)
+        return PREEMPTED if saved else INTERRUPTED
     if code != 0:
         check_failed = any(line.startswith("mist: check: FAIL") for line in launch.reported) and \
             not any("error:" in line for line in launch.reported)
         if check_failed:
-            return 1
-        print(f"mistc {name}: error: {launch.failure(code)}", file=sys.stderr)
-        return 1
-    return 0
+            return FAILED
+        if received and not launch.reported:
+            print(f"mistc {name}: interrupted ({received[0]}) before a checkpoint could be written; every rank "
+                  f"stopped", file=sys.stderr)
+            return INTERRUPTED
+        if launch.said is None:
+            print(f"mistc {name}: error: {launch.failure(code)}", file=sys.stderr)
+        return FAILED
+    return OK

@@ -7,9 +7,11 @@ with one-process training (:mod:`.check`). Everything meant for the user goes to
 line each (the launcher forwards stdout and keeps torchrun's stderr to itself).
 
 On any error the rank prints ``mist: rank R: error: ...``, records it for the others (see
-:mod:`.failure`) and exits at once, so a failed rank never leaves the job
+:mod:`mist_compiler.runtime.failure`) and exits at once, so a failed rank never leaves the job
 hanging; Ctrl-C ends a rank quietly (the launcher says it once); a rank whose launcher dies
 follows it (Linux parent-death signal, and a watchdog on the parent process as a fallback).
+Right after the rendezvous every rank compares its options with rank 0's: nodes launched with
+different options (``--check`` on one node only, another plan) are refused, naming the option.
 """
 from __future__ import annotations
 
@@ -49,7 +51,55 @@ def follow_parent() -> None:
 
 
 def say(message: str) -> None:
-    print(f"{PREFIX} {message}", flush=True)
+    try:
+        print(f"{PREFIX} {message}", flush=True)
+    except (BrokenPipeError, OSError):  # the launcher is gone: nobody to tell
+        pass
+
+
+class OptionMismatch(ValueError):
+    """The ranks of one job were launched with different options."""
+
+
+def _flatten(options: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in options.items():
+        if isinstance(value, dict) and key != "plan":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def option_flag(key: str) -> str:
+    """The command-line spelling of an option key (``optim.min_lr`` -> ``--min-lr``)."""
+    name = key.rsplit(".", 1)[-1]
+    if name == "model":
+        return "MODEL"
+    return "--" + {"timeout_s": "timeout"}.get(name, name).replace("_", "-")
+
+
+def check_same_options(options: dict, rank: int, ignore: tuple[str, ...] = ("debug", "lock_token")) -> None:
+    """Every rank was launched with the options rank 0 was (collective, once, right after the rendezvous)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = {k: v for k, v in _flatten(options).items() if k not in ignore}
+    node = os.environ.get("GROUP_RANK", "?")
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (node, mine))
+    node0, first = gathered[0]
+    for other, (other_node, theirs) in enumerate(gathered[1:], 1):
+        for key in sorted(set(first) | set(theirs)):
+            if first.get(key) != theirs.get(key):
+                if key == "plan":
+                    detail = f"differs: rank {other} (node {other_node}) got another plan than rank 0 (node {node0})"
+                else:
+                    detail = (f"{first.get(key)!r} on rank 0 (node {node0}) but {theirs.get(key)!r} on rank {other} "
+                              f"(node {other_node})")
+                raise OptionMismatch(f"the nodes of this job were launched with different options: {option_flag(key)} "
+                                     f"{'' if key == 'plan' else 'is '}{detail}; launch every node with the same command")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -78,9 +128,12 @@ def train(args: argparse.Namespace, rank: int) -> int:
     engine, vocab = compiled.engine, vocab_size(compiled.program)
     if rank == 0:
         say(f"compiled {args.model} for {plan.world_size} rank(s) in {time.perf_counter() - started:.1f} s")
-    batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, step) for step in range(args.steps)]
+    batches = []  # kept for --check only: a long run draws each batch when it needs it
     losses, gradients = [], None
-    for step, batch in enumerate(batches):
+    for step in range(args.steps):
+        batch = synthetic_batch(vocab, plan.global_batch, plan.seq_len, step)
+        if args.check:
+            batches.append(batch)
         clock = time.perf_counter()
         losses.append(engine.forward_backward(batch))
         if step == 0 and args.check:
@@ -108,13 +161,17 @@ def check(args, plan, batches, losses, gradients, weights, optimizer) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    return run_rank(lambda rank: train(args, rank), timeout=args.timeout, debug=args.debug)
+    with open(args.plan, "rb") as handle:  # compared by content: each node may keep it at its own path
+        plan = handle.read().decode(errors="replace")
+    options = {"model": args.model, "plan": plan, "steps": args.steps, "check": args.check, "lr": args.lr,
+               "timeout_s": args.timeout}
+    return run_rank(lambda rank: train(args, rank), timeout=args.timeout, debug=args.debug, options=options)
 
 
-def run_rank(body: Callable[[int], int], *, timeout: float, debug: bool) -> int:
+def run_rank(body: Callable[[int], int], *, timeout: float, debug: bool, options: dict | None = None) -> int:
     """The life of one launched rank (shared by every launched program): follow the launcher, join
-    the process group, run ``body(rank)``, leave cleanly; on any error say it in one line and exit
-    at once, never hanging the others."""
+    the process group, check that every rank got the same ``options``, run ``body(rank)``, leave
+    cleanly; on any error say it in one line, tell the other ranks and exit at once, never hanging them."""
     rank = int(os.environ.get("RANK", 0))
     follow_parent()
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # the launcher reports an interrupt once
@@ -125,13 +182,25 @@ def run_rank(body: Callable[[int], int], *, timeout: float, debug: bool) -> int:
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
         init_process_group(timeout, select_device())  # NCCL bound to this rank's GPU, gloo on CPU
+        if options is not None:
+            check_same_options(options, rank)
         status = body(rank)
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-        return status
+        # Leave now: interpreter teardown (inductor's compile workers, thread pools) takes seconds that a
+        # preempted job does not have, and everything of ours is written (files closed, checkpoints synced).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     except Exception as error:  # report, then leave at once: never hang the others
-        say(f"rank {rank}: error: {type(error).__name__}: {error}")
+        from ..runtime.failure import blame, report_failure
+
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        reason = blame(error, rank, world, timeout)
+        say(f"rank {rank}: error: {reason}")
+        if not reason.startswith("stops because"):
+            report_failure(reason, rank)
         if debug:
             traceback.print_exc()
         sys.stdout.flush()

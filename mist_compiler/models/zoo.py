@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .hf_config_checks import RawConfig, config_problem
 from .initialize import has_init_rule, initialize
 from .pretrained import (
     Checkpoint, CheckpointError, PretrainedTensors, checkpoint_names, holds_weights, is_virtual_build, note_loaded,
@@ -126,11 +127,18 @@ def _hf_config(path: str, spec: str):
     if model_type not in CONFIG_MAPPING:
         raise ModelSpecError(f"{spec}: model_type {model_type!r} is not an architecture transformers "
                              f"{transformers.__version__} knows")
+    problem = config_problem(RawConfig(data))  # before transformers divides by a zero head count
+    if problem is not None:
+        raise ModelSpecError(f"{spec}: config field {problem}")
     try:
-        return transformers.AutoConfig.from_pretrained(
+        config = transformers.AutoConfig.from_pretrained(
             os.path.dirname(os.path.abspath(path)) if os.path.basename(path) == "config.json" else path)
-    except (ValueError, KeyError, OSError, TypeError) as error:  # transformers' text spans paragraphs
+    except Exception as error:  # noqa: BLE001 (transformers' validators raise their own classes; text spans paragraphs)
         raise ModelSpecError(f"{spec} (model_type {model_type!r}): {_first_line(error)}") from None
+    problem = config_problem(config)
+    if problem is not None:
+        raise ModelSpecError(f"{spec}: config field {problem}")
+    return config
 
 
 def _first_line(error: Exception) -> str:
@@ -142,7 +150,7 @@ def _from_config(config, spec: str) -> nn.Module:
 
     try:
         return transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, OSError, TypeError) as error:
+    except Exception as error:  # noqa: BLE001 (as above)
         raise ModelSpecError(f"{spec} (model_type {config.model_type!r}): {_first_line(error)}") from None
 
 
@@ -203,6 +211,12 @@ def _factory_builder(spec: str) -> Callable[[], nn.Module]:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ModelSpecError(f"cannot import module {module_name!r} for model factory {spec!r}: {error}") from None
+    except SyntaxError as error:
+        raise ModelSpecError(f"model factory {spec!r}: {error.filename} line {error.lineno} does not parse: "
+                             f"{error.msg}") from None
+    except Exception as error:  # the user's module-level code: report it in one line, naming the module
+        raise ModelSpecError(f"model factory {spec!r}: importing {module_name} raised {type(error).__name__}: "
+                             f"{error}") from None
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise ModelSpecError(f"model factory {spec!r}: {module_name} has no callable {function_name!r}")

@@ -147,6 +147,17 @@ class Engine:
         """Apply the reduced gradients (AdamW) and sync tied weights."""
         self._guarded(self._optimizer_step)
 
+    def skip_optimizer_step(self) -> None:
+        """Drop this step's reduced gradients without updating anything (a diverged step). Every rank
+        must make the same choice (call it instead of ``optimizer_step``)."""
+        self._skip_next_step = False
+        self._guarded(self.runtime.skip_step)
+
+    @property
+    def overflowed(self) -> bool:
+        """fp16: this step's gradients overflowed, so ``optimizer_step`` will skip it (the loss scaler's rule)."""
+        return self._skip_next_step
+
     def set_optimizer(self, config: Any) -> None:
         """Use these AdamW settings from the next update on (a learning-rate schedule changes them)."""
         self.runtime.optimizer.config = config

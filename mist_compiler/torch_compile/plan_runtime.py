@@ -45,6 +45,7 @@ from ..runtime.engine import DEFAULT_TIMEOUT_S, EXTERNAL_OPTIMIZER, Engine
 from .live_parameters import (
     AliasedParameters, DynamoRuntimeError, MirroredParameters, binding_for, optimizer_settings,
 )
+from .option_checks import check_option_values, check_plan_model
 
 PLAN_OPTIONS = {"plan"}
 TUNING_OPTIONS = {"hardware", "nodes", "gpus_per_node", "global_batch", "seq_len", "dtype", "attention"}
@@ -81,6 +82,7 @@ def parse_options(options: dict) -> dict[str, Any]:
     unknown = sorted(set(options) - KNOWN_OPTIONS - {"name"})
     if unknown:
         raise DynamoRuntimeError(f"mist backend: unknown option(s) {unknown}; known: {sorted(KNOWN_OPTIONS)}")
+    check_option_values(options)
     settings: dict[str, Any] = {"timeout_s": float(options.get("timeout_s", DEFAULT_TIMEOUT_S))}
     if options.get("device") is not None:
         settings["device"] = options["device"]
@@ -94,9 +96,6 @@ def parse_options(options: dict) -> dict[str, Any]:
     missing = sorted({"hardware", "global_batch"} - set(options))
     if missing:
         raise DynamoRuntimeError(f"mist backend: option(s) {missing} are needed to tune a plan (or give 'plan')")
-    for name in ("nodes", "gpus_per_node", "global_batch", "seq_len"):
-        if name in options and not (isinstance(options[name], int) and options[name] >= 1):
-            raise DynamoRuntimeError(f"mist backend: option {name!r} must be a positive integer, got {options[name]!r}")
     settings.update({name: options[name] for name in TUNING_OPTIONS if name in options})
     return settings
 
@@ -191,6 +190,8 @@ def _training_for(model: nn.Module, settings: dict, gm: fx.GraphModule) -> Train
     from .. import driver
 
     plan = settings.pop("plan", None)
+    if plan is not None:
+        check_plan_model(plan, model)
     runtime = {k: settings.pop(k) for k in list(settings) if k in RUNTIME_OPTIONS}
     if plan is None:
         settings.setdefault("dtype", user_dtype(model, gm))

@@ -9,7 +9,8 @@ What is saved (one DCP checkpoint per step directory, plus ``mist.json`` written
   own plan; DCP reads the overlaps (``create_read_items_for_chunk_list``). That is the resharding:
   dp, tp, pp, ZeRO level and offload may all differ between save and load.
 - ``rng.rank<r>``: each rank's torch RNG state (restored when the world is the same);
-- ``mist.json``: step, optimizer step count, loss scaler, plan, model, shapes, run settings.
+- ``mist.json``: step, optimizer step count, loss scaler, plan, model, shapes, run settings, and the
+  manifest of the directory's files (:mod:`.integrity`).
 
 The chunks are plain CPU tensors behind a small object implementing DCP's checkpointable hooks
 (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``) and two planners
@@ -19,36 +20,38 @@ Saving is asynchronous and atomic: the state is staged to CPU at the step bounda
 a background thread runs ``dcp.save`` over a dedicated gloo group (never interleaving with the
 training collectives) into ``D/step-000010.tmp``; once every rank has written, rank 0 adds
 ``mist.json``, renames the directory to ``D/step-000010`` and replaces ``D/latest`` (os.replace).
-A crash at any point leaves the last complete checkpoint and ``latest`` intact.
+A crash at any point leaves the last complete checkpoint and ``latest`` intact. Before writing,
+the ranks agree (one all-reduce on the checkpoint group) that every value is finite: a checkpoint
+holding an inf or NaN is never written, so ``latest`` never points to one. After publishing, rank 0
+says where, how large and how long, and removes checkpoints beyond ``keep_last``. Any failure
+(a full disk, a permission) is raised on every rank at the next step, in one line naming the cause
+and the path.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
-import re
 import shutil
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .integrity import META, CheckpointError, build_manifest, nonfinite_keys, record_crcs_on
 from .layout import BucketView, box_view, bucket_views
+from .save_dir import directory_bytes, fsync_dir, human_bytes, prune, step_dir, write_atomically
 
 KINDS = (("model", "master"), ("optim.exp_avg", "exp_avg"), ("optim.exp_avg_sq", "exp_avg_sq"))
-META = "mist.json"
-STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message says why."""
 
 
 class Chunks:
@@ -186,55 +189,52 @@ def load_state(engine: Any, views: list[BucketView], path: str, same_world: bool
         torch.cuda.set_rng_state(wanted[f"rng_cuda.rank{rank}"], engine.device)
 
 
-# ---- directories ----------------------------------------------------------------------------------
-def step_dir(save_dir: str, step: int) -> str:
-    return os.path.join(save_dir, f"step-{step:06d}")
+# ---- the saver ------------------------------------------------------------------------------------
+class _RecordingStream:
+    """A file DCP writes to, remembering the ``OSError`` of a failed write (with the file's path)."""
+
+    def __init__(self, stream: Any, path: str, errors: list[OSError]) -> None:
+        self._stream, self._path, self._errors = stream, path, errors
+
+    def _recorded(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self._stream, method)(*args)
+        except OSError as error:
+            if error.filename is None:
+                error.filename = self._path
+            self._errors.append(error)
+            raise
+
+    def write(self, data: Any) -> Any:
+        return self._recorded("write", data)
+
+    def flush(self) -> None:
+        self._recorded("flush")
+
+    def close(self) -> None:
+        self._recorded("close")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
-def _complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, META)) and os.path.isfile(os.path.join(path, ".metadata"))
+class RecordingFileSystem(FileSystem):
+    """DCP's file system, keeping the ``OSError`` behind a failed write: ``torch.save`` turns it into a
+    bare ``RuntimeError`` ("unexpected pos ...") and DCP drops the chain when it gathers failures."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[OSError] = []
 
-def resolve(path: str) -> str:
-    """The complete checkpoint ``path`` names: a step directory, or a save directory (its ``latest``,
-    else its highest complete step)."""
-    if not os.path.isdir(path):
-        raise CheckpointError(f"--resume: {path!r} is not a directory")
-    if _complete(path):
-        return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as handle:
-            named = os.path.join(path, handle.read().strip())
-        if _complete(named):
-            return named
-    steps = sorted((int(m.group(1)), name) for name in os.listdir(path) if (m := STEP_DIR.match(name))
-                   and _complete(os.path.join(path, name)))
-    if not steps:
-        raise CheckpointError(f"--resume: {path!r} holds no complete checkpoint")
-    return os.path.join(path, steps[-1][1])
-
-
-def read_meta(path: str) -> dict:
-    with open(os.path.join(path, META)) as handle:
-        return json.load(handle)
-
-
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield _RecordingStream(stream, str(path), self.errors) if "w" in mode else stream
+        except OSError as error:
+            if error not in self.errors:
+                self.errors.append(error)
+            raise
 
 
 def _test_stall(step: int) -> float:
@@ -247,29 +247,58 @@ def _test_stall(step: int) -> float:
     return float(seconds) if int(at) == step else 0.0
 
 
-# ---- the saver ------------------------------------------------------------------------------------
+def describe_failure(error: BaseException) -> str:
+    """One line for a failed save or load: the first ``OSError`` found (its text and path) in DCP's
+    per-rank failures and the exception chain, else the error itself."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            text = current.strerror or str(current)
+            path = current.filename
+            return f"{text}: {path}" if path else text
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                todo.append(failure[0] if isinstance(failure, tuple) else failure)
+        todo += [e for e in (current.__cause__, current.__context__) if e is not None]
+    if type(error).__name__ == "CheckpointException":
+        return f"ranks {sorted(getattr(error, 'failures', {}) or {})} failed"
+    return f"{type(error).__name__}: {error}"
+
+
 @dataclass
 class SaveTiming:
     step: int
     stage_s: float  # the training step waited this long (staging to CPU, plus any wait for the previous save)
     write_s: float = 0.0  # the background write, start to rename
+    path: str = ""
+    bytes: int = 0
 
 
 class Checkpointer:
-    """Saves (asynchronously unless ``blocking``) into ``save_dir``; one save in flight at a time."""
+    """Saves (asynchronously unless ``blocking``) into ``save_dir``; one save in flight at a time.
+    ``say`` (rank 0) gets one line per completed save; ``keep_last`` > 0 keeps only that many."""
 
     def __init__(self, engine: Any, save_dir: str | None, group: dist.ProcessGroup | None,
-                 blocking: bool = False) -> None:
+                 blocking: bool = False, keep_last: int = 0, say: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.save_dir = save_dir
         self.blocking = blocking
+        self.keep_last = keep_last
         self.views = bucket_views(engine)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.say = say if say is not None and self.rank == 0 else (lambda line: None)
         self.group = group  # see checkpoint_group: a background save never interleaves with training's collectives
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.timings: list[SaveTiming] = []
+        self.latest: str | None = None  # the last checkpoint this run published
 
     def save(self, step: int, meta: dict) -> SaveTiming:
         started = time.perf_counter()
@@ -285,39 +314,98 @@ class Checkpointer:
         timing.stage_s = time.perf_counter() - started
         return timing
 
+    @property
+    def in_flight(self) -> bool:
+        return self.thread is not None
+
+    def _agree(self, problem: str | None) -> str | None:
+        """Every rank learns the first rank's problem (None: all fine). Collective on the checkpoint group."""
+        if self.group is None:
+            return problem
+        problems: list[str | None] = [None] * self.world
+        dist.all_gather_object(problems, problem, group=self.group)
+        return next((p for p in problems if p is not None), None)
+
+    @staticmethod
+    def _attempt(action: Callable[[], Any]) -> str | None:
+        try:
+            action()
+        except OSError as error:
+            return describe_failure(error)
+        return None
+
     def _write(self, step: int, state: dict, meta: dict, timing: SaveTiming) -> None:
         started = time.perf_counter()
+        final = step_dir(self.save_dir, step)
+        tmp = final + ".tmp"
         try:
-            final = step_dir(self.save_dir, step)
-            tmp = final + ".tmp"
-            if self.rank == 0:
-                os.makedirs(self.save_dir, exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving
-            if self.group is not None:
-                dist.barrier(group=self.group)
-            os.makedirs(tmp, exist_ok=True)
-            metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
-                                planner=ChunkSavePlanner(), process_group=self.group)
+            bad = nonfinite_keys(state)
+            problem = f"rank {self.rank}: {bad[0]} holds inf or NaN values (training diverged?)" if bad else None
+            if problem is None and self.rank == 0:
+                problem = self._attempt(lambda: (os.makedirs(self.save_dir, exist_ok=True),
+                                                 shutil.rmtree(tmp, ignore_errors=True)))  # left by a dead run
+            problem = self._agree(problem)  # also the barrier: the stale directory is gone before anyone writes
+            if problem is not None:
+                raise CheckpointError(f"checkpoint of step {step} not written: {problem}; latest still names the "
+                                      f"previous one")
+            problem = self._agree(self._attempt(lambda: os.makedirs(tmp, exist_ok=True)))
+            if problem is not None:
+                raise CheckpointError(f"saving checkpoint {tmp} failed: {problem}")
+            record_crcs = record_crcs_on()
+            writer = dcp.FileSystemWriter(tmp, thread_count=1)
+            writer.fs = files = RecordingFileSystem()
+            try:
+                metadata = dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(), process_group=self.group)
+            except BaseException as error:  # CheckpointException derives from BaseException; every rank gets it
+                mine = describe_failure(files.errors[0]) if files.errors else None
+                problem = self._agree(mine) or describe_failure(error)
+                raise CheckpointError(f"saving checkpoint {tmp} failed: {problem}") from error
             time.sleep(_test_stall(step))
+            problem = None
             if self.rank == 0:
-                shapes = {k[len("model."):]: list(v.size) for k, v in metadata.state_dict_metadata.items()
-                          if k.startswith("model.")}
-                _write_atomically(os.path.join(tmp, META), json.dumps({**meta, "step": step, "shapes": shapes},
-                                                                        indent=1))
-                _fsync_dir(tmp)
-                shutil.rmtree(final, ignore_errors=True)  # an older save of the same step
-                os.rename(tmp, final)
-                _fsync_dir(self.save_dir)
-                _write_atomically(os.path.join(self.save_dir, "latest"), os.path.basename(final) + "\n")
+                try:
+                    self._publish(step, meta, metadata, tmp, final, record_crcs, timing, started)
+                except BaseException as error:  # noqa: BLE001 (a full disk here must reach every rank)
+                    problem = describe_failure(error)
+            problem = self._agree(problem)
+            if problem is not None:
+                raise CheckpointError(f"saving checkpoint {tmp} failed: {problem}")
         except BaseException as error:  # reported on the training thread at the next wait()
             self.error = error
         timing.write_s = time.perf_counter() - started
 
+    def _publish(self, step: int, meta: dict, metadata: Any, tmp: str, final: str, record_crcs: bool,
+                 timing: SaveTiming, started: float) -> None:
+        """Rank 0, once every rank has written: manifest and mist.json, rename, ``latest``, prune, say."""
+        shapes = {k[len("model."):]: list(v.size) for k, v in metadata.state_dict_metadata.items()
+                  if k.startswith("model.")}
+        files = build_manifest(tmp, record_crcs)
+        write_atomically(os.path.join(tmp, META), json.dumps({**meta, "step": step, "shapes": shapes,
+                                                              "files": files}, indent=1))
+        fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # an older save of the same step
+        os.rename(tmp, final)
+        fsync_dir(self.save_dir)
+        write_atomically(os.path.join(self.save_dir, "latest"), os.path.basename(final) + "\n")
+        self.latest = final
+        timing.path, timing.bytes = final, directory_bytes(final)
+        removed = prune(self.save_dir, self.keep_last, step)
+        kept = [name for name in removed if not name.endswith(".tmp")]
+        self.say(f"saved {final} ({human_bytes(timing.bytes)} in {time.perf_counter() - started:.2f} s)"
+                 + (f"; removed {', '.join(kept)} (--keep-last {self.keep_last})" if kept else ""))
+
+    def failed(self) -> bool:
+        """Whether the save in flight has finished with an error (``wait`` raises it); never blocks."""
+        return self.thread is not None and not self.thread.is_alive() and self.error is not None
+
     def wait(self) -> None:
-        """Block until the save in flight (if any) is complete; re-raise its error."""
+        """Block until the save in flight (if any) is complete; re-raise its error in one line."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None
         if self.error is not None:
             error, self.error = self.error, None
-            raise CheckpointError(f"saving a checkpoint failed: {type(error).__name__}: {error}") from error
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"saving a checkpoint into {self.save_dir} failed: "
+                                  f"{describe_failure(error)}") from error

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .tokenizers import load_tokenizer
+
 SAMPLE_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 BYTE_VOCAB = 256
 
@@ -59,11 +61,7 @@ def open_tokens(path: str, *, dtype: str | None = None, tokenizer: str | None = 
         raw = handle.read()
     if tokenizer is None:
         return np.frombuffer(raw, dtype=np.uint8)
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as error:
-        raise DataError("--tokenizer needs the transformers package (pip install transformers)") from error
-    ids = AutoTokenizer.from_pretrained(tokenizer)(raw.decode("utf-8", errors="replace"))["input_ids"]
+    ids = load_tokenizer(tokenizer)(raw.decode("utf-8", errors="replace"))["input_ids"]
     return np.asarray(ids, dtype=np.int64)
 
 
@@ -73,9 +71,18 @@ def token_vocab(path: str, tokenizer: str | None) -> int | None:
         return None
     if tokenizer is None:
         return BYTE_VOCAB
-    from transformers import AutoTokenizer
+    return len(load_tokenizer(tokenizer))
 
-    return len(AutoTokenizer.from_pretrained(tokenizer))
+
+def check_token_width(tokens: np.ndarray, path: str, sample: int = 1 << 20) -> None:
+    """Refuse a uint16 view of a file of uint32 tokens (little-endian ids below 65536: every odd uint16 is 0)."""
+    if tokens.dtype.itemsize != 2 or len(tokens) < 64:
+        return
+    head = np.asarray(tokens[:min(len(tokens), sample) // 2 * 2])
+    high, low = head[1::2], head[0::2]
+    if np.count_nonzero(high) <= 0.01 * len(high) and np.count_nonzero(low) >= 0.5 * len(low):
+        raise DataError(f"data {path!r} looks like uint32 tokens read as uint16 (every second uint16 is 0); "
+                        f"pass --data-dtype uint32 or name the file *.u32.bin")
 
 
 @dataclass
@@ -98,7 +105,9 @@ class TokenSampler:
                             f"({self.global_batch} x {self.seq_len} + 1 = {need})")
 
     def check_vocab(self, vocab: int) -> None:
-        """Refuse token ids the model's embedding cannot take (one pass over the file)."""
+        """Refuse token ids the model's embedding cannot take (one pass over the file), and uint32
+        tokens read as uint16 (their high halves make every second id 0, all within the vocabulary)."""
+        check_token_width(self.tokens, self.path)
         largest = int(np.max(self.tokens)) if len(self.tokens) else 0
         if largest >= vocab:
             raise DataError(f"data {self.path!r} holds token id {largest} but the model's vocabulary has {vocab} "

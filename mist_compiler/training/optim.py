@@ -11,6 +11,10 @@
   sums the squares of the elements it owns (:class:`.layout.BucketView`: each element of the model
   once over data, tensor and pipeline parallelism, ZeRO shards and offloaded parts), one
   all-reduce over the world adds them. ``clip`` then scales every reduced gradient in place.
+- Divergence: a step whose loss or gradient norm is not finite never updates anything (its
+  gradients are dropped, as dynamic loss scaling does for an overflow); the caller counts such
+  steps. The same all-reduce carries each rank's stop request (:mod:`.preemption`), so every rank
+  learns in the same step that one of them was signalled.
 
 ``torch.nn.utils.clip_grad_norm_`` and optimizer param groups need ``param.grad`` tensors and a
 ``torch.optim`` optimizer; the engine's gradients live in sharded flat buffers, hence this module.
@@ -70,6 +74,26 @@ class OptimConfig:
     weight_decay: float = 0.1
     clip: float = 1.0  # max global gradient norm; 0 disables clipping
 
+    def __post_init__(self) -> None:
+        for name in ("lr", "min_lr", "eps", "weight_decay", "clip"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"optimizer setting {name} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(self.warmup, int) and self.warmup >= 0):
+            raise ValueError(f"optimizer setting warmup must be an integer >= 0, got {self.warmup!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optimizer setting betas must be two numbers in [0, 1), got {self.betas!r}")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What an optimizer step did (identical on every rank)."""
+
+    grad_norm: float  # before clipping; NaN or inf when the step diverged
+    skipped: bool  # nothing was updated (a diverged step, or an fp16 overflow the loss scaler handles)
+    diverged: bool  # the loss or the gradient norm was not finite
+    stop: bool  # some rank was asked to stop (SIGTERM/SIGINT): stop after this step
+
 
 class TrainingOptimizer:
     """Applies :class:`OptimConfig` to an engine: one ``step(lr)`` after each ``forward_backward``."""
@@ -82,17 +106,19 @@ class TrainingOptimizer:
         self.decay_runs = [_merge([(p.lo, p.hi) for p in view.held if decays(p.fqn, p.full_shape)])
                            for view in self.views]
 
-    def grad_norm(self) -> float:
-        """The global gradient norm (collective: every rank calls it)."""
+    def grad_norm(self, stop_requested: bool = False) -> tuple[float, bool]:
+        """The global gradient norm, and whether any rank asked to stop (collective: every rank calls it)."""
         device = self.engine.device
         total = torch.zeros((), dtype=torch.float64, device=device)
         for view, runs in zip(self.views, self.norm_runs):
             for lo, hi in runs:
                 for _, part in view.bucket.reduced_grad_views(lo, hi):
                     total += torch.linalg.vector_norm(part, dtype=torch.float64).to(device).square()
+        both = torch.stack([total, torch.tensor(float(stop_requested), dtype=torch.float64, device=device)])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)
-        return math.sqrt(float(total))
+            dist.all_reduce(both)  # a NaN anywhere makes the sum NaN on every rank: all skip together
+        squares, stop = both.tolist()
+        return math.sqrt(squares) if squares >= 0 else math.nan, stop > 0
 
     def clip(self, norm: float) -> None:
         if self.config.clip > 0 and math.isfinite(norm) and norm > self.config.clip:
@@ -100,12 +126,17 @@ class TrainingOptimizer:
             for part in self.engine.runtime.reduced_gradients():
                 part.mul_(coef)
 
-    def step(self, lr: float) -> float:
-        """Norm, clip, decay and update with learning rate ``lr``; returns the norm before clipping."""
+    def step(self, lr: float, loss: float = 0.0, stop_requested: bool = False) -> StepOutcome:
+        """Norm, clip, decay and update with learning rate ``lr``, unless ``loss`` or the norm is not
+        finite (then nothing is updated). Collective; the outcome is the same on every rank."""
         cfg = self.config
-        norm = self.grad_norm()
-        skipped = getattr(self.engine, "_skip_next_step", False) or not math.isfinite(norm)  # fp16 overflow
-        if not skipped:
+        norm, stop = self.grad_norm(stop_requested)
+        overflow = self.engine.overflowed  # fp16: the loss scaler skips this step and backs off
+        diverged = not math.isfinite(loss) or (not math.isfinite(norm) and not overflow)
+        if diverged:
+            self.engine.skip_optimizer_step()
+            return StepOutcome(norm, skipped=True, diverged=True, stop=stop)
+        if not overflow:
             self.clip(norm)
             if cfg.weight_decay > 0 and lr > 0:
                 factor = 1.0 - lr * cfg.weight_decay
@@ -115,7 +146,7 @@ class TrainingOptimizer:
                             part.mul_(factor)
         self.engine.set_optimizer(AdamWConfig(lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=0.0))
         self.engine.optimizer_step()
-        return norm
+        return StepOutcome(norm, skipped=overflow, diverged=False, stop=stop)
 
 
 def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

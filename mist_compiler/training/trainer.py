@@ -3,14 +3,19 @@
 Per step: the global batch of the step (:mod:`.data`, the same under every plan), the engine's
 forward and backward, the global gradient norm and clipping, the learning rate of the schedule and
 decoupled weight decay by parameter group (:mod:`.optim`), the engine's AdamW update. Rank 0 prints
-one line per logging interval and appends every step to the ``metrics`` JSONL file. Checkpoints
-(:mod:`.checkpoint`) save every ``save_every`` steps and at the end; ``resume`` continues from one
-(bit for bit under the same plan, correctly under another). Every rank must construct and ``fit``.
+one line per logging interval (with elapsed time and ETA) and appends every step to the
+``metrics`` JSONL file (:mod:`.metrics`). Checkpoints (:mod:`.checkpoint`) save every ``save_every``
+steps and at the end; ``resume`` continues from one (bit for bit under the same plan, correctly
+under another) after checking its files (:mod:`.integrity`). Every rank must construct and ``fit``.
+
+What a long job meets: a step whose loss or gradient norm is not finite updates nothing, and
+``max_bad_steps`` of them in a row end the run (:class:`DivergenceError`); SIGTERM/SIGINT finish
+the step, save, and raise :class:`.preemption.Preempted`; a failed background save stops every rank
+at the next step with its cause. The save directory belongs to one run (:mod:`.save_dir`).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import resource
 import time
@@ -22,9 +27,14 @@ import torch.distributed as dist
 
 from ..frontend.labels import label_convention
 from ..ir.plan import Plan, load_plan
-from .checkpoint import Checkpointer, CheckpointError, checkpoint_group, load_state, read_meta, resolve
+from .checkpoint import Checkpointer, checkpoint_group, load_state
 from .data import SAMPLE_TEXT, TokenSampler, open_tokens
-from .optim import LRSchedule, OptimConfig, TrainingOptimizer
+from .integrity import BackgroundVerification, CheckpointError, check_manifest, nonfinite_keys
+from .metrics import MetricsLog
+from .optim import LRSchedule, OptimConfig, StepOutcome, TrainingOptimizer
+from .preemption import Preempted, StopRequest
+from .save_dir import (RunLock, check_ownership, clear_checkpoints, complete_steps, held_by, latest_name, read_meta,
+                       resolve)
 
 
 @dataclass
@@ -46,7 +56,17 @@ class TrainConfig:
     blocking_save: bool = False
     export: str | None = None
     peak_tflops: float | None = None  # per device, for MFU
-    timeout_s: float = 300.0
+    timeout_s: float = 120.0
+    max_bad_steps: int = 3  # consecutive steps with a non-finite loss or gradient norm before the run stops
+    keep_last: int = 0  # checkpoints kept in save_dir (0: all)
+    overwrite: bool = False  # start over in a save_dir that holds checkpoints (deletes them)
+    lock_token: str | None = None  # the launcher holds save_dir's lock under this token
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("max_bad_steps", 1), ("keep_last", 0), ("save_every", 0), ("log_every", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"TrainConfig.{name} must be an integer >= {low}, got {value!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -59,12 +79,29 @@ class TrainConfig:
         return cls(**{**data, "optim": OptimConfig(**optim)})
 
 
-def _rows_up_to(path: str, step: int) -> list[str]:
-    """The lines of a metrics file up to ``step`` (those after it belong to the run being redone)."""
-    if not os.path.isfile(path):
-        return []
-    with open(path) as handle:
-        return [line for line in handle if line.strip() and json.loads(line).get("step", 0) <= step]
+class DivergenceError(RuntimeError):
+    """Too many steps in a row had a non-finite loss or gradient norm."""
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size, also before the process group exists (torchrun's env)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _start_resume(where: str) -> tuple[str, dict, BackgroundVerification]:
+    """The checkpoint ``where`` names, its mist.json (and manifest) checked, and this rank's share of
+    the data-file checks running in the background while the model compiles."""
+    path = resolve(where)
+    meta = read_meta(path)
+    check_manifest(path, meta)
+    return path, meta, BackgroundVerification(path, meta, *_rank_and_world())
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -88,6 +125,8 @@ class Trainer:
         self.model_name = model if isinstance(model, str) else type(model).__name__
         self.say = say or (lambda line: print(f"mist: {line}", flush=True))
         started = time.perf_counter()
+        self.lock = self._own_save_dir()
+        resuming = _start_resume(config.resume) if config.resume else None
         compiled = driver.compile_model(model, plan=self.plan, model_name=model if isinstance(model, str) else None,
                                         prove=False, timeout_s=config.timeout_s)
         self.program, self.engine = compiled.program, compiled.engine
@@ -105,17 +144,34 @@ class Trainer:
         self.schedule = LRSchedule(cfg.lr, config.steps, cfg.warmup, cfg.min_lr)
         self.optimizer = TrainingOptimizer(self.engine, cfg)
         self.group = checkpoint_group(config.timeout_s) if config.save_dir or config.resume else None
-        self.checkpointer = Checkpointer(self.engine, config.save_dir, self.group, config.blocking_save) \
-            if config.save_dir else None
+        self.checkpointer = Checkpointer(self.engine, config.save_dir, self.group, config.blocking_save,
+                                         keep_last=config.keep_last, say=self.say) if config.save_dir else None
         self.step = 0
-        if config.resume:
-            self._resume(config.resume)
+        self.resumed_from: str | None = None
+        if resuming is not None:
+            self._resume(*resuming)
         self.flops_per_token = self._flops_per_token()
         if self.rank == 0:
             self.say(f"compiled {self.model_name} for {self.world} rank(s) in {time.perf_counter() - started:.1f} s"
                      + (f", resumed at step {self.step}" if self.step else ""))
 
     # ---- set-up helpers ---------------------------------------------------------------------------
+    def _own_save_dir(self) -> RunLock | None:
+        """Rank 0 of a run started from Python (not by ``mistc train``, whose launcher did this before
+        any rank started): take save_dir's lock and refuse to overwrite another run's checkpoints."""
+        cfg = self.config
+        if not cfg.save_dir or _rank_and_world()[0] != 0 or held_by(cfg.save_dir, cfg.lock_token):
+            return None
+        lock = RunLock.acquire(cfg.save_dir)
+        try:
+            check_ownership(cfg.save_dir, cfg.resume, cfg.overwrite)
+            if cfg.overwrite:
+                clear_checkpoints(cfg.save_dir)
+        except BaseException:
+            lock.release()
+            raise
+        return lock
+
     def _flops_per_token(self) -> float:
         """Training FLOPs per token (:mod:`mist_compiler.cost.flops`, the tuner's formula); 0 unless MFU
         was asked for."""
@@ -126,9 +182,19 @@ class Trainer:
 
         return flops_per_token(ir_shape(self.program), self.plan.seq_len) or 0.0
 
-    def _resume(self, where: str) -> None:
-        path = resolve(where)
-        meta = read_meta(path)
+    def _resume(self, path: str, meta: dict, verification: BackgroundVerification) -> None:
+        mine = verification.problems()
+        problems: list[list[str]] = [mine]
+        if self.group is not None:
+            problems = [[] for _ in range(self.world)]
+            dist.all_gather_object(problems, mine, group=self.group)
+        found = [problem for share in problems for problem in share]
+        if found:
+            earlier = [name for step, name in complete_steps(os.path.dirname(path)) if step < int(meta["step"])]
+            hint = f"; resume from an earlier one (--resume {os.path.join(os.path.dirname(path), earlier[-1])})" \
+                if earlier else ""
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            raise CheckpointError(f"checkpoint {path} is damaged: {found[0]}{more}{hint}")
         if meta.get("model") != self.model_name:
             raise CheckpointError(f"checkpoint {path!r} was saved for model {meta.get('model')!r}, "
                                   f"not {self.model_name!r}")
@@ -139,6 +205,7 @@ class Trainer:
         load_state(self.engine, self.optimizer.views, path, same_world=meta.get("world") == self.world,
                    group=self.group)
         self.step = int(meta["step"])
+        self.resumed_from = path
         self.engine.runtime.optimizer.step_count = int(meta["optimizer_steps"])
         scaler = self.engine.loss_scaler
         if scaler is not None and meta.get("loss_scaler"):
@@ -155,62 +222,109 @@ class Trainer:
                 "config": self.config.to_dict(), "torch": torch.__version__}
 
     # ---- the loop ----------------------------------------------------------------------------------
-    def train_step(self) -> dict:
-        """One step; returns its metrics (the same on every rank)."""
+    def train_step(self, stop_requested: bool = False) -> dict:
+        """One step; returns its metrics (the same on every rank). ``row["stop"]``: some rank asked to
+        stop; ``row["skipped"]``: nothing was updated (``row["diverged"]``: the loss or norm was not finite)."""
         step = self.step + 1
         clock = time.perf_counter()
         loss = self.engine.forward_backward(self.sampler.batch(self.step))
         lr = self.schedule(step)
-        norm = self.optimizer.step(lr)
+        failed_save = self.checkpointer is not None and self.checkpointer.failed()
+        outcome: StepOutcome = self.optimizer.step(lr, loss, stop_requested or failed_save)
         elapsed = time.perf_counter() - clock
         self.step = step
         tokens = self.plan.global_batch * self.plan.seq_len
-        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / elapsed,
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": outcome.grad_norm, "tokens_per_s": tokens / elapsed,
                "step_time_s": elapsed, "peak_memory_bytes": _peak_memory_bytes(self.engine.device)}
         if self.config.peak_tflops:
             row["mfu"] = self.flops_per_token * tokens / elapsed / (self.config.peak_tflops * 1e12 * self.world)
         if self.engine.loss_scaler is not None:
             row["loss_scale"] = self.engine.loss_scaler.scale
+        if outcome.skipped:
+            row["skipped"] = True
+        if outcome.diverged:
+            row["diverged"] = True
+        row["stop"] = outcome.stop
         return row
 
-    def fit(self) -> list[dict]:
-        """Train up to ``config.steps`` (total, also when resumed); returns the metrics of this call's steps."""
+    def fit(self, stop: StopRequest | None = None) -> list[dict]:
+        """Train up to ``config.steps`` (total, also when resumed); returns the metrics of this call's steps.
+        Raises :class:`DivergenceError`, :class:`.preemption.Preempted` or ``CheckpointError`` (a failed save).
+        SIGTERM/SIGINT are handled during the call (or by ``stop``, installed earlier by the caller)."""
         cfg = self.config
         rows: list[dict] = []
-        metrics = None
-        if cfg.metrics and self.rank == 0:
-            os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics)), exist_ok=True)
-            kept = _rows_up_to(cfg.metrics, self.step) if self.step else []  # a resumed run redoes later steps
-            metrics = open(cfg.metrics, "w")
-            metrics.writelines(kept)
+        metrics = MetricsLog(cfg.metrics) if cfg.metrics and self.rank == 0 else None
+        own_stop = stop is None
+        stop = StopRequest().install() if stop is None else stop
+        self._started, self._first_step = time.perf_counter(), self.step
+        bad: list[dict] = []
         try:
             while self.step < cfg.steps:
-                row = self.train_step()
+                row = self.train_step(stop.requested)
                 rows.append(row)
-                if self.checkpointer is not None and (
-                        (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps):
+                bad = bad + [row] if row.get("diverged") else []
+                stopping = row["stop"] and self.step < cfg.steps
+                if stopping and self.checkpointer is not None:
+                    self.checkpointer.wait()  # a save in flight completes first (a failed one ends the run here)
+                due = (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps
+                if self.checkpointer is not None and due and not bad and not stopping:
                     row["save_stall_s"] = self.checkpointer.save(self.step, self._meta()).stage_s
                 if self.rank == 0:
                     if metrics is not None:
-                        metrics.write(json.dumps(row) + "\n")
-                        metrics.flush()
-                    if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                        self.say(self._line(row))
+                        metrics.write({k: v for k, v in row.items() if k != "stop"})
+                    if self.step % cfg.log_every == 0 or self.step == cfg.steps or bad or stopping:
+                        self.say(self._line(row, len(bad), stopping))
+                if len(bad) >= cfg.max_bad_steps:
+                    if self.checkpointer is not None:
+                        self.checkpointer.wait()  # the last good step's save completes: the message names it
+                    raise DivergenceError(self._divergence(bad))
+                if stopping:
+                    self._preempt(stop.signal_name or "a signal to another rank")
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         finally:
+            if own_stop:
+                stop.restore()
             if metrics is not None:
                 metrics.close()
         if cfg.export:
             self.export(cfg.export)
         return rows
 
-    def _line(self, row: dict) -> str:
+    def _preempt(self, signal_name: str) -> None:
+        """Save the step just finished (synchronously; a save in flight completes first), then stop."""
+        path = None
+        if self.checkpointer is not None:
+            timings = self.checkpointer.timings
+            if not timings or timings[-1].step != self.step:
+                self.checkpointer.save(self.step, self._meta())
+            self.checkpointer.wait()
+            path = os.path.join(self.config.save_dir, f"step-{self.step:06d}")
+        raise Preempted(self.step, signal_name, path)
+
+    def _divergence(self, bad: list[dict]) -> str:
+        last = bad[-1]
+        where = f"step {last['step']}" if len(bad) == 1 else f"steps {bad[0]['step']}-{last['step']}"
+        latest = latest_name(self.config.save_dir) if self.config.save_dir else None
+        tail = f"; the last checkpoint is {os.path.join(self.config.save_dir, latest)}" if latest else ""
+        return (f"training diverged: {where} ({len(bad)} in a row, --max-bad-steps {self.config.max_bad_steps}) had a "
+                f"non-finite loss or gradient norm (loss {last['loss']}, grad norm {last['grad_norm']}); they did not "
+                f"update the weights{tail}. Lower --lr or --clip, then --resume")
+
+    def _line(self, row: dict, bad_in_a_row: int = 0, stopping: bool = False) -> str:
+        done = self.step - self._first_step
+        elapsed = time.perf_counter() - self._started
+        eta = elapsed / done * (self.config.steps - self.step) if done else 0.0
         text = (f"step {row['step']}/{self.config.steps}: loss {row['loss']:.6f}, lr {row['lr']:.2e}, "
                 f"grad norm {row['grad_norm']:.4f}, {row['tokens_per_s']:,.0f} tokens/s, "
                 f"peak memory {row['peak_memory_bytes'] / 2**20:,.0f} MiB")
         if "mfu" in row:
             text += f", MFU {100 * row['mfu']:.1f}%"
+        text += f", {row['step_time_s']:.2f} s/step, elapsed {_clock(elapsed)}, ETA {_clock(eta)}"
+        if row.get("diverged"):
+            text += f" - skipped: not finite ({bad_in_a_row} in a row of --max-bad-steps {self.config.max_bad_steps})"
+        if stopping:
+            text += " - stopping: asked to stop (SIGTERM/SIGINT)"
         return text
 
     def export(self, path: str) -> None:
@@ -221,12 +335,20 @@ class Trainer:
         state = self.engine.gather_full_state(dst=0)
         if self.rank != 0:
             return
+        bad = nonfinite_keys(state)
+        if bad:
+            raise ValueError(f"--export {path}: not written, {bad[0]} holds inf or NaN values (training diverged?)")
         from .export import write_export
 
         write_export(state, path, self.model, self.plan.seq_len)
         self.say(f"exported {len(state)} tensors to {path}")
 
     def close(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
-        self.engine.close()
+        """Finish the save in flight (its error is raised), release the engine and the save directory."""
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+        finally:
+            self.engine.close()
+            if self.lock is not None:
+                self.lock.release()

@@ -122,6 +122,8 @@ def _smallest_data_parallel(work: Workload, cluster: Cluster, space: SearchSpace
 def _memory_diagnosis(cost_model: StageCostModel, work: Workload, cluster: Cluster, space: SearchSpace) -> str:
     """The smallest device memory at which some evenly split plan of the searched space fits."""
     best = math.inf
+    data_parallel: set[int] = set()  # dp degrees of the layouts tried, and whether the batch split over any
+    batch_splits = False
     combos = space.offload_combos()
     most = combos.max(axis=0)
     zero = max(space.zero_levels)
@@ -134,9 +136,11 @@ def _memory_diagnosis(cost_model: StageCostModel, work: Workload, cluster: Clust
         for shape in shapes:
             for tp in space.tp_options(shape, work.heads):
                 dp = shape.count // tp
+                data_parallel.add(dp)
                 for g in space.grad_accum_options(work.global_batch):
                     if work.global_batch % (dp * g):
                         continue
+                    batch_splits = True
                     micro = work.global_batch // (dp * g)
                     if not space.micro_batch_allowed(np.array([micro]))[0]:
                         continue
@@ -155,9 +159,13 @@ def _memory_diagnosis(cost_model: StageCostModel, work: Workload, cluster: Clust
                         peaks.append(float(cost_model.evaluate(candidates).peak_memory_bytes[0]))
                     best = min(best, max(peaks))
     have = cost_model.device_memory_bytes / 1e9
+    if not math.isfinite(best) and data_parallel and not batch_splits:
+        return (f"no plan: global batch {work.global_batch} cannot be split over the data-parallel degrees the searched "
+                f"space allows on {cluster.world} devices ({sorted(data_parallel)}); use a global batch divisible by "
+                f"{min(data_parallel)}, or a space with pipeline stages")
     if not math.isfinite(best):
-        return (f"no plan fits in {have:.2f} GB per device: no stage layout of the searched space is valid for "
-                f"{cluster.world} devices and global batch {work.global_batch}")
+        return (f"no plan: no stage layout of the searched space is valid for {cluster.world} devices and global batch "
+                f"{work.global_batch} (micro-batch sizes, layer splits or stage counts rule every one out)")
     return (f"no plan fits in {have:.2f} GB per device: the smallest memory that would fit (evenly split, every "
             f"saving knob of the searched space at its maximum) is {best / 1e9:.2f} GB per device; use devices with at "
             f"least that much memory, more devices, or a smaller global batch/sequence")

@@ -15,6 +15,8 @@ which makes "the full search is never worse than a baseline" hold by constructio
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from itertools import product
 
@@ -169,7 +171,10 @@ class SearchSpace:
 
 
 def divisors(value: int) -> list[int]:
-    return [d for d in range(1, value + 1) if value % d == 0]
+    """The divisors of ``value`` in increasing order (pairs up to its square root: a global batch of
+    2**30 has 31 of them, found in 2**15 steps)."""
+    small = [d for d in range(1, math.isqrt(value) + 1) if value % d == 0]
+    return small + [value // d for d in reversed(small) if d * d != value]
 
 
 def powers_of_two(limit: int) -> list[int]:
