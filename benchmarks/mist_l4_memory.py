@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-from mist_compiler.cost.analysis import capture_program
+from mist_compiler.driver import capture as capture_program
 from mist_compiler.cost.analyze import analyze
 from mist_compiler.cost.hardware import load_profile
 from mist_compiler.cost.stage_model import build_stage_cost_model

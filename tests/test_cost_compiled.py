@@ -6,7 +6,8 @@ import sympy
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from mist_compiler.cost.analysis import analyse_program, capture_program
+from mist_compiler.cost.analysis import analyse_program
+from mist_compiler.driver import capture as capture_program
 from mist_compiler.cost.compiled import fuse_costs
 from mist_compiler.cost.hardware import load_profile
 from mist_compiler.cost.op_time import op_class_time
@@ -107,7 +108,8 @@ def test_a_plan_says_whether_its_units_are_compiled_and_analyze_prices_that():
     assert "compiled" not in Plan("gpt-tiny", 64, 4, "float32", 1, (stage,)).to_dict()  # the default: schema unchanged
     with pytest.raises(PlanError, match="plan field compiled: expected true or false"):
         Plan.from_dict({**data, "compiled": "yes"})
-    eager = build_stage_cost_model("gpt-tiny", "cpu", seq_len=64, dtype="float32", compiled=False)
+    program = capture_program("gpt-tiny", seq_len=64, dtype="float32")
+    eager = build_stage_cost_model(program, "cpu", seq_len=64, dtype="float32", compiled=False)
     with pytest.raises(PlanError, match="plan field compiled: True, but the cost model given prices eager units"):
-        analyze("gpt-tiny", Plan.from_dict({**data, "compiled": True}), "cpu", cost_model=eager)
-    assert analyze("gpt-tiny", Plan.from_dict({**data, "compiled": True}), "cpu").compiled
+        analyze(program, Plan.from_dict({**data, "compiled": True}), "cpu", cost_model=eager)
+    assert analyze(program, Plan.from_dict({**data, "compiled": True}), "cpu").compiled

@@ -9,13 +9,12 @@ import json
 import pytest
 import sympy
 
-from mist_compiler.cost.analysis import analyse_program, capture_program
-from mist_compiler.cost.stage_model import build_stage_cost_model
+from mist_compiler import driver
+from mist_compiler.cost.analysis import analyse_program
+from mist_compiler.cost.flops import model_flops_per_iteration
 from mist_compiler.ir.plan import Plan, StagePlan
 from mist_compiler.models import zoo_config
 from mist_compiler.passes.cost_annotation import B, S, grouped_matmul_flops
-from mist_compiler.tuner.api import tune
-from mist_compiler.tuner.flops import model_flops_per_iteration
 
 M, K, N, E = sympy.symbols("M K N E", positive=True)
 
@@ -29,7 +28,7 @@ def test_grouped_gemm_flops():
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_the_program_count_is_the_closed_form_for_dense_models(name):
     """6 x the matmul weights + 12 x layers x hidden x seq per token."""
-    model = build_stage_cost_model(name, "cpu", seq_len=64, dtype="float32")
+    _, model = driver.price(name, "cpu", seq_len=64, dtype="float32")
     plan = Plan(name, 64, 8, "float32", 1, (StagePlan(layers=(0, 4), nodes=1, gpus_per_node=1, micro_batch=8, dp=1,
                                                       tp=1),))
     assert model.model_flops_per_sequence() * 8 == pytest.approx(model_flops_per_iteration(zoo_config(name), plan),
@@ -37,7 +36,8 @@ def test_the_program_count_is_the_closed_form_for_dense_models(name):
 
 
 def test_predicted_mfu_of_llama_small_on_the_cpu_profile_is_below_one():
-    result = tune("llama-small", "cpu", 1, 1, 8, seq_len=256, dtype="float32")
+    result = driver.tune_model("llama-small", "cpu", nodes=1, gpus_per_node=1, global_batch=8, seq_len=256,
+                               dtype="float32")
     assert 0.3 < result.mfu <= 1.0
 
 
@@ -50,7 +50,7 @@ def test_a_mixture_of_experts_counts_and_prices_the_routed_experts(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(MIXTRAL))
     model = f"hf:{config}"
-    program = capture_program(model, seq_len=64, dtype="bfloat16")
+    program = driver.capture(model, seq_len=64, dtype="bfloat16")
     blocks, _ = analyse_program(program)
     layer = blocks["layer"].costs.forward
     grouped = [node for node in layer.nodes if node.op == "_grouped_mm"]
@@ -58,6 +58,6 @@ def test_a_mixture_of_experts_counts_and_prices_the_routed_experts(tmp_path):
     tokens, h, f, top = 64, MIXTRAL["hidden_size"], MIXTRAL["intermediate_size"], MIXTRAL["num_experts_per_tok"]
     expert_flops = sum(float(sympy.sympify(node.flops).subs({B: 1, S: tokens})) for node in grouped)
     assert expert_flops == 2 * tokens * top * (h * 2 * f + f * h)  # gate+up, then down: the routed experts only
-    cost_model = build_stage_cost_model(program, "cpu", seq_len=64, dtype="bfloat16")
-    result = tune(model, "cpu", 1, 1, 8, seq_len=64, dtype="bfloat16", cost_model=cost_model)
+    result = driver.compile_model(model, program=program, hardware="cpu", global_batch=8, seq_len=64, dtype="bfloat16",
+                                  until="plan", prove=False).tuning
     assert 0.0 < result.mfu <= 1.0
