@@ -62,12 +62,13 @@ def layer_table(cost_model, profile, dtype: str, seq: int, tp: int, micro_batch:
 
 def layer_flops(config, seq: int, tp: int, micro_batch: int) -> float:
     """Model FLOPs of one layer, one micro-batch, forward + backward, on one tensor-parallel rank: the
-    count of whole plans' MFU (``cost.flops``) less the embeddings' and head's 6 N per token."""
+    count of whole plans' MFU (``cost.flops``) less the head's 6 x vocab x hidden per token (the
+    embedding lookup counts nothing)."""
     plan = Plan(model="layer", seq_len=seq, global_batch=micro_batch, dtype="bfloat16", grad_accum=1,
                 stages=(StagePlan(layers=(0, config.layers), nodes=1, gpus_per_node=1, micro_batch=micro_batch,
                                   dp=1, tp=1),))
-    embeddings = config.vocab * config.hidden * (1 if config.tied_head else 2) + config.hidden  # + final norm
-    return (model_flops_per_iteration(config, plan) - 6 * seq * micro_batch * embeddings) / config.layers / tp
+    head = config.vocab * config.hidden
+    return (model_flops_per_iteration(config, plan) - 6 * seq * micro_batch * head) / config.layers / tp
 
 
 def published_plan(model: str, seq: int, global_batch: int, tp: int, pp: int, dp: int, ckpt: int,
