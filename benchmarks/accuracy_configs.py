@@ -58,6 +58,7 @@ class PlanConfig:
     kind: str = "plan"
     dtype: str = "float32"  # fp16/bf16: mixed precision (fp32 master), peak memory only (see `timed`)
     grad_dtype: str = "float32"  # the plan's dtype: ZeRO 0/1 keep low-precision gradients
+    compiled: bool = False  # the plan's units run (and are priced) compiled by inductor
 
     @property
     def timed(self) -> bool:
@@ -81,7 +82,7 @@ class PlanConfig:
                                    tp=stage.tp, zero=stage.zero, ckpt_layers=stage.ckpt, offload=stage.offload))
             start += stage.layers
         plan = Plan(self.model, self.seq_len, self.global_batch, self.dtype, self.grad_accum, tuple(built),
-                    self.grad_dtype)
+                    self.grad_dtype, self.compiled)
         plan._check_consistency()
         return plan
 
@@ -100,6 +101,7 @@ class PlanConfig:
         math = " math" if self.attention == "math" else ""
         precision = {"float32": "", "float16": " fp16", "bfloat16": " bf16"}[self.dtype]
         precision += " lpg" if self.grad_dtype != "float32" else ""
+        precision += " compiled" if self.compiled else ""
         return f"{self.world}r {self.model} {pipeline} gb{self.global_batch}{accum} s{self.seq_len}{math}{precision}"
 
 

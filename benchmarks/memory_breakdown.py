@@ -2,8 +2,10 @@
 
 The plan (Mist's README, FACTS.md "Mist's own base case"): GPT-1.3B, sequence 2048, global batch
 32, micro-batch 8, DP 2, ZeRO-1 (optimizer states sharded), all 24 layers checkpointed, fp16,
-math attention, 2 L4 GPUs (so 2 micro-batches per step). Mist's runtime measured 19,273.83 MB
-peak allocated; its analysis said 19,255 MB (forward) and 19,503 MB (backward).
+math attention, 2 L4 GPUs (so 2 micro-batches per step). Mist's runtime measured 19,273.83 "MB"
+peak allocated; its analysis said 19,255 (forward) and 19,503 (backward). Mist's MB are mebibytes
+(``torch.cuda.max_memory_allocated() / 2**20``, ``mist/utils/common.py``): 20,210 / 20,190 / 20,450 MB
+of 1e6 bytes, the unit of every column here.
 
 Columns (MB, 1 MB = 1e6 bytes):
 - ``seed``: our runtime as it was: the LM head's fp32 logits and the unfused loss, fp32 gradient
@@ -46,7 +48,8 @@ from mist_compiler.passes.cost_annotation import B, S, T
 
 MB = 1e6
 MODEL, SEQ, MICRO, DP, GRAD_ACCUM, HARDWARE = "gpt2-1.3b", 2048, 8, 2, 2, "l4"
-MIST_MEASURED, MIST_FORWARD, MIST_BACKWARD = 19_273.83, 19_255.0, 19_503.0
+MIB = 2 ** 20
+MIST_MEASURED, MIST_FORWARD, MIST_BACKWARD = (mib * MIB / MB for mib in (19_273.83, 19_255.0, 19_503.0))
 
 
 def base_plan(grad_dtype: str) -> Plan:

@@ -39,7 +39,7 @@ from mist_compiler.models import resolve_model  # noqa: E402
 from mist_compiler.passes.cost_annotation import B, S, T  # noqa: E402
 from mist_compiler.cost.flops import model_flops_per_iteration  # noqa: E402
 
-CLASS_GROUPS = {"matmul": "GEMM", "attention": "attention"}  # everything else: elementwise and norms
+CLASS_GROUPS = {"matmul": "GEMM", "attention": "attention"}  # everything else: elementwise, norms, fused kernels
 
 
 def layer_table(cost_model, profile, dtype: str, seq: int, tp: int, micro_batch: int) -> dict[str, float]:
@@ -62,19 +62,21 @@ def layer_table(cost_model, profile, dtype: str, seq: int, tp: int, micro_batch:
 
 def layer_flops(config, seq: int, tp: int, micro_batch: int) -> float:
     """Model FLOPs of one layer, one micro-batch, forward + backward, on one tensor-parallel rank: the
-    count of whole plans' MFU (``cost.flops``) less the embeddings' and head's 6 N per token."""
+    count of whole plans' MFU (``cost.flops``) less the head's 6 x vocab x hidden per token (the
+    embedding lookup counts nothing)."""
     plan = Plan(model="layer", seq_len=seq, global_batch=micro_batch, dtype="bfloat16", grad_accum=1,
                 stages=(StagePlan(layers=(0, config.layers), nodes=1, gpus_per_node=1, micro_batch=micro_batch,
                                   dp=1, tp=1),))
-    embeddings = config.vocab * config.hidden * (1 if config.tied_head else 2) + config.hidden  # + final norm
-    return (model_flops_per_iteration(config, plan) - 6 * seq * micro_batch * embeddings) / config.layers / tp
+    head = config.vocab * config.hidden
+    return (model_flops_per_iteration(config, plan) - 6 * seq * micro_batch * head) / config.layers / tp
 
 
 def published_plan(model: str, seq: int, global_batch: int, tp: int, pp: int, dp: int, ckpt: int,
-                   layers: int) -> Plan:
-    """Meta's layout: one layer fewer in the first and the last stage (Dubey et al. 2024, 3.3.2)."""
+                   layers: int, compiled: bool) -> Plan:
+    """Meta's layout: one layer fewer in the first and the last stage (Dubey et al. 2024, 3.3.2); one stage
+    holds every layer."""
     inner = (layers + 2) // pp
-    counts = [inner - 1] + [inner] * (pp - 2) + [layers - (inner - 1) - inner * (pp - 2)]
+    counts = [layers] if pp == 1 else [inner - 1] + [inner] * (pp - 2) + [layers - (inner - 1) - inner * (pp - 2)]
     stages, start = [], 0
     micro_batch = 1
     grad_accum = global_batch // (dp * micro_batch)
@@ -83,7 +85,7 @@ def published_plan(model: str, seq: int, global_batch: int, tp: int, pp: int, dp
                                 dp=dp, tp=tp, zero=1, ckpt_layers=min(ckpt, count), offload=Offload()))
         start += count
     return Plan(model=model, seq_len=seq, global_batch=global_batch, dtype="bfloat16", grad_accum=grad_accum,
-                stages=tuple(stages))
+                stages=tuple(stages), compiled=compiled)
 
 
 def plan_row(name: str, plan: Plan, estimate, flops: float, peak: float) -> str:
@@ -109,11 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp", type=int, default=128, help="data-parallel degree of the published layout")
     parser.add_argument("--global-batch", type=int, default=2048)
     parser.add_argument("--no-tune", action="store_true", help="skip the tuned plan (the slowest row)")
+    parser.add_argument("--eager", action="store_true", help="price the eager program (one kernel per ATen op, "
+                        "what autograd saves) instead of the compiled one (fused elementwise kernels, what "
+                        "inductor's partitioner saves)")
     args = parser.parse_args(argv)
     dtype = "bfloat16"
     profile = load_profile(args.hardware)
     peak = peak_flops(profile, dtype)
-    program, cost_model = driver.price(args.model, profile, seq_len=args.seq, dtype=dtype)
+    program, cost_model = driver.price(args.model, profile, seq_len=args.seq, dtype=dtype, compiled=not args.eager)
     config = resolve_model(args.model, args.seq).config  # vocabulary and head tying for the layer's FLOPs
 
     print(f"1. one layer of {args.model}, micro-batch 1, seq {args.seq}, TP {args.tp}, {dtype}, {args.hardware} "
@@ -133,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'plan':<28} {'shape':<36} {'iter s':>8} {'MFU':>6} {'compute':>8} {'comm':>7} {'bubble':>7}")
     layers = config.layers
     for ckpt in range(0, (layers + 2) // args.pp + 1):
-        plan = published_plan(args.model, args.seq, args.global_batch, args.tp, args.pp, args.dp, ckpt, layers)
+        plan = published_plan(args.model, args.seq, args.global_batch, args.tp, args.pp, args.dp, ckpt, layers,
+                              cost_model.compiled)
         estimate = analyze(program, plan, profile, cost_model=cost_model)
         iteration_flops = model_flops_per_iteration(config, plan)
         if all(stage.missing_mb <= 0 for stage in estimate.stages) or ckpt == (layers + 2) // args.pp:

@@ -43,7 +43,8 @@ half a core; a device model cannot describe that (hence no 4-stage pipeline here
 with a core per rank it does not arise).
 Prediction: ``mist_compiler.cost.analyze.analyze`` of the plan.
 
-Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--ranks 1|2|4]``
+Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--ranks 1|2|4] [--compiled]`` (``--compiled``:
+every plan runs and is priced as compiled units; needs a runtime that compiles them, issue 29)
 
 Last full run: see the closing note of issue 3 (figures are quoted as measured there, with the
 command above).
@@ -129,14 +130,16 @@ def cpu_seconds_per_call(fn: Callable[[], object], target_s: float = 0.15, repea
     return statistics.median(times)
 
 
-def calibrated_profile(name: str) -> HardwareProfile:
+def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     """The named profile with its compute rates re-measured now, on the CPU clock.
 
     The same micro-benchmarks and efficiency formulas as ``mistc profile``
     (``profiler.measure_compute`` / ``_efficiencies``, CPU sizes), timed with this process's CPU
     time so that other work on the shared machine does not distort them; links and copies stay
-    as shipped.
+    as shipped. ``compiled``: the inductor-compiled layer chain too (``efficiency['fused']``, what
+    compiled units' elementwise kernels run at; compiled once per process, cached on disk).
     """
+    from mist_compiler.profiling.compiled import fused_bytes_per_s
     from mist_compiler.profiling.profiler import ComputeMeasurements, _efficiencies, adamw_params_per_s
 
     n = 1024
@@ -161,9 +164,11 @@ def calibrated_profile(name: str) -> HardwareProfile:
     overhead = cpu_seconds_per_call(lambda: torch.add(tiny, tiny, out=tiny_out))
     adam_rate = adamw_params_per_s("cpu", 4 << 20, 0.15, timer=lambda fn, sync, target: cpu_seconds_per_call(fn, target))
     base = load_profile(name)
+    fused_rate = (fused_bytes_per_s("cpu", "float32", 1024, 512, lambda fn: cpu_seconds_per_call(fn), lambda m: None)
+                  if compiled else 0.0)
     measured = ComputeMeasurements({"float32": peak}, model_rate, attention_rate, copy_rate, add_rate, reduce_rate,
                                    base.h2d_bandwidth, base.d2h_bandwidth, "float32", norm_rate, softmax_rate, overhead,
-                                   adam_rate, adam_rate)
+                                   adam_rate, adam_rate, fused_bytes_per_s=fused_rate)
     peaks = {**base.peak_flops, "float32": peak}
     return dataclasses.replace(base, peak_flops=peaks, efficiency=_efficiencies(measured, peaks),
                                memory_bandwidth=copy_rate, op_overhead=overhead, optimizer_params_per_s=adam_rate,
@@ -262,14 +267,14 @@ RUNTIME_FUSES_LOSS = True
 
 
 @lru_cache(maxsize=None)
-def _analysed(model_name: str, dtype: str = "float32"):
+def _analysed(model_name: str, dtype: str = "float32", compiled: bool = False):
     from mist_compiler import capture
     from mist_compiler.cost.analysis import analyse_program
     from mist_compiler.frontend.joint import loss_fusion
 
     with loss_fusion(RUNTIME_FUSES_LOSS):
         program = capture(FACTORIES.get(model_name, model_name), dtype=dtype)  # b and s stay symbolic
-    return analyse_program(program)
+    return analyse_program(program, compiled=compiled)
 
 
 PLAN_STEPS_PER_ROUND = 4  # timed steps per launch of a plan's ranks (after a warm-up step)
@@ -295,7 +300,7 @@ def _plan_rank(rank: int, world: int, config: PlanConfig, timed_steps: int, meas
     if calibrate is not None:
         keep_freed_host_memory()  # as the engine will set it
         dist.barrier()
-        calibration = calibrated_profile(calibrate)
+        calibration = calibrated_profile(calibrate, compiled=config.compiled)
     # one rank has nothing to wait for: its CPU clock is the step time and ignores the other jobs
     clock = time.process_time if world == 1 else time.perf_counter
     kernel = SDPBackend.MATH if config.attention == "math" else SDPBackend.FLASH_ATTENTION
@@ -350,8 +355,9 @@ def predict_plan(config: PlanConfig, hardware: HardwareProfile) -> Outcome:
     traffic) with the plan's attention kernel."""
     from mist_compiler.cost.analyze import analyze
 
-    blocks, num_layers = _analysed(config.model, config.dtype)
-    cost_model = StageCostModel(blocks, hardware, config.seq_len, config.dtype, config.attention, config.model, num_layers)
+    blocks, num_layers = _analysed(config.model, config.dtype, config.compiled)
+    cost_model = StageCostModel(blocks, hardware, config.seq_len, config.dtype, config.attention, config.model, num_layers,
+                                compiled=config.compiled)
     estimate = analyze(None, config.plan(), hardware, cost_model=cost_model, attention=config.attention)
     peaks = [stage.peak_memory_mb * 1e6 for stage in estimate.stages]
     return Outcome(estimate.iteration_time_s, max(peaks), peaks)
@@ -399,11 +405,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="use the shipped profile as is (default: re-measure compute rates and collectives first)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3, quick 2)")
     parser.add_argument("--memory-only", action="store_true", help="peak memory only: one round, no timing, no calibration")
+    parser.add_argument("--compiled", action="store_true",
+                        help="every plan runs its units compiled by inductor (the plan's 'compiled' key) and is priced so "
+                             "(cost.compiled); the calibration times the compiled layer chain too")
     args = parser.parse_args(argv)
     if args.memory_only:
         args.rounds, args.no_calibrate = 1, True
     torch.set_num_threads(1)
-    configs = [c for c in (QUICK if args.quick else CONFIGS)
+    configs = [dataclasses.replace(c, compiled=args.compiled) for c in (QUICK if args.quick else CONFIGS)
                if args.ranks in (None, c.world) and (c.tensor_parallel or not args.tp)]
     rounds = args.rounds or (2 if args.quick else 3)
     worlds = sorted({c.world for c in configs if c.world > 1 and c.timed and not args.memory_only})

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from .ir.plan import Plan, PlanError, load_plan
 from .ir.program import MistProgram
-from .ir.vocabulary import DEFAULT_DTYPE
+from .ir.vocabulary import COMPILED_DEFAULT, DEFAULT_DTYPE
 
 
 @dataclass
@@ -67,13 +67,15 @@ def capture(model, *, dtype: str | None = DEFAULT_DTYPE, attention: str = "flash
     return capture_program(model, dtype=dtype, attention=attention, seq_len=seq_len, analyse=analyse)
 
 
-def analyse(program: MistProgram, hardware, *, seq_len: int, attention: str = "flash", grad_dtype: str = "float32"):
+def analyse(program: MistProgram, hardware, *, seq_len: int, attention: str = "flash", grad_dtype: str = "float32",
+            compiled: bool = COMPILED_DEFAULT):
     """Step 2 (analysis passes): the program's vectorised stage cost model on ``hardware`` (``grad_dtype``:
-    the plans' gradient dtype, ``float32`` or the program's dtype, see ``ir.plan``)."""
+    the plans' gradient dtype, ``float32`` or the program's dtype, see ``ir.plan``; ``compiled``: price
+    units as compiled code, else eager ops)."""
     from .cost.stage_model import build_stage_cost_model
 
     return build_stage_cost_model(program, hardware, seq_len=seq_len, dtype=program.dtype, attention=attention,
-                                  grad_dtype=grad_dtype)
+                                  grad_dtype=grad_dtype, compiled=compiled)
 
 
 def workload(program: MistProgram, global_batch: int, seq_len: int):
@@ -134,13 +136,13 @@ def lower(program: MistProgram, plan: Plan, world, model=None, source=None):
 def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes: int = 1, gpus_per_node: int = 1,
                   global_batch: int | None = None, seq_len: int | None = None, dtype: str | None = None,
                   attention: str = "flash", space=None, baseline: str | None = None, grad_dtype: str = "float32",
-                  until: str = "run", model_name: str | None = None, progress: Callable[[str], None] | None = None,
+                  compiled: bool = COMPILED_DEFAULT, until: str = "run", model_name: str | None = None, progress: Callable[[str], None] | None = None,
                   program: MistProgram | None = None, prove: bool = True, optimizer=None, device=None,
                   timeout_s: float | None = None, source=None) -> Compiled:
     """The whole pipeline (see the module docstring). ``model``: an ``nn.Module`` (trained from its
     own weights) or a model name; ``plan``: run this plan instead of tuning (else tune for
     ``hardware`` and the cluster, in ``space`` or a ``baseline``'s spaces, with ``grad_dtype``
-    gradients); ``optimizer`` (AdamW
+    gradients, pricing units ``compiled`` or eager); ``optimizer`` (AdamW
     settings), ``device``, ``timeout_s`` and ``source`` (where the initial weights come from) are for
     the runtime."""
     if isinstance(plan, str):
@@ -157,7 +159,8 @@ def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes
         seq = seq_len or program.seq_len
         check_sequence(program, seq, "seq_len")
         started = time.perf_counter()
-        cost_model = analyse(program, hardware, seq_len=seq, attention=attention, grad_dtype=grad_dtype)
+        cost_model = analyse(program, hardware, seq_len=seq, attention=attention, grad_dtype=grad_dtype,
+                             compiled=compiled)
         analysis_s = time.perf_counter() - started
         tuning = tune(program, cost_model, nodes=nodes, gpus_per_node=gpus_per_node, global_batch=global_batch,
                       seq_len=seq, space=space, baseline=baseline, progress=progress)
@@ -179,20 +182,23 @@ def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes
 
 def tune_model(model, hardware, *, nodes: int = 1, gpus_per_node: int = 1, global_batch: int, seq_len: int | None = None,
                dtype: str = DEFAULT_DTYPE, attention: str = "flash", space=None, baseline: str | None = None,
-               grad_dtype: str = "float32", progress: Callable[[str], None] | None = None):
+               grad_dtype: str = "float32", compiled: bool = COMPILED_DEFAULT,
+               progress: Callable[[str], None] | None = None):
     """``mist_compiler.tune``: the pipeline up to the plan; returns the tuner's result (plan, times, why)."""
     compiled = compile_model(model, hardware=hardware, nodes=nodes, gpus_per_node=gpus_per_node,
                              global_batch=global_batch, seq_len=seq_len, dtype=dtype, attention=attention, space=space,
-                             baseline=baseline, grad_dtype=grad_dtype, until="plan", progress=progress, prove=False)
+                             baseline=baseline, grad_dtype=grad_dtype, compiled=compiled, until="plan", progress=progress,
+                             prove=False)
     return compiled.tuning
 
 
 def price(model, hardware, *, seq_len: int, dtype: str = DEFAULT_DTYPE, attention: str = "flash",
-          grad_dtype: str = "float32") -> tuple[MistProgram, Any]:
+          grad_dtype: str = "float32", compiled: bool = COMPILED_DEFAULT) -> tuple[MistProgram, Any]:
     """Steps 1 and 2 for benchmarks and tools that search or price many plans of one model: the
     captured program and its stage cost model on ``hardware``."""
     program = capture(model, dtype=dtype, attention=attention, seq_len=seq_len)
-    return program, analyse(program, hardware, seq_len=seq_len, attention=attention, grad_dtype=grad_dtype)
+    return program, analyse(program, hardware, seq_len=seq_len, attention=attention, grad_dtype=grad_dtype,
+                            compiled=compiled)
 
 
 def analyze_plan(model, plan: Plan | str, hardware, *, attention: str = "flash"):

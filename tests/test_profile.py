@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import numpy as np
 import pytest
@@ -228,3 +229,29 @@ def test_collective_slowdown_channel_uses_the_largest_timed_message(quick):
 
     channel = _Channel("collective", "cpu", quick)
     assert channel.buffer.numel() * channel.buffer.element_size() == max(_message_sizes("cpu", quick))
+
+
+def test_sustained_fraction_compares_late_gemms_with_the_first():
+    from mist_compiler.profiling.compiled import sustained_fraction
+
+    lines = []
+    fraction = sustained_fraction("cpu", "float32", 128, 0.5, lambda: None, lines.append)
+    assert 0.0 < fraction <= 1.0 and "sustained GEMM rate" in lines[0]
+
+
+@pytest.mark.heavy
+def test_the_compiled_layer_chain_is_timed_as_one_memory_pass(tmp_path, monkeypatch):
+    """An inductor compile (tens of seconds on a CPU): the fused chain moves its one-pass bytes faster
+    than the same ops run eagerly, each with its own pass."""
+    import torch
+
+    from mist_compiler.profiling.compiled import fused_bytes_per_s
+    from mist_compiler.profiling.timing import seconds_per_call
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.set_num_threads(1)
+    lines = []
+    rate = fused_bytes_per_s("cpu", "float32", 1024, 512, lambda fn: seconds_per_call(fn, lambda: None, 0.1),
+                             lines.append)
+    eager = float(re.search(r"eager ops: ([\d.]+)", lines[0]).group(1)) * 1e9
+    assert rate > eager > 0

@@ -7,6 +7,7 @@ Exits 1 when a stage does not fit in device memory (the table says by how much),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from ..cost.analyze import PlanEstimate
@@ -18,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan file (JSON or YAML)")
     parser.add_argument("--hardware", required=True, help="hardware profile name (l4, a100-40gb, ...) or YAML path")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash", help="target attention kernel")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="price units compiled by inductor, or with --no-compile op by op (default: what the "
+                             "plan's 'compiled' says)")
     parser.add_argument("--memory-limit", help="memory a plan may use per device, e.g. 70GB or 64GiB (default: the "
                         "profile's device memory minus its headroom for context, NCCL, workspaces, fragmentation)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -25,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def format_table(estimate: PlanEstimate) -> str:
     lines = [
-        f"model {estimate.model} on {estimate.hardware} (attention: {estimate.attention}, grad_accum {estimate.grad_accum})",
+        f"model {estimate.model} on {estimate.hardware} (attention: {estimate.attention}, "
+        f"{'compiled' if estimate.compiled else 'eager'} units, grad_accum {estimate.grad_accum})",
         f"iteration time {estimate.iteration_time_s:.4f} s, {estimate.tokens_per_s:,.0f} tokens/s",
         "",
         f"{'stage':>5} {'layers':>9} {'compute s':>10} {'comm s':>9} {'copy s':>9} {'bubble s':>9} "
@@ -51,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from ..ir.plan import load_plan
 
     plan = load_plan(args.plan)
+    if getattr(args, "compile", None) is not None:
+        plan = dataclasses.replace(plan, compiled=args.compile)
     hardware = load_profile(args.hardware)  # a bad profile fails before the capture
     if getattr(args, "memory_limit", None) is not None:
         hardware = with_memory_limit(hardware, args.memory_limit)

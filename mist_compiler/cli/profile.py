@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local group sizes to time collectives over (default: 2,4 on CPU, 2,4,8 on GPU, as available)")
     parser.add_argument("--links-from", metavar="PROFILE",
                         help="on a single-device machine, take collective fits from this shipped profile or file")
+    parser.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=None,
+                        help="time a layer's elementwise chain compiled by inductor (efficiency 'fused'; tens of "
+                             "seconds of compiling on a CPU; default: on, off with --quick)")
+    parser.add_argument("--sustain-s", type=float, default=None, metavar="SECONDS",
+                        help="seconds of back-to-back GEMMs to measure the rate held under load (sustained_compute; "
+                             "default: 20 on a GPU, 0 = not measured elsewhere)")
     parser.add_argument("--timeout", type=float, default=240.0, metavar="SECONDS",
                         help="limit for the spawned collective ranks (default: 240)")
 
@@ -44,8 +50,11 @@ def run(args: argparse.Namespace) -> int:
     check_output(args.output, "-o/--output")  # a directory, a missing folder: refused before minutes of measuring
     if args.timeout <= 0:
         raise ValueError(f"--timeout: must be positive, got {args.timeout}")
+    if args.sustain_s is not None and args.sustain_s < 0:
+        raise ValueError(f"--sustain-s: must be >= 0, got {args.sustain_s}")
     options = ProfilerOptions(quick=args.quick, device=args.device, world_sizes=args.world_sizes, name=args.name,
-                              links_from=args.links_from, timeout_s=args.timeout)
+                              links_from=args.links_from, timeout_s=args.timeout, compiled=args.compiled,
+                              sustain_s=args.sustain_s)
     if launched_by_torchrun():  # one rank of a (multi-node) job: the first rank writes the file
         for flag, value in (("--world-sizes", args.world_sizes), ("--links-from", args.links_from)):
             if value is not None:

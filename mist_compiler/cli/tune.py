@@ -14,7 +14,7 @@ import json
 import sys
 
 from ..ir.plan import save_plan
-from ..ir.vocabulary import ATTENTION_KERNELS, TRAINING_DTYPES
+from ..ir.vocabulary import ATTENTION_KERNELS, COMPILED_DEFAULT, TRAINING_DTYPES
 from ..tuner.api import _stderr_progress
 from ..tuner.baselines import BASELINE_SPACES
 from ..tuner.space import OFFLOAD_FAMILIES, SearchSpace
@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-dtype", choices=TRAINING_DTYPES, default="float32",
                         help="gradients ZeRO 0/1 keep between micro-batches: float32 (default) or --dtype (as Mist)")
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="flash", help="target attention kernel")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=COMPILED_DEFAULT,
+                        help="plan units compiled by inductor (fused elementwise kernels, what its partitioner saves) "
+                             f"or, with --no-compile, run op by op (default: {'--compile' if COMPILED_DEFAULT else '--no-compile'})")
     parser.add_argument("--memory-limit", help="memory a plan may use per device, e.g. 70GB or 64GiB (default: the "
                         "profile's device memory minus its headroom for context, NCCL, workspaces, fragmentation)")
     parser.add_argument("-o", "--output", help="write the plan here (.json or .yaml)")
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                                     gpus_per_node=args.gpus_per_node, global_batch=args.global_batch, seq_len=args.seq,
                                     dtype=args.dtype, attention=args.attention, space=space, grad_dtype=args.grad_dtype,
                                     baseline=None if args.space == "full" else args.space, until="plan", prove=False,
-                                    progress=progress)
+                                    progress=progress, compiled=args.compile)
     result = compiled.tuning
     result.plan = dataclasses.replace(result.plan, model=args.model)
     if args.output:

@@ -16,6 +16,7 @@ from ..passes.cost_annotation import ATTENTION_FORWARD, T, cost_annotation, op_n
 from ..passes.manager import PassManager
 from ..passes.memory_analysis import memory_analysis
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
+from .compiled import compiled_cost_annotation
 
 
 def _param_elements(forward: fx.GraphModule, names: set[str], params: set[str], states: dict[str, str]) -> tuple[sympy.Expr, int]:
@@ -65,13 +66,18 @@ ANALYSIS_PASSES = (
     cost_annotation,  # FLOPs, bytes, op class and tensor-parallel state per node; TP collectives
     memory_analysis,  # saved activations and peaks per block class, by liveness
 )
+COMPILED_ANALYSIS_PASSES = (
+    compiled_cost_annotation,  # the partition inductor makes, elementwise chains priced as fused kernels
+    memory_analysis,  # what that partition saves, by liveness (fused intermediates never stored)
+)
 
 
-def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
+def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAnalysis], int]:
     """Per block kind (pre, layer, post) analysis of a captured program (the analysis passes, run
     once by the pass manager), and its layer count. A model whose layers differ (dense then
     mixture-of-experts layers, alternating attention kinds) has one entry per layer class:
-    ``layer`` (the first class) and ``layer#1``, ``layer#2`` ... (the others)."""
+    ``layer`` (the first class) and ``layer#1``, ``layer#2`` ... (the others). ``compiled``: price
+    the program each unit's compiled code runs (``cost.compiled``) instead of the eager one."""
     classes = {}
     for kind in BLOCK_KINDS:
         class_ids = sorted({block.class_id for block in program.blocks if block.kind == kind})
@@ -86,7 +92,7 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
         for index, class_id in enumerate(class_ids):
             classes[kind if index == 0 else f"{kind}#{index}"] = program.block_class(class_id)
     try:
-        analysed = PassManager(ANALYSIS_PASSES)(program).program
+        analysed = PassManager(COMPILED_ANALYSIS_PASSES if compiled else ANALYSIS_PASSES)(program).program
     except ValueError as error:
         raise StageModelError(str(error)) from None
     graphs, costs = analysed.analysis.graphs, analysed.analysis.costs

@@ -50,6 +50,7 @@ class PlanEstimate:
     iteration_time_s: float
     tokens_per_s: float
     stages: list[StageEstimate]
+    compiled: bool = False  # the units were priced as compiled code (else eager ops)
 
     @property
     def fits(self) -> bool:
@@ -121,7 +122,8 @@ def analyze(program: MistProgram | None, plan, hardware, *, attention: str = "fl
 
     ``program``: the captured model (``driver.capture``; None when ``cost_model`` is given); ``plan``: a :class:`Plan` or a path to a
     plan file; ``hardware``: a profile name, path or :class:`HardwareProfile`. ``cost_model`` reuses
-    an already built stage model.
+    an already built stage model (it must price the units as the plan runs them: compiled or eager,
+    ``plan.compiled``).
     """
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
@@ -129,7 +131,10 @@ def analyze(program: MistProgram | None, plan, hardware, *, attention: str = "fl
         if program is None:
             raise PlanError("analyze needs the captured program (driver.capture) or a cost model")
         cost_model = build_stage_cost_model(program, profile, seq_len=plan.seq_len, dtype=plan.dtype,
-                                            attention=attention)
+                                            attention=attention, compiled=plan.compiled)
+    if cost_model.compiled != plan.compiled:
+        raise PlanError(f"plan field compiled: {plan.compiled}, but the cost model given prices "
+                        f"{'compiled' if cost_model.compiled else 'eager'} units")
     if cost_model.grad_dtype not in ("float32", plan.grad_dtype):
         raise PlanError(f"plan field grad_dtype: {plan.grad_dtype!r}, but the cost model given prices "
                         f"{cost_model.grad_dtype!r} gradients")
@@ -154,4 +159,4 @@ def analyze(program: MistProgram | None, plan, hardware, *, attention: str = "fl
         ))
     tokens = plan.global_batch * plan.seq_len
     return PlanEstimate(plan.model, profile.name, attention, grad_accum, iteration,
-                        tokens / iteration if iteration > 0 else float("inf"), stages)
+                        tokens / iteration if iteration > 0 else float("inf"), stages, compiled=cost_model.compiled)

@@ -1,27 +1,38 @@
-"""Model FLOPs of training and the utilisation (MFU) a step time implies: the one formula every
-part uses (the tuner's predicted MFU, ``mistc train``'s measured MFU, the benchmarks).
+"""Model FLOPs of training and the utilisation (MFU) a step time implies: the one count every part
+uses (the tuner's predicted MFU, ``mistc train``'s measured MFU, the benchmarks).
 
-Per token, forward and backward: 6 x parameters (every weight's matmuls, PaLM's convention) plus
-12 x layers x hidden x sequence for attention's score and value matmuls (no causal halving, as
-Megatron and PaLM count). ``config`` is a model's sizes: ``params``, ``layers``, ``hidden`` (the
-captured IR's :class:`~mist_compiler.driver.IRShape`, or a zoo ``TransformerConfig``).
+Model FLOPs are what the model computes, not what the runtime executes: three times the forward
+pass's FLOPs (the backward of a GEMM is two GEMMs of its size), counted on the captured program by
+the stage cost model (``StageCostModel.model_flops_per_sequence``): recomputation (checkpointing, a
+fused loss recomputing its logits) is not counted, an embedding lookup costs nothing, and a mixture of
+experts counts the experts each token is routed to, not all of them. Attention counts the full
+``s x s`` products (no causal halving), as Megatron and PaLM do. Every counted FLOP is also priced, at
+most at the profile's peak, so a predicted MFU never exceeds 100%.
+
+Where no program was counted, the closed form: per token ``6 x matmul weights + 12 x layers x hidden x
+sequence``, the matmul weights being the layers' and the head's (not the embedding tables, not norm
+weights or biases). ``config`` is a model's sizes: a zoo ``TransformerConfig`` (exact: the tests check
+it against the program's count), or the captured IR's :class:`~mist_compiler.driver.IRShape`, which only
+knows all ``params`` (6 x params then, embeddings included).
 """
 from __future__ import annotations
 
 from ..ir.plan import Plan
 
 
+def matmul_weights(config) -> int:
+    """Elements of a zoo config's layer and head matmul weights."""
+    hidden, kv = config.hidden, config.num_kv_heads * config.head_dim
+    layer = 2 * hidden * hidden + 2 * hidden * kv + hidden * config.ffn * (3 if config.activation == "swiglu" else 2)
+    return config.layers * layer + config.vocab * hidden
+
+
 def flops_per_token(config, seq_len: int) -> float | None:
     """Training FLOPs per token of a model (see the module docstring); None without its sizes."""
     if config is None or not getattr(config, "hidden", None):
         return None
-    if isinstance(getattr(config, "params", None), int):  # sizes read from the captured IR
-        params = config.params
-    else:
-        from ..models import parameter_count
-
-        params = parameter_count(config)
-    return float(6 * params + 12 * config.layers * config.hidden * seq_len)
+    weights = config.params if isinstance(getattr(config, "params", None), int) else matmul_weights(config)
+    return float(6 * weights + 12 * config.layers * config.hidden * seq_len)
 
 
 def model_flops_per_iteration(config, plan: Plan) -> float | None:
@@ -31,8 +42,9 @@ def model_flops_per_iteration(config, plan: Plan) -> float | None:
 
 
 def mfu(result, config, peak_flops_per_device: float | None) -> float | None:
-    """The utilisation a predicted iteration time implies (``result``: a tuning result)."""
-    flops = model_flops_per_iteration(config, result.plan)
+    """The utilisation a predicted iteration time implies (``result``: a tuning result; its
+    ``model_flops``, the program's count, when the cost model gave one, else the closed form)."""
+    flops = getattr(result, "model_flops", None) or model_flops_per_iteration(config, result.plan)
     if flops is None or not peak_flops_per_device:
         return None
     return flops / (result.predicted_time_s * result.plan.world_size * peak_flops_per_device)

@@ -43,6 +43,12 @@ Meaning of the fields the cost model reads:
   ``memory_bandwidth``, plus ``tail_s`` (launch, the last partial wave of tiles). Absent: every
   matmul runs at ``efficiency['matmul']``. ``mistc profile`` fits it to the GEMMs it times and keeps
   those in ``matmul_shapes`` (``[m, n, k, achieved fraction of peak]``, for reference and refits).
+* ``sustained_compute`` (optional, default 1): the fraction of its measured GEMM and attention rates a
+  device holds through a training run. Short benchmarks run at the boost clock; back-to-back GEMMs
+  drive a GPU to its power limit, where the clock settles lower. ``cost/op_time.py`` scales the
+  compute-bound classes by it (the peak itself, which MFU is measured against, stays the datasheet's);
+  ``mistc profile`` measures it on a GPU (the GEMM rate after seconds of back-to-back GEMMs against
+  the first ones).
 * ``mfu_ceiling`` (optional): the model-FLOPs utilisation the best published training runs on this
   hardware reach; a predicted MFU above it is flagged (``tune`` adds a warning) because a cost model
   that optimistic for a shape will pick plans that disappoint.
@@ -71,7 +77,7 @@ FRAGMENTATION = 0.05  # reserved / allocated - 1 of the caching allocator in tra
 
 OPTIONAL_KEYS = {"description", "collective_factor", "slowdown", "op_overhead_s", "reduce_scatter_copies",
                  "optimizer_gparams_per_s", "host_optimizer_gparams_per_s", "memory_headroom_gb",
-                 "matmul_shape_model", "matmul_shapes", "mfu_ceiling"}
+                 "matmul_shape_model", "matmul_shapes", "mfu_ceiling", "sustained_compute"}
 
 
 def default_memory_headroom(device_memory: float, context: float = CUDA_CONTEXT_BYTES) -> float:
@@ -200,6 +206,7 @@ class HardwareProfile:
     matmul_model: MatmulShapeModel | None = None  # GEMM rate by shape; None: efficiency['matmul'] for all
     matmul_points: tuple[tuple[int, int, int, float], ...] = ()  # measured (m, n, k, efficiency), for reference
     mfu_ceiling: float | None = None  # best MFU published runs on this hardware reach (sanity check)
+    sustained_compute: float = 1.0  # fraction of the measured GEMM/attention rates held through a training run
     # values derived from the fields above, memoised by their users (e.g. cost.comm's per-shape links);
     # not an init field, so dataclasses.replace starts a fresh one
     derived: dict = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -283,6 +290,8 @@ class HardwareProfile:
         headroom = data.get("memory_headroom_gb", 0.0)
         _require(_number(headroom) and 0 <= headroom < device_memory_gb, "memory_headroom_gb",
                  f"GB kept free, >= 0 and below device_memory_gb={device_memory_gb}, got {headroom!r}")
+        sustained = data.get("sustained_compute", 1.0)
+        _require(_number(sustained) and 0 < sustained <= 1, "sustained_compute", f"a fraction in (0, 1], got {sustained!r}")
         ceiling = data.get("mfu_ceiling")
         _require(ceiling is None or (_number(ceiling) and 0 < ceiling <= 1), "mfu_ceiling",
                  f"a fraction in (0, 1], got {ceiling!r}")
@@ -291,6 +300,7 @@ class HardwareProfile:
             matmul_model=_matmul_model(data.get("matmul_shape_model")),
             matmul_points=_matmul_points(data.get("matmul_shapes")),
             mfu_ceiling=None if ceiling is None else float(ceiling),
+            sustained_compute=float(sustained),
             optimizer_params_per_s=rates["optimizer_gparams_per_s"],
             host_optimizer_params_per_s=rates["host_optimizer_gparams_per_s"],
             op_overhead=float(op_overhead),
@@ -335,6 +345,7 @@ class HardwareProfile:
                                        "tail_s": self.matmul_model.tail_s}} if self.matmul_model else {}),
             **({"matmul_shapes": [list(point) for point in self.matmul_points]} if self.matmul_points else {}),
             **({"mfu_ceiling": self.mfu_ceiling} if self.mfu_ceiling is not None else {}),
+            **({"sustained_compute": self.sustained_compute} if self.sustained_compute != 1.0 else {}),
         }
 
 

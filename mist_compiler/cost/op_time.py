@@ -2,14 +2,18 @@
 
 Compute-bound classes (``matmul``, ``attention``) run at ``peak * efficiency[class]`` FLOP/s and
 at least as long as their bytes take at the memory bandwidth; memory-bound classes
-(``elementwise``, ``norm``, ``softmax``, ``embedding``) move their bytes at
-``memory_bandwidth * efficiency[class]`` and take at least their FLOPs at peak.
+(``elementwise``, ``norm``, ``softmax``, ``embedding``, and ``fused``: a compiled kernel running a
+chain of them in one memory pass, ``cost.compiled``) move their bytes at
+``memory_bandwidth * efficiency[class]`` and take at least their FLOPs at peak. No op ever runs
+faster than the profile's peak FLOP/s (efficiencies are at most 1): a prediction's MFU is at most 100%.
 Efficiencies come from the profile's table (measured by ``mistc profile``); a class the
 profile does not list falls back to its family (``norm``/``softmax`` -> ``reduction``,
-``embedding`` -> ``elementwise``) and then to ``default``. Everything is numpy-vectorised.
+``embedding``/``fused`` -> ``elementwise``) and then to ``default``. Everything is numpy-vectorised.
 
 GEMMs are priced one by one where the profile has a ``matmul_shape_model`` (:func:`matmul_time`):
 small and skinny GEMMs run well below the rate of a large square one, and each pays a fixed tail.
+Compute-bound rates are scaled by the profile's ``sustained_compute`` (the clock a device holds under
+training load, below the one short benchmarks run at).
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ import numpy as np
 from .hardware import HardwareProfile
 
 COMPUTE_BOUND = ("matmul", "attention")
-MEMORY_BOUND = ("elementwise", "norm", "softmax", "embedding")
-FALLBACK = {"norm": "reduction", "softmax": "reduction", "embedding": "elementwise"}
+MEMORY_BOUND = ("elementwise", "norm", "softmax", "embedding", "fused")
+FALLBACK = {"norm": "reduction", "softmax": "reduction", "embedding": "elementwise", "fused": "elementwise"}
 
 
 def class_efficiency(profile: HardwareProfile, op_class: str) -> float:
@@ -50,7 +54,7 @@ def op_class_time(profile: HardwareProfile, dtype: str, op_class: str, flops, nb
     efficiency = class_efficiency(profile, op_class)
     peak = peak_flops(profile, dtype)
     if op_class in COMPUTE_BOUND:
-        return np.maximum(flops / (peak * efficiency), nbytes / profile.memory_bandwidth)
+        return np.maximum(flops / (peak * efficiency * profile.sustained_compute), nbytes / profile.memory_bandwidth)
     return np.maximum(flops / peak, nbytes / (profile.memory_bandwidth * efficiency))
 
 
@@ -73,8 +77,8 @@ def matmul_time(profile: HardwareProfile, dtype: str, flops, nbytes) -> np.ndarr
     flops = np.asarray(flops, dtype=float)
     nbytes = np.asarray(nbytes, dtype=float)
     intensity = gemm_intensity(flops, nbytes, ELEMENT_BYTES.get(dtype, 2.0))
-    rate = peak_flops(profile, dtype) * np.where(np.isfinite(intensity), model.efficiency(intensity),
-                                                 model.peak_efficiency)
+    rate = peak_flops(profile, dtype) * profile.sustained_compute * np.where(
+        np.isfinite(intensity), model.efficiency(intensity), model.peak_efficiency)
     with np.errstate(divide="ignore", invalid="ignore"):
         busy = np.maximum(np.where(flops > 0, flops / rate, 0.0), nbytes / profile.memory_bandwidth)
     return np.where(flops > 0, busy + model.tail_s, busy)

@@ -46,7 +46,7 @@ import sympy
 from ..passes.cost_annotation import B, BlockCosts, S, T
 from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
 from ..ir.program import MistProgram
-from ..ir.vocabulary import DEFAULT_DTYPE
+from ..ir.vocabulary import COMPILED_DEFAULT, DEFAULT_DTYPE
 from .analysis import analyse_program
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, p2p_time
@@ -213,6 +213,7 @@ class StageCostModel:
     model_name: str = ""
     num_layers: int = 0
     grad_dtype: str = "float32"  # the plan's grad_dtype: the dtype ZeRO 0/1 keep gradients in, for every candidate
+    compiled: bool = COMPILED_DEFAULT  # prices the units as compiled code (``cost.compiled``), else the eager program
     _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
     _terms_cache: dict[int, dict] = field(default_factory=dict, repr=False)  # (b, t, TP group) key -> block terms
 
@@ -245,6 +246,17 @@ class StageCostModel:
     def tp_granularity(self) -> int:
         """Tensor-parallel degrees must divide this (attention heads, sharded weight dimensions)."""
         return math.gcd(*(block.tp_granularity for block in self.blocks.values() if not block.tp_optional))
+
+    def model_flops_per_sequence(self) -> float:
+        """Model FLOPs of one sequence of ``seq_len`` tokens, forward and backward (``cost.flops``): three
+        times the forward FLOPs of the pre block, every layer and the post block, on one device, no
+        recomputation counted. Every one of them is priced at most at the profile's peak."""
+        one = np.ones(1)
+        counts = {"pre": 1, "layer": self.num_layers, "post": 1}
+        forward = sum(count * sum(float(f(one, self.seq_len * one, one)[0])
+                                  for f in self._functions[kind].flops["forward"].values())
+                      for kind, count in counts.items())
+        return 3.0 * forward
 
     def _overflow_check_s(self, shard_params: np.ndarray) -> np.ndarray:
         """fp16 dynamic loss scaling (``runtime.loss_scaling``): one read pass over this rank's reduced
@@ -495,12 +507,15 @@ def accumulation_bytes_moved(stage_params: np.ndarray, zero: np.ndarray, dp: np.
 
 
 def build_stage_cost_model(program: MistProgram, hardware, *, seq_len: int, dtype: str | None = None,
-                           attention: str = "flash", grad_dtype: str = "float32") -> StageCostModel:
+                           attention: str = "flash", grad_dtype: str = "float32",
+                           compiled: bool = COMPILED_DEFAULT) -> StageCostModel:
     """Analyse a captured program once; return the vectorised stage model.
 
     ``hardware``: a profile name/path or a :class:`HardwareProfile`; ``dtype``: the training dtype
     (default: the program's, which is what its graphs were traced in); ``grad_dtype``: the plans'
-    gradient dtype (``float32`` or ``dtype``: low-precision gradients for ZeRO 0/1, every candidate).
+    gradient dtype (``float32`` or ``dtype``: low-precision gradients for ZeRO 0/1, every candidate);
+    ``compiled``: price each unit as the compiled code the runtime runs (``cost.compiled``: what
+    inductor's partitioner saves, fused elementwise kernels) rather than the eager program.
     """
     if not isinstance(program, MistProgram):
         raise StageModelError(f"the stage cost model prices a captured program (driver.capture), not "
@@ -512,6 +527,6 @@ def build_stage_cost_model(program: MistProgram, hardware, *, seq_len: int, dtyp
     dtype = dtype or program.dtype
     state_bytes_per_param(dtype)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    (blocks, num_layers), name = analyse_program(program), program.model_name
+    (blocks, num_layers), name = analyse_program(program, compiled=compiled), program.model_name
     return StageCostModel(blocks, profile, seq_len, dtype, attention, model_name=name, num_layers=num_layers,
-                          grad_dtype=grad_dtype)
+                          grad_dtype=grad_dtype, compiled=compiled)

@@ -14,6 +14,10 @@ that memory: autograd accumulates each micro-batch into the param-dtype buffer (
 one rounding per micro-batch), the data-parallel reduction still runs in fp32. ZeRO 2-3 keep
 their ``1/dp`` accumulator shard in fp32 either way, and so does a ZeRO 0-1 stage that offloads
 gradients (its fp32 accumulator is split with the host).
+
+``compiled`` (optional, default ``ir.vocabulary.COMPILED_DEFAULT``) says whether every unit runs as
+code compiled by inductor (fused elementwise kernels, what its partitioner saves for the backward)
+or op by op in eager mode; the cost model prices the one the plan names.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from .files import write_atomic
-from .vocabulary import OFFLOAD_KINDS
+from .vocabulary import COMPILED_DEFAULT, OFFLOAD_KINDS
 from .vocabulary import TRAINING_DTYPES
 
 
@@ -158,6 +162,7 @@ class Plan:
     grad_accum: int
     stages: tuple[StagePlan, ...]
     grad_dtype: str = "float32"
+    compiled: bool = COMPILED_DEFAULT
 
     @property
     def low_precision_grads(self) -> bool:
@@ -191,6 +196,7 @@ class Plan:
             grad_accum=_int(data["grad_accum"], "grad_accum", 1),
             stages=tuple(StagePlan.from_dict(s, f"stages[{i}]") for i, s in enumerate(stages_data)),
             grad_dtype=data.get("grad_dtype", "float32"),
+            compiled=data.get("compiled", COMPILED_DEFAULT),
         )
         plan._check_consistency()
         return plan
@@ -198,6 +204,7 @@ class Plan:
     def _check_consistency(self) -> None:
         _require(self.grad_dtype in ("float32", self.dtype), "grad_dtype",
                  f"must be 'float32' or the plan's dtype {self.dtype!r}, got {self.grad_dtype!r}")
+        _require(isinstance(self.compiled, bool), "compiled", f"expected true or false, got {self.compiled!r}")
         expected_start = 0
         for index, stage in enumerate(self.stages):
             where = f"stages[{index}]"
@@ -230,6 +237,8 @@ class Plan:
         }
         if self.low_precision_grads:  # plans of the default keep their schema unchanged
             data["grad_dtype"] = self.grad_dtype
+        if self.compiled != COMPILED_DEFAULT:
+            data["compiled"] = self.compiled
         return data
 
     def to_json(self) -> str:

@@ -55,7 +55,12 @@ ATTENTION_BACKWARD = {f"{name}_backward" for name in ATTENTION_FORWARD} | {
 }
 # the LM head fused with its loss (mist_compiler.ops): its FLOPs are the head's matmuls
 FUSED_LOSS, FUSED_LOSS_BACKWARD = "linear_cross_entropy", "linear_cross_entropy_backward"
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", FUSED_LOSS, FUSED_LOSS_BACKWARD}
+# grouped GEMMs of mixture-of-experts layers (torch's, and transformers' fallback op): no formula in
+# torch's flop registry, so ours (``grouped_matmul_flops``)
+GROUPED_MATMULS = {"_grouped_mm", "_scaled_grouped_mm", "grouped_mm_fallback"}
+GROUPED_MATMUL_BACKWARDS = {"grouped_mm_fallback_backward"}
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", FUSED_LOSS, FUSED_LOSS_BACKWARD} | GROUPED_MATMULS \
+    | GROUPED_MATMUL_BACKWARDS
 NORMS = {"native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward"}
 SOFTMAX_LOSS = {"_log_softmax", "_log_softmax_backward_data", "_softmax", "_softmax_backward_data",
                 "nll_loss_forward", "nll_loss_backward", "logsumexp"}
@@ -160,12 +165,30 @@ def _shape_args(args: Iterable[Any], symbols: dict[str, sympy.Symbol] | None) ->
     return shaped
 
 
+def grouped_matmul_flops(first: tuple, out: tuple) -> sympy.Expr:
+    """FLOPs of a grouped GEMM from its first operand's and its output's shapes: every output element
+    is a dot product over the first operand's last dimension, except when two 2-D operands are split
+    along that dimension into the output's groups (``[M, K] x [K, N] -> [E, M, N]``, the weight
+    gradient of an expert layer), where each group sums over its own part of ``K``."""
+    out_elements = sympy.Mul(*out)
+    if len(first) == 2 and len(out) == 3:
+        return 2 * out_elements / out[0] * first[-1]
+    return 2 * out_elements * first[-1]
+
+
 def node_flops(node: fx.Node, symbols: dict[str, sympy.Symbol] | None = None) -> sympy.Expr:
     """FLOPs of one node (0 for ops without a formula: pointwise work is counted in bytes)."""
     if node.op != "call_function":
         return sympy.Integer(0)
     name = op_name(node)
     args = _shape_args(node.args, symbols)
+    if name in GROUPED_MATMULS or name in GROUPED_MATMUL_BACKWARDS:
+        outputs = [tensor_shape(v, symbols) for v in tensor_values(node.meta.get("val"))]
+        if not outputs or not isinstance(args[0], tuple):
+            return sympy.Integer(0)
+        forward = grouped_matmul_flops(args[0], outputs[0] if name in GROUPED_MATMULS else
+                                       tensor_shape(node.args[-1].meta["val"], symbols))
+        return sympy.sympify(forward if name in GROUPED_MATMULS else 2 * forward)
     if name in ATTENTION_FORWARD:
         return sympy.sympify(sdpa_flop_count(args[0], args[1], args[2]))
     if name in ATTENTION_BACKWARD:
@@ -279,8 +302,18 @@ def propagate_costs(graph: fx.Graph, initial: dict[str, str], symbols: dict[str,
     collectives: list[Collective] = []
 
     def reduce_partial(producer: fx.Node, reason: str) -> None:
-        states[producer.name] = "R"
         collectives.append(Collective("all_reduce", value_bytes(producer, symbols), producer.name, reason))
+        # the all-reduce runs in place: the storage and every view of it hold the full value from here on
+        base = producer
+        while is_view(base) and base.all_input_nodes:
+            base = base.all_input_nodes[0]
+        pending = [base]
+        while pending:
+            node = pending.pop()
+            if states.get(node.name) == "P":
+                states[node.name] = "R"
+            pending.extend(user for user in node.users if is_view(user) and user.name in states)
+        states[producer.name] = "R"
 
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -474,15 +507,24 @@ class PricedGraphs:
     graphs: ProgramGraphs
     costs: ProgramCosts
     memory: dict[int, Any] = field(default_factory=dict)  # block class id -> memory_analysis.BlockMemory
+    transient: frozenset = frozenset()  # values no kernel stores (intermediates of fused kernels, cost.compiled)
 
 
-def program_graphs(program) -> ProgramGraphs:
-    """The live graphs of a freshly captured program (a program read back from JSON has none)."""
+def program_graphs(program, partition=None) -> ProgramGraphs:
+    """The live graphs of a freshly captured program (a program read back from JSON has none).
+
+    ``partition``: a function from the captured joint forward+backward graph to a (forward, backward)
+    pair to use instead of the captured ones (which save what eager autograd saves), e.g. the
+    partition a compiler makes (``cost.compiled``)."""
     graphs = next(iter(program.block_classes.values())).graphs or {}
     forward, backward = graphs.get("forward"), graphs.get("backward")
     if forward is None or backward is None or any("nodes" not in (c.graphs or {}) for c in program.block_classes.values()):
         raise ValueError("the program carries no live forward/backward graphs; analyse a freshly captured "
                          "program, not one loaded from JSON")
+    if partition is not None:
+        if graphs.get("joint") is None:
+            raise ValueError("the program carries no joint graph to partition")
+        forward, backward = partition(graphs["joint"])
     return ProgramGraphs(forward, backward, parameter_placeholders(forward, backward), _symbol_names(program, forward),
                          _block_node_sets(program, backward), program_sharding(program))
 

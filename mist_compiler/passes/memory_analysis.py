@@ -196,9 +196,12 @@ def _fused_loss_workspace(node: fx.Node, states: dict[str, str], phase: str, sym
 WORKSPACE_OPS = {FUSED_LOSS: "forward", FUSED_LOSS_BACKWARD: "backward"}
 
 
-def _node_bytes(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
-    """Bytes of a node's outputs on one device (``1/t`` of a sharded value). The fused loss's backward
-    returns the replicated hidden's gradient and the weight shard's."""
+def _node_bytes(node: fx.Node, states: dict[str, str], symbols, transient: frozenset[str] = frozenset()) -> sympy.Expr:
+    """Bytes of a node's outputs on one device (``1/t`` of a sharded value; nothing for a value a fused
+    kernel keeps in registers, named in ``transient``). The fused loss's backward returns the
+    replicated hidden's gradient and the weight shard's."""
+    if node.name in transient:
+        return sympy.Integer(0)
     if op_name(node) == FUSED_LOSS_BACKWARD:
         grad_hidden, grad_weight = node.meta["val"]
         weight = node.args[2]
@@ -240,8 +243,10 @@ def _saved_storages(forward: fx.GraphModule, backward: fx.GraphModule, params: s
 
 def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: ProgramCosts, params: set[str],
                    blocks: dict[str, set[str]], symbols=None,
-                   backward_inputs: dict[str, str] | None = None) -> dict[str, BlockMemory]:
-    """Liveness over the forward and backward graphs, results per block (module docstring)."""
+                   backward_inputs: dict[str, str] | None = None,
+                   transient: frozenset[str] = frozenset()) -> dict[str, BlockMemory]:
+    """Liveness over the forward and backward graphs, results per block (module docstring).
+    ``transient``: nodes whose values are never stored (intermediates of a fused kernel)."""
     fw_states, bw_states = costs.forward.states, costs.backward.states
     block_of = {name: label for label, names in blocks.items() for name in names}
     saved = _saved_storages(forward, backward, params, fw_states, block_of, symbols, backward_inputs or {})
@@ -270,7 +275,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
         if node.op != "call_function" or is_view(node):
             continue
         label = block_of.get(node.name)
-        size = _node_bytes(node, fw_states, symbols)
+        size = _node_bytes(node, fw_states, symbols, transient)
         if label is not None:
             if node in saved.size and label in saved.readers[node]:
                 saved_so_far[label] += saved.size[node]
@@ -339,7 +344,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
         if node.op != "call_function" or is_view(node):
             continue
         label = block_of.get(node.name)
-        size = _node_bytes(node, bw_states, symbols)
+        size = _node_bytes(node, bw_states, symbols, transient)
         if size != 0:
             grad_live[node] = size
             grad_total += size
@@ -510,7 +515,8 @@ def memory_analysis(program: MistProgram) -> PassResult:
         priced = PricedGraphs(graphs, costs)
     graphs = priced.graphs
     blocks = {str(class_id): names for class_id, names in graphs.blocks.items()}
-    results = analyse_memory(graphs.forward, graphs.backward, priced.costs, graphs.params, blocks, graphs.symbols)
+    results = analyse_memory(graphs.forward, graphs.backward, priced.costs, graphs.params, blocks, graphs.symbols,
+                             transient=priced.transient)
     analysed = copy.copy(program)
     analysed.analysis = replace(priced, memory={int(label): memory for label, memory in results.items()})
     return PassResult(analysed, False)

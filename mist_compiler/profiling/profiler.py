@@ -6,7 +6,9 @@ thread as the CPU backend runs its ranks):
 * compute: matmul throughput per dtype (fp32 and bf16 on CPU, bf16/fp16/fp32 on GPU), GEMM rates
   over a table of shapes in the main dtype (fitted to the profile's ``matmul_shape_model``), attention
   (``scaled_dot_product_attention`` forward+backward), elementwise add, row reduction, and the
-  device-memory copy rate;
+  device-memory copy rate; a layer's elementwise chain compiled by inductor (``efficiency['fused']``,
+  what compiled units achieve) and, on a GPU, the GEMM rate held under sustained load
+  (``sustained_compute``), both in ``profiling.compiled``;
 * host<->device copies (pinned, on GPU; on CPU a host-to-host copy stands in and the profile says so);
 * every collective over every local group size available (2 and 4 ranks where cores/GPUs allow;
   gloo on CPU, NCCL on GPU), fitted to alpha-beta from a few message sizes; point-to-point;
@@ -41,6 +43,7 @@ from .comm import (
     run_collective_group,
     time_group_collectives,
 )
+from .compiled import fused_bytes_per_s, sustained_fraction
 from .timing import ProfilerOptions, _sync_for, seconds_per_call
 
 # Dense datasheet peaks (TFLOP/s) of GPUs we know; anything else gets its measured matmul rate.
@@ -78,6 +81,8 @@ class ComputeMeasurements:
     adam_params_per_s: float = 0.0  # the backend's AdamW kernel on the device (0: not measured)
     host_adam_params_per_s: float = 0.0  # the same on host tensors, with the worker's threads
     matmul_points: list = field(default_factory=list)  # (m, n, k, fraction of the main dtype's peak)
+    fused_bytes_per_s: float = 0.0  # one memory pass of an inductor-compiled elementwise chain (0: not measured)
+    sustained: float = 1.0  # large-GEMM rate held under sustained load / the first GEMMs' rate
 
 
 def _dtypes(device: str) -> list[str]:
@@ -147,9 +152,15 @@ def measure_compute(device: str, options: ProfilerOptions) -> ComputeMeasurement
     overhead = seconds_per_call(lambda: torch.add(tiny, tiny, out=tiny_out), sync, target)
     log(f"per-op overhead (one-element add): {overhead * 1e6:.2f} us")
     adam_rate, host_adam_rate = measure_adamw(device, options)
+    fused_rate = 0.0
+    if options.compiled if options.compiled is not None else not options.quick:
+        chain = (8192, 4096) if on_gpu else ((256, 256) if options.quick else (1024, 512))
+        fused_rate = fused_bytes_per_s(device, main_dtype, *chain, lambda fn: seconds_per_call(fn, sync, target), log)
+    sustain = options.sustain_s if options.sustain_s is not None else (20.0 if on_gpu and not options.quick else 0.0)
+    sustained = sustained_fraction(device, main_dtype, 8192 if on_gpu else 512, sustain, sync, log) if sustain > 0 else 1.0
     return ComputeMeasurements(matmul, model_rate, attention_rate, copy_rate, add_rate, reduce_rate,
                                h2d_rate, d2h_rate, main_dtype, norm_rate, softmax_rate, overhead,
-                               adam_rate, host_adam_rate, shape_points)
+                               adam_rate, host_adam_rate, shape_points, fused_rate, sustained)
 
 
 def adamw_params_per_s(device: str, numel: int, target_s: float, timer: Callable = seconds_per_call) -> float:
@@ -268,6 +279,8 @@ def _efficiencies(measured: ComputeMeasurements, peaks: dict[str, float]) -> dic
         "softmax": clamp(measured.softmax_bytes_per_s / measured.copy_bytes_per_s),
     }
     efficiency["default"] = round(float(np.median(list(efficiency.values()))), 4)  # unknown ops: the typical class
+    if measured.fused_bytes_per_s > 0:  # compiled units' elementwise kernels (cost.compiled)
+        efficiency["fused"] = clamp(measured.fused_bytes_per_s / measured.copy_bytes_per_s)
     return efficiency
 
 
@@ -350,6 +363,7 @@ def _assemble(options: ProfilerOptions, device: str, per_node: int, measured: Co
         "reduce_scatter_copies": reduce_scatter_copies,
         **_optimizer_rates(measured),
         **_shape_fields(measured, peaks),
+        **({"sustained_compute": round(measured.sustained, 4)} if measured.sustained < 1.0 else {}),
     }
     profile = HardwareProfile.from_dict(data, source="measured profile")
     options.log(f"done in {time.perf_counter() - started:.1f} s")
@@ -419,18 +433,25 @@ def recalibrate_compute(base: HardwareProfile, options: ProfilerOptions | None =
     """``base`` with its compute side (peaks, efficiencies, memory bandwidth, op overhead) measured here.
 
     Links, copies and slowdowns stay as ``base`` has them: a quick way to re-anchor a shipped or
-    older profile to the machine's current speed (seconds, no ranks spawned).
+    older profile to the machine's current speed (seconds, no ranks spawned). The compiled chain and
+    the sustained GEMM rate are re-measured only when ``options`` ask for them (``compiled=True``,
+    ``sustain_s > 0``); otherwise ``base``'s values stay.
     """
     import dataclasses
 
     options = options or ProfilerOptions()
+    options = dataclasses.replace(options, compiled=bool(options.compiled), sustain_s=options.sustain_s or 0.0)
     device = _resolve_device(options)
     with _as_one_rank(device):
         measured = measure_compute(device, options)
     peaks, peak_note = _peaks(device, measured)
     shape = _shape_fields(measured, peaks)
+    efficiency = _efficiencies(measured, peaks)
+    if "fused" not in efficiency and "fused" in base.efficiency:
+        efficiency["fused"] = base.efficiency["fused"]
     profile = dataclasses.replace(
-        base, peak_flops={**base.peak_flops, **peaks}, efficiency=_efficiencies(measured, peaks),
+        base, peak_flops={**base.peak_flops, **peaks}, efficiency=efficiency,
+        sustained_compute=measured.sustained if options.sustain_s > 0 else base.sustained_compute,
         matmul_model=HardwareProfile.from_dict({**base.to_dict(), **shape}).matmul_model if shape else base.matmul_model,
         matmul_points=tuple(tuple(p) for p in shape.get("matmul_shapes", ())) or base.matmul_points,
         memory_bandwidth=measured.copy_bytes_per_s, op_overhead=measured.op_overhead_s,

@@ -26,6 +26,8 @@ class ProfilerOptions:
     name: str | None = None
     links_from: str | None = None  # shipped profile to take collective fits from when none can be measured
     timeout_s: float = 240.0  # for all spawned collective workers together
+    compiled: bool | None = None  # time inductor-compiled fused kernels (None: unless quick)
+    sustain_s: float | None = None  # seconds of back-to-back GEMMs for the sustained rate (None: 20 on a GPU, else 0)
     log: Callable[[str], None] = field(default=_stderr, repr=False)
 
     @property

@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
 
 from ..cost.stage_api import StageCandidates, StageCostModel, pipeline_iteration_time
 from ..ir.plan import Offload, Plan, StagePlan
+from ..ir.vocabulary import COMPILED_DEFAULT
 from .inter_stage import StageSolution, solve_partition, uniform_solution
 from .intra_stage import FrontierTable, build_frontiers
 from .stage_configs import PP_BOTH, PP_NONE, PP_POST, PP_PRE
@@ -50,6 +51,7 @@ class TuneResult:
     frontiers: dict = field(default_factory=dict)  # chosen G: per stage, the frontier it chose from
     model_config: object = None  # the model's TransformerConfig when known (for MFU)
     peak_flops: float | None = None  # dense peak FLOP/s of one device in the training dtype
+    model_flops: float | None = None  # model FLOPs of one iteration, counted on the program (``cost.flops``)
 
     @property
     def mfu(self) -> float | None:
@@ -175,8 +177,8 @@ def tune(cost_model: StageCostModel, work: Workload, cluster: Cluster, *, space:
          progress: Progress | None = None, model_config: object = None) -> TuneResult:
     """Search the fastest plan for ``work`` (layers, TP granularity, batch, sequence, dtype: read
     from the captured program by ``driver.workload``) on ``cluster``, priced by ``cost_model``
-    (its hardware profile and gradient dtype are the plans'). ``model_config``: the model's sizes
-    (``driver.ir_shape``), for the predicted MFU."""
+    (its hardware profile, gradient dtype and compiled or eager units are the plans'). ``model_config``:
+    the model's sizes (``driver.ir_shape``), for the closed-form MFU when the cost model counts no FLOPs."""
     space = space or SearchSpace()
     say = progress or (lambda message: None)
     started = time.perf_counter()
@@ -188,8 +190,11 @@ def tune(cost_model: StageCostModel, work: Workload, cluster: Cluster, *, space:
     if best is None:
         raise TuneError(_memory_diagnosis(cost_model, work, cluster, space))
     result = _result(cost_model, work, space, best_table, best, search.stats)
+    result.plan = replace(result.plan, compiled=getattr(cost_model, "compiled", COMPILED_DEFAULT))
     result.model_config = model_config
     result.peak_flops = profile.peak_flops.get(work.dtype) if profile is not None else None
+    per_sequence = getattr(cost_model, "model_flops_per_sequence", None)
+    result.model_flops = per_sequence() * work.global_batch if per_sequence is not None else None
     _flag_optimistic_mfu(result, profile)
     return result
 

@@ -1,0 +1,174 @@
+"""What a compiled unit runs and keeps: inductor's partition of the joint graph and its fused kernels.
+
+The runtime compiles each unit (a layer's forward and backward, the pre and post blocks) with
+inductor through aot_autograd. Two things then differ from the eager program the capture records:
+
+- **What the forward saves** is chosen by inductor's partitioner (``min_cut_rematerialization_partition``,
+  the one ``torch.compile`` uses for training), not by eager autograd: cheap elementwise values the
+  backward needs are recomputed there from a smaller set of saved tensors (a fused RMSNorm keeps its
+  input and the fp32 reciprocal root, not the fp32 copies; SwiGLU keeps its two projections, not
+  ``silu(gate)``). :func:`compiled_partition` runs that partitioner on the captured joint graph.
+- **Elementwise ops are fused.** A chain of pointwise ops, reductions and normalisations between
+  two GEMM/attention kernels runs as one kernel that reads its inputs once and writes only the
+  values something else needs: one memory pass. :func:`fuse_costs` groups the annotated ops of each
+  graph into such *regions* (connected elementwise ops of one block: a unit never fuses across
+  units), prices each as one op of class ``fused`` (its inputs read once, its stored outputs written
+  once; the profile's ``efficiency['fused']``, else ``elementwise``, of the copy rate; one kernel
+  launch) and names the values that never reach memory (``transient``, for the memory analysis).
+
+Matmuls, attention, the fused loss, grouped expert GEMMs and data-dependent ops (sort, top-k,
+histograms, ...) stay kernels of their own, as inductor calls them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch.fx as fx
+
+from ..ir.program import MistProgram
+from ..passes.cost_annotation import (GraphCosts, NodeCost, PricedGraphs, ProgramCosts, T, annotate_graphs, is_view,
+                                      op_name, program_graphs, value_bytes)
+from ..passes.manager import PassResult, transforms
+
+FUSIBLE_CLASSES = ("elementwise", "norm", "softmax", "embedding")
+# elementwise-classed ops inductor does not generate code for (library calls or data-dependent sizes)
+EXTERN_OPS = {"sort", "topk", "histc", "nonzero", "_unique2", "unique_dim", "masked_select", "bucketize",
+              "embedding_dense_backward", "index_put", "scatter", "scatter_add"}
+
+
+def _joint_forward_outputs(joint: fx.GraphModule) -> int:
+    """Outputs of the joint graph that belong to the forward: everything before one gradient per primal."""
+    primals = sum(1 for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals"))
+    output = next(n for n in joint.graph.nodes if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else output.args
+    return len(values) - primals
+
+
+def compiled_partition(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """(forward, backward) as inductor partitions the joint graph: min-cut rematerialisation.
+
+    Runs on a copy of the graph (the partitioner rewrites the graph it is given); node names are
+    kept, so the analysis passes find each node's block, and recomputed forward ops appear in the
+    backward under their forward names."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graph = fx.Graph()
+    output = graph.graph_copy(joint.graph, {})
+    graph.output(output)
+    copy = fx.GraphModule(joint, graph)
+    inputs = [n.meta.get("val") for n in copy.graph.nodes if n.op == "placeholder"]
+    return min_cut_rematerialization_partition(copy, inputs, compiler="inductor",
+                                               num_fwd_outputs=_joint_forward_outputs(joint))
+
+
+def _is_fusible(node: fx.Node, cost: NodeCost | None) -> bool:
+    return cost is not None and cost.op_class in FUSIBLE_CLASSES and op_name(node) not in EXTERN_OPS
+
+
+def _source(node: fx.Node) -> fx.Node:
+    """The node whose storage a view shows."""
+    while is_view(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _consumers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``node``'s value, through any views of it."""
+    found, stack = [], list(node.users)
+    while stack:
+        user = stack.pop()
+        if is_view(user):
+            stack.extend(user.users)
+        else:
+            found.append(user)
+    return found
+
+
+@dataclass
+class FusedGraph:
+    """A graph's costs with its elementwise regions priced as fused kernels."""
+
+    costs: GraphCosts
+    transient: frozenset[str]  # values a fused kernel never writes to memory
+    regions: list[list[str]]  # the member ops of each region, in graph order
+
+
+def _stored_bytes(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
+    size = value_bytes(node, symbols)
+    return size / T if states.get(node.name) == "S" else size
+
+
+def fuse_costs(graph: fx.Graph, costs: GraphCosts, block_of: dict[str, str], symbols) -> FusedGraph:
+    """Group ``costs``' fusible ops into regions (connected through their values, within one block)
+    and price each region as one ``fused`` op: FLOPs summed, bytes = its inputs once + its stored
+    outputs once. Other ops keep their costs; collectives and states are unchanged."""
+    by_name = {c.name: c for c in costs.nodes}
+    nodes = [n for n in graph.nodes if n.name in by_name]
+    fusible = {n for n in nodes if _is_fusible(n, by_name[n.name])}
+    parent = {n: n for n in fusible}
+
+    def root(node: fx.Node) -> fx.Node:
+        while parent[node] is not node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    for node in fusible:
+        for arg in node.all_input_nodes:
+            source = _source(arg)
+            if source in fusible and block_of.get(source.name) == block_of.get(node.name):
+                parent[root(source)] = root(node)
+    members: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        if node in fusible:
+            members.setdefault(root(node), []).append(node)
+    transient: set[str] = set()
+    fused: dict[fx.Node, NodeCost] = {}
+    for group in members.values():
+        inside = set(group)
+        reads: dict[fx.Node, sympy.Expr] = {}
+        writes = sympy.Integer(0)
+        for node in group:
+            for arg in node.all_input_nodes:
+                source = _source(arg)
+                if source not in inside:
+                    reads[source] = _stored_bytes(source, costs.states, symbols)
+            if any(user not in inside for user in _consumers(node)):
+                writes += _stored_bytes(node, costs.states, symbols)
+            else:
+                transient.add(node.name)
+        first = group[0]
+        fused[first] = NodeCost(first.name, "fused", "fused", sympy.expand(sum((by_name[n.name].flops for n in group),
+                                                                               sympy.Integer(0))),
+                                sympy.expand(sympy.Add(*reads.values()) + writes), by_name[first.name].tp)
+    kept = []
+    for node in nodes:
+        if node in fused:
+            kept.append(fused[node])
+        elif node not in fusible:
+            kept.append(by_name[node.name])
+    regions = [[n.name for n in group] for group in members.values()]
+    return FusedGraph(GraphCosts(kept, list(costs.collectives), costs.states), frozenset(transient), regions)
+
+
+@transforms(MistProgram)
+def compiled_cost_annotation(program: MistProgram) -> PassResult:
+    """Pass: the program's costs as its compiled units run it, kept as ``program.analysis`` for the
+    memory analysis and the stage cost model: the graphs of :func:`compiled_partition`, annotated
+    (FLOPs, bytes, tensor-parallel states and collectives) and fused per block (:func:`fuse_costs`).
+    The IR nodes keep the eager annotation of ``cost_annotation`` (or none). Pure."""
+    import copy
+
+    graphs = program_graphs(program, compiled_partition)
+    costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols, sharding=graphs.sharding)
+    block_of = {name: label for label, names in graphs.blocks.items() for name in names}
+    forward = fuse_costs(graphs.forward.graph, costs.forward, block_of, graphs.symbols)
+    backward = fuse_costs(graphs.backward.graph, costs.backward, block_of, graphs.symbols)
+    priced = copy.copy(program)
+    priced.analysis = PricedGraphs(graphs, ProgramCosts(forward.costs, backward.costs, costs.sharding, costs.param_states),
+                                   transient=forward.transient | backward.transient)
+    return PassResult(priced, False)
+
+
+__all__ = ["FUSIBLE_CLASSES", "FusedGraph", "compiled_cost_annotation", "compiled_partition", "fuse_costs"]

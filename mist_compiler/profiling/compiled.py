@@ -1,0 +1,81 @@
+"""Rates of compiled code and sustained compute, for ``mistc profile``.
+
+* ``fused_bytes_per_s``: a transformer layer's elementwise chain (residual add, RMSNorm, SwiGLU)
+  compiled by inductor, as the runtime compiles a unit: one kernel reading its inputs and writing its
+  outputs once. Its bytes are counted as ``cost.compiled`` counts a fused region's (inputs once,
+  stored outputs once), so the profile's ``efficiency['fused']`` is what the cost model needs. The
+  same chain run eagerly is timed beside it for the log.
+* ``sustained_fraction``: the large-GEMM rate after ``seconds`` of back-to-back GEMMs against the rate
+  of the first ones (a GPU at its power limit settles below the clock short benchmarks run at); the
+  profile's ``sustained_compute``.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+def _layer_chain(x, residual, gate, up, weight):
+    """The elementwise work between a layer's GEMMs: residual add + RMSNorm, and SwiGLU."""
+    import torch
+
+    hidden = x + residual
+    variance = hidden.float().pow(2).mean(-1, keepdim=True)
+    normed = (hidden.float() * torch.rsqrt(variance + 1e-5)).to(x.dtype) * weight
+    return hidden, normed, torch.nn.functional.silu(gate) * up
+
+
+def fused_bytes_per_s(device: str, dtype_name: str, tokens: int, hidden: int, timer: Callable[[Callable], float],
+                      log: Callable[[str], None]) -> float:
+    """Bytes per second of the layer chain compiled by inductor (inputs read once, outputs written once)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    ffn = 3 * hidden
+    x, residual = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
+    gate, up = (torch.randn(tokens, ffn, device=device, dtype=dtype) for _ in range(2))
+    weight = torch.ones(hidden, device=device, dtype=dtype)
+    element = x.element_size()
+    one_pass = element * tokens * (hidden * 4 + ffn * 3) + element * hidden  # x, r in; h, y out; gate, up in; out
+    started = time.perf_counter()
+    compiled = torch.compile(_layer_chain, backend="inductor", fullgraph=True, dynamic=False)
+    compiled(x, residual, gate, up, weight)
+    compile_s = time.perf_counter() - started
+    fused = one_pass / timer(lambda: compiled(x, residual, gate, up, weight))
+    eager = one_pass / timer(lambda: _layer_chain(x, residual, gate, up, weight))
+    log(f"fused layer chain (residual add + RMSNorm + SwiGLU, {tokens}x{hidden}, {dtype_name}) compiled by inductor "
+        f"in {compile_s:.0f} s: {fused / 1e9:.2f} GB/s of one memory pass (eager ops: {eager / 1e9:.2f})")
+    return fused
+
+
+def sustained_fraction(device: str, dtype_name: str, size: int, seconds: float, sync: Callable[[], None],
+                       log: Callable[[str], None]) -> float:
+    """Large-GEMM rate over the last quarter of ``seconds`` of back-to-back GEMMs / the rate of the first
+    ones (at most 1)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    flops = 2 * size ** 3
+
+    def burst(count: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(count):
+            a @ b
+        sync()
+        return count * flops / (time.perf_counter() - start)
+
+    burst(2)
+    per_call = flops / burst(4)
+    count = max(1, int(0.1 / per_call))
+    first = burst(count)
+    ends_at = time.perf_counter() + seconds
+    rates = []
+    while time.perf_counter() < ends_at:
+        rates.append(burst(count))
+    held = rates[-max(1, len(rates) // 4):]
+    fraction = min(1.0, (sum(held) / len(held)) / first) if rates else 1.0
+    log(f"sustained GEMM rate after {seconds:.0f} s of {size}^3 {dtype_name} GEMMs: {fraction:.3f} of the first "
+        f"{first / 1e12:.1f} TFLOP/s")
+    return fraction

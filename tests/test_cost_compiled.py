@@ -1,0 +1,115 @@
+"""Pricing compiled units (cost/compiled.py): inductor's partition decides what is saved, elementwise
+chains cost one memory pass, and a stage model prices a unit compiled or eager as asked."""
+from __future__ import annotations
+
+import sympy
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from mist_compiler.cost.analysis import analyse_program
+from mist_compiler.driver import capture as capture_program
+from mist_compiler.cost.compiled import fuse_costs
+from mist_compiler.cost.hardware import load_profile
+from mist_compiler.cost.op_time import op_class_time
+from mist_compiler.cost.stage_api import StageCandidates
+from mist_compiler.cost.stage_model import StageCostModel
+from mist_compiler.models import zoo_config
+from mist_compiler.passes.cost_annotation import B, S, T, propagate_costs
+
+
+def _chain(x, w, y):
+    h = x @ w  # a GEMM, then an elementwise chain, then a GEMM
+    z = torch.relu(h + y) * 2.0
+    return z @ w
+
+
+def test_an_elementwise_chain_between_gemms_is_one_memory_pass():
+    x, w, y = torch.randn(8, 16), torch.randn(16, 16), torch.randn(8, 16)
+    graph = make_fx(_chain)(x, w, y).graph
+    costs = propagate_costs(graph, {}, None, "forward")
+    fused = fuse_costs(graph, costs, {}, None)
+    kinds = [c.op_class for c in fused.costs.nodes if c.op_class != "view"]
+    assert kinds == ["matmul", "fused", "matmul"]
+    region = next(c for c in fused.costs.nodes if c.op_class == "fused")
+    element = 8 * 16 * 4
+    assert int(region.bytes) == 3 * element  # reads h and y once, writes z once; nothing in between is stored
+    eager = sum(int(c.bytes) for c in costs.nodes if c.op_class == "elementwise")
+    assert eager == 7 * element  # add (3 tensors), relu (2), mul (2): each op reads and writes its own
+    names = {n.name: n for n in graph.nodes}
+    assert {names[name].target for name in fused.transient} == {torch.ops.aten.add.Tensor, torch.ops.aten.relu.default}
+
+
+def _compiled_and_eager(name: str):
+    program = capture_program(name, seq_len=64, dtype="float16")
+    return analyse_program(program, compiled=True)[0], analyse_program(program, compiled=False)[0]
+
+
+def test_a_compiled_llama_layer_saves_what_fused_rmsnorm_and_swiglu_kernels_save():
+    """Inductor's partitioner keeps each RMSNorm's fp16 input and fp32 reciprocal root (not the fp32 copies
+    eager autograd keeps) and SwiGLU's two projections and product (not silu(gate)): per token, the
+    input, both norm outputs, the o-projection's output, q, the expanded k and v, the attention output
+    and log-sum-exp, gate, up and their product (what Mist's fused kernels keep, FACTS.md's base case)."""
+    cfg = zoo_config("llama-tiny")
+    compiled, eager = _compiled_and_eager("llama-tiny")
+    per_token = {kind: sympy.expand(blocks["layer"].memory.saved["flash"]).subs(T, 1).coeff(B * S)
+                 for kind, blocks in (("compiled", compiled), ("eager", eager))}
+    h, f = cfg.hidden, cfg.ffn
+    assert per_token["compiled"] == 2 * 4 * h + 2 * 4 + 2 * 4 * h + 4 * cfg.heads + 2 * 3 * f
+    # eager: per norm two fp32 copies of the input and an fp16 cast instead of the input; silu(gate) kept
+    assert per_token["eager"] - per_token["compiled"] == 2 * (2 * 4 * h + 2 * h - 2 * h) + 2 * f
+
+
+def test_a_compiled_gpt_layer_saves_what_the_eager_one_does():
+    """LayerNorm and GELU are single ops whose saved inputs both programs keep."""
+    compiled, eager = _compiled_and_eager("gpt-tiny")
+    assert sympy.expand(compiled["layer"].memory.saved["flash"] - eager["layer"].memory.saved["flash"]) == 0
+
+
+def test_the_stage_model_prices_compiled_units_faster_and_leaner():
+    program = capture_program("llama-tiny", seq_len=64, dtype="float32")
+    models = {compiled: StageCostModel(*_model_args(program, compiled), compiled=compiled) for compiled in (True, False)}
+    candidate = StageCandidates(num_layers=4, has_pre=True, has_post=True, nodes=1, gpus_per_node=1, micro_batch=4,
+                                dp=1, tp=1, zero=0, ckpt_layers=0, offload_weights=0, offload_grads=0,
+                                offload_opt=0, offload_acts=0, inflight=1)
+    fast, slow = (models[c].evaluate(candidate) for c in (True, False))
+    assert fast.stable_s[0] < slow.stable_s[0]
+    assert fast.breakdown["acts"][0] < slow.breakdown["acts"][0]
+    ops = {c: sum(1 for n in models[c].blocks["layer"].costs.forward.nodes if n.op_class != "view") for c in models}
+    assert ops[True] < ops[False] / 2  # one kernel per region instead of one per op
+    # both count the same model FLOPs: fusion changes memory passes, not the GEMMs
+    assert models[True].model_flops_per_sequence() == models[False].model_flops_per_sequence()
+
+
+def _model_args(program, compiled: bool):
+    blocks, layers = analyse_program(program, compiled=compiled)
+    return blocks, load_profile("cpu"), 64, "float32", "flash", program.model_name, layers
+
+
+def test_fused_kernels_run_at_the_fused_rate_of_the_profile():
+    profile = load_profile("cpu")
+    profile.efficiency["fused"] = 0.5
+    slow = op_class_time(profile, "float32", "fused", 0.0, 1e9)
+    del profile.efficiency["fused"]  # absent: the elementwise rate
+    assert slow == 2 * op_class_time(profile, "float32", "fused", 0.0, 1e9)
+
+
+def test_a_plan_says_whether_its_units_are_compiled_and_analyze_prices_that():
+    import pytest
+
+    from mist_compiler.cost.analyze import analyze
+    from mist_compiler.cost.stage_model import build_stage_cost_model
+    from mist_compiler.ir.plan import Plan, PlanError, StagePlan
+    from mist_compiler.ir.vocabulary import COMPILED_DEFAULT
+
+    stage = StagePlan(layers=(0, 4), nodes=1, gpus_per_node=1, micro_batch=4, dp=1, tp=1)
+    plan = Plan("gpt-tiny", 64, 4, "float32", 1, (stage,), compiled=not COMPILED_DEFAULT)
+    data = plan.to_dict()
+    assert data["compiled"] is (not COMPILED_DEFAULT) and Plan.from_dict(data) == plan
+    assert "compiled" not in Plan("gpt-tiny", 64, 4, "float32", 1, (stage,)).to_dict()  # the default: schema unchanged
+    with pytest.raises(PlanError, match="plan field compiled: expected true or false"):
+        Plan.from_dict({**data, "compiled": "yes"})
+    program = capture_program("gpt-tiny", seq_len=64, dtype="float32")
+    eager = build_stage_cost_model(program, "cpu", seq_len=64, dtype="float32", compiled=False)
+    with pytest.raises(PlanError, match="plan field compiled: True, but the cost model given prices eager units"):
+        analyze(program, Plan.from_dict({**data, "compiled": True}), "cpu", cost_model=eager)
+    assert analyze(program, Plan.from_dict({**data, "compiled": True}), "cpu").compiled
