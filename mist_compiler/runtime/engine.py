@@ -36,6 +36,7 @@ from mist_compiler.ir.plan import Plan, PlanError, load_plan
 from mist_compiler.ir.program import MistProgram
 
 from ..ir.topology import Topology
+from ..lowering.compile import CompileStats, compile_stage
 from ..lowering.lower import check_plan_against_program, lower
 from ..lowering.materialize import InitTensors, ModuleTensors, StageProgram, TensorSource
 from ..ops.groups import ProcessGroup
@@ -85,7 +86,7 @@ class Engine:
     def __init__(self, model: nn.Module | str, plan: Plan, *, optimizer: Any = None,
                  device: torch.device | str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  runtime_factory: Callable[..., Any] | None = None, program: MistProgram | None = None,
-                 source: TensorSource | None = None) -> None:
+                 source: TensorSource | None = None, compile_units: bool | None = None) -> None:
         self.plan = plan
         self.timeout_s = timeout_s
         self.source_model: nn.Module | None = None  # set by the dynamo runtime
@@ -113,6 +114,8 @@ class Engine:
         # more than its own state plus one unit in flight)
         self.program: StageProgram = lower(self.captured, plan, self.coord, source, device=self.device,
                                            tp_group=tp_group, deferred=True)
+        # every unit through inductor (compiled at its first call); the runtime's hooks stay around the units
+        self.compile_stats: CompileStats = compile_stage(self.program, enabled=compile_units)
         self.tied_names = {name for name, fqn in self.program.fqn.items() if fqn in tied_fqns}
         self.tied = TiedWeights.create(self) if self.tied_names and plan.pp > 1 else None
         if self.tied is not None:
@@ -465,12 +468,14 @@ def capture_for_plan(model: nn.Module | str, plan: Plan) -> MistProgram:
 def compile(model: nn.Module | str, plan: Plan | str, *, optimizer: Any = None,
             device: torch.device | str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
             runtime_factory: Callable[..., Any] | None = None, program: MistProgram | None = None,
-            source: TensorSource | None = None) -> Engine:
+            source: TensorSource | None = None, compile_units: bool | None = None) -> Engine:
     """This rank's training engine for ``model`` (a module, trained from its own weights, or a model
-    name, built and initialised shard by shard) under ``plan`` (a Plan or a path)."""
+    name, built and initialised shard by shard) under ``plan`` (a Plan or a path). ``compile_units``:
+    run the units as inductor-compiled code (the default, ``MIST_COMPILE=0`` changes it) or eagerly
+    (False, for debugging)."""
     if isinstance(plan, str):
         plan = load_plan(plan)
     if not isinstance(plan, Plan):
         raise PlanError(f"plan: expected a Plan or a path to a plan file, got {type(plan).__name__}")
     return Engine(model, plan, optimizer=optimizer, device=device, timeout_s=timeout_s,
-                  runtime_factory=runtime_factory, program=program, source=source)
+                  runtime_factory=runtime_factory, program=program, source=source, compile_units=compile_units)
