@@ -14,6 +14,13 @@ that memory: autograd accumulates each micro-batch into the param-dtype buffer (
 one rounding per micro-batch), the data-parallel reduction still runs in fp32. ZeRO 2-3 keep
 their ``1/dp`` accumulator shard in fp32 either way, and so does a ZeRO 0-1 stage that offloads
 gradients (its fp32 accumulator is split with the host).
+
+``fused_loss`` (optional, default ``true``: what plans written before the key meant) is how the last
+stage computes its LM head and loss. ``true``: the fused, chunked ``mist::linear_cross_entropy``
+(no ``N x V`` logits exist; the backward recomputes them chunk by chunk: ``8NHV`` FLOPs instead of
+``6NHV``). ``false``: the head's logits are materialised and the loss runs as the model wrote it,
+which is faster and holds about ``N x V`` fp32 values more (``N`` tokens of a micro-batch, ``V``
+the vocabulary on one device). The tuner writes ``false`` where that fits in memory.
 """
 from __future__ import annotations
 
@@ -150,6 +157,7 @@ class Plan:
     grad_accum: int
     stages: tuple[StagePlan, ...]
     grad_dtype: str = "float32"
+    fused_loss: bool = True
 
     @property
     def low_precision_grads(self) -> bool:
@@ -183,11 +191,13 @@ class Plan:
             grad_accum=_int(data["grad_accum"], "grad_accum", 1),
             stages=tuple(StagePlan.from_dict(s, f"stages[{i}]") for i, s in enumerate(stages_data)),
             grad_dtype=data.get("grad_dtype", "float32"),
+            fused_loss=data.get("fused_loss", True),
         )
         plan._check_consistency()
         return plan
 
     def _check_consistency(self) -> None:
+        _require(isinstance(self.fused_loss, bool), "fused_loss", f"expected true or false, got {self.fused_loss!r}")
         _require(self.grad_dtype in ("float32", self.dtype), "grad_dtype",
                  f"must be 'float32' or the plan's dtype {self.dtype!r}, got {self.grad_dtype!r}")
         expected_start = 0
@@ -222,6 +232,8 @@ class Plan:
         }
         if self.low_precision_grads:  # plans of the default keep their schema unchanged
             data["grad_dtype"] = self.grad_dtype
+        if not self.fused_loss:
+            data["fused_loss"] = False
         return data
 
     def to_json(self) -> str:
