@@ -16,6 +16,7 @@ import torch.fx as fx
 from ..passes.cost_annotation import ATTENTION_FORWARD, T, annotate_graphs, op_name, program_graphs, tensor_shape
 from ..passes.memory_analysis import analyse_memory
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
+from .loss_kernel import loss_shape
 
 
 def capture_program(model, *, seq_len: int, dtype: str):
@@ -103,5 +104,6 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
             granularity = _tp_granularity(forward, names, costs.param_states)
         units = _unit_elements(classes[kind], forward, names, params, costs.param_states)
         result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total, granularity,
-                                     tp_optional=kind != "layer", units=units)
+                                     tp_optional=kind != "layer", units=units,
+                                     loss=loss_shape(forward, names, symbols, costs.forward.states))
     return result, sum(1 for block in program.blocks if block.kind == "layer")
