@@ -73,7 +73,8 @@ def _config(args: argparse.Namespace) -> Any:
                        tokenizer=args.tokenizer, seed=args.seed, optim=optim, log_every=args.log_every,
                        metrics=absolute(args.metrics), save_dir=absolute(args.save_dir), save_every=args.save_every,
                        resume=absolute(args.resume), resume_exact=args.resume_exact, blocking_save=args.blocking_save,
-                       export=absolute(args.export), peak_tflops=args.peak_tflops, timeout_s=args.timeout)
+                       export=absolute(args.export), peak_tflops=args.peak_tflops, timeout_s=args.timeout,
+                       compile_units=not getattr(args, "no_compile", False))
 
 
 def validate(args: argparse.Namespace) -> dict:

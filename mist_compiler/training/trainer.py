@@ -46,6 +46,7 @@ class TrainConfig:
     export: str | None = None
     peak_tflops: float | None = None  # per device, for MFU
     timeout_s: float = 300.0
+    compile_units: bool = True  # False: the stage programs run eagerly (--no-compile, for debugging)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -87,7 +88,7 @@ class Trainer:
         self.say = say or (lambda line: print(f"mist: {line}", flush=True))
         started = time.perf_counter()
         compiled = driver.compile_model(model, plan=self.plan, model_name=model if isinstance(model, str) else None,
-                                        prove=False, timeout_s=config.timeout_s)
+                                        prove=False, timeout_s=config.timeout_s, compile_units=config.compile_units)
         self.program, self.engine = compiled.program, compiled.engine
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -192,6 +193,8 @@ class Trainer:
                         metrics.flush()
                     if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                         self.say(self._line(row))
+                    if len(rows) == 1:  # units compile at their first call
+                        self.say(f"compilation: {self.engine.compile_stats.describe()}")
             if self.checkpointer is not None:
                 self.checkpointer.wait()
         finally:
