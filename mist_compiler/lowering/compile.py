@@ -60,12 +60,18 @@ class CompileStats:
     units: int = 0  # unit modules given a compiled forward
     programs: int = 0  # distinct unit programs (identical layers share one)
     graphs: int = 0  # compiled regions (a forward and its backward), one per program segment and input metadata
-    cached: int = 0  # of those, loaded from inductor's on-disk caches (no kernel compiled)
+    compiled: int = 0  # of those, compiled from scratch (the others came from inductor's on-disk caches or
+    # from another engine of this process)
     seconds: float = 0.0  # wall time spent compiling or loading them
+    seen: set = field(default_factory=set, repr=False)
+
+    @property
+    def cached(self) -> int:
+        return self.graphs - self.compiled
 
     @property
     def from_cache(self) -> bool:
-        return self.graphs > 0 and self.cached == self.graphs
+        return self.graphs > 0 and self.compiled == 0
 
     def describe(self) -> str:
         """One line for logs: how long compilation took and whether it came from the cache."""
@@ -98,7 +104,12 @@ class UnitProgram:
     attrs: dict[str, str]  # get_attr node name -> attribute path
     segments: list[_Segment]
     output: Any  # the output node's argument (names to read from the environment)
-    artefacts: dict[Hashable, Callable] = field(default_factory=dict)
+    key: str = ""  # the graph's code: units (and engines of this process) with the same code share artefacts
+
+
+# compiled artefacts of this process: (program key, segment, input metadata, grad mode) -> callable; pure
+# functions of their inputs, so every engine of the process shares them (a second engine loads nothing)
+_ARTEFACTS: dict[Hashable, Callable] = {}
 
 
 def _is_eager(node: fx.Node, eager: set[str]) -> bool:
@@ -137,7 +148,7 @@ def split_segments(graph: fx.Graph) -> UnitProgram:
         outputs = [n.name for n in group
                    if any(user.op == "output" or position.get(user.name, index) > index for user in n.users)]
         segments.append(_Segment(group, inputs, outputs, eager))
-    return UnitProgram(graph, placeholders, attrs, segments, output.args[0])
+    return UnitProgram(graph, placeholders, attrs, segments, output.args[0], program_key(graph))
 
 
 def _metadata(value: Any) -> Hashable:
@@ -240,10 +251,13 @@ class CompiledUnit:
                 for node in segment.nodes:
                     self._run_eager(node, env)
                 continue
-            key = (index, tuple(_metadata(v) for v in values), torch.is_grad_enabled())
-            artefact = program.artefacts.get(key)
+            key = (program.key, index, tuple(_metadata(v) for v in values), torch.is_grad_enabled())
+            artefact = _ARTEFACTS.get(key)
             if artefact is None:
-                artefact = program.artefacts[key] = self._compile(segment, values)
+                artefact = _ARTEFACTS[key] = self._compile(segment, values)
+            if key not in self.stats.seen:  # the first use of an artefact in this stage
+                self.stats.seen.add(key)
+                self.stats.graphs += 1
             outputs = artefact([v for v in values if isinstance(v, torch.Tensor)])
             env.update(zip(segment.outputs, outputs))
         return fx.node.map_arg(program.output, lambda node: env[node.name])
@@ -261,8 +275,7 @@ class CompiledUnit:
         start = time.perf_counter()
         compiled = compile_segment(module, tensors)
         self.stats.seconds += time.perf_counter() - start
-        self.stats.graphs += 1
-        self.stats.cached += _kernels_compiled() == before
+        self.stats.compiled += _kernels_compiled() != before
 
         def run(inputs: list[torch.Tensor]) -> Any:
             return compiled(*inputs)
