@@ -17,7 +17,7 @@ so a busy machine slows them alike; the median step of each is reported):
   is measured the same way for comparison.
 
 Usage: ``python benchmarks/compiled_training.py [--models llama-small,gpt-small] [--seq 256]
-[--steps 8] [--startup] [--no-dp]``
+[--steps 8] [--startup] [--no-dp] [--threads N]``
 """
 from __future__ import annotations
 
@@ -85,19 +85,24 @@ def _user_loop(model_name: str, seq: int, sampler, compiled: bool, ddp: bool) ->
 
 
 def _alternate(contenders: dict[str, Callable[[int], None]], steps: int, warmup: int) -> dict[str, float]:
-    """Median seconds per step of each contender, stepping them in turn."""
+    """Median seconds per step of each contender, stepping them in turn (the order reversed every other
+    round), and the median over rounds of the first two contenders' ratio within a round ("ratio": a
+    machine whose load drifts slows both sides of a round alike)."""
     import torch.distributed as dist
 
     times: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
     for index in range(warmup + steps):
-        for name, step in contenders.items():
+        for name in (names if index % 2 == 0 else names[::-1]):
             if dist.is_initialized():
                 dist.barrier()
             start = time.perf_counter()
-            step(index)
+            contenders[name](index)
             if index >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    result = {name: statistics.median(values) for name, values in times.items()}
+    result["ratio"] = statistics.median(a / b for a, b in zip(times[names[0]], times[names[1]]))
+    return result
 
 
 def _measure(rank: int, world: int, model: str, seq: int, steps: int, warmup: int, threads: int,
@@ -117,20 +122,20 @@ def _measure(rank: int, world: int, model: str, seq: int, steps: int, warmup: in
     return result
 
 
-def steady_table(models: list[str], seq: int, steps: int, warmup: int, world: int, with_eager: bool) -> list[str]:
-    cores = os.cpu_count() or 1
-    threads = max(1, cores // world)
+def steady_table(models: list[str], seq: int, steps: int, warmup: int, world: int, with_eager: bool,
+                 threads: int | None = None) -> list[str]:
+    threads = threads or max(1, (os.cpu_count() or 1) // world)
     title = "one process" if world == 1 else f"{world} processes, data parallel (user: DDP over torch.compile)"
     lines = [f"### {title}: {threads} thread(s) per process, global batch {BATCH}, sequence {seq}, fp32, "
              f"median of {steps} steps after {warmup}", "",
-             "| model | mist s/step | user torch.compile s/step | ratio | mist eager | user eager |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| model | mist s/step | user torch.compile s/step | ratio (median of paired steps) | mist eager | "
+             "user eager |", "| --- | --- | --- | --- | --- | --- |"]
     for model in models:
         result = run_ranks(_measure, world=world, args=(model, seq, steps, warmup, threads, with_eager),
                            timeout_s=3600, collective_timeout_s=1800)[0]
         eager = (f"{result['mist eager']:.3f} | {result['user eager']:.3f}" if with_eager else "- | -")
         lines.append(f"| {model} | {result['mist']:.3f} | {result['user compiled']:.3f} | "
-                     f"{result['mist'] / result['user compiled']:.3f} | {eager} |")
+                     f"{result['ratio']:.3f} | {eager} |")
         print(f"  {model}: {result['compile']}", flush=True)
     return lines
 
@@ -202,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-eager", action="store_true", help="leave out the eager contenders")
     parser.add_argument("--no-dp", action="store_true", help="leave out the 2-process table")
     parser.add_argument("--startup", action="store_true", help="also measure cold and warm start-up")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: cores / ranks)")
     parser.add_argument("--child", choices=("mist", "user"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -209,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         _startup_child(models[0], args.seq, args.child)
         return 0
     print(f"# compiled training on {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}\n", flush=True)
-    tables = [steady_table(models, args.seq, args.steps, args.warmup, 1, not args.no_eager)]
+    tables = [steady_table(models, args.seq, args.steps, args.warmup, 1, not args.no_eager, args.threads)]
     if not args.no_dp:
-        tables.append(steady_table(models, args.seq, args.steps, args.warmup, 2, not args.no_eager))
+        tables.append(steady_table(models, args.seq, args.steps, args.warmup, 2, not args.no_eager, args.threads))
     if args.startup:
         tables.append(startup_table(models, args.seq))
     for table in tables:

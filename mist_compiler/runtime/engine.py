@@ -135,6 +135,8 @@ class Engine:
         )
         self._offload_hooks = install_activation_offload(self.runtime, units, self.offload_table,
                                                          checkpointed=self.program.checkpointed)
+        if self.compile_stats.enabled and hasattr(self.runtime, "optimizer"):
+            self.runtime.optimizer.compiled = True  # the optimizer's update is compiled code too
         if self.tied is not None:
             self.tied.attach(self.runtime)
         self.interface = self.program.interface

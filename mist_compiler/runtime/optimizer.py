@@ -16,6 +16,7 @@ One step overlaps the device and the host, as the cost model's optimizer phase a
    being updated is waited for while the later units' host updates go on.
 
 Without workers (``HostMemory`` built without them) the host parts are updated inline, in order.
+A compiled stage (``compiled``) updates device parts on a CPU device with :mod:`.fused_adamw`.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from . import kernels
+from . import fused_adamw, kernels
 from .offload import HostMemory, SplitBuffer
 from .streams import HostWorkers, Streams, host_empty
 
@@ -99,6 +100,7 @@ class FlatAdamW:
         self.workers = workers
         self.timeout_s = timeout_s
         self.step_count = 0
+        self.compiled = False  # device parts on a CPU device: one inductor-compiled loop (fused_adamw)
 
     def step(self, states: list[ShardState], grads: list[GradSource],
              on_unit_done: Callable[[int], None] | None = None) -> None:
@@ -160,6 +162,8 @@ class FlatAdamW:
         cfg = self.config
         window = slice(lo, part.param.numel() if hi is None else hi)
         update = kernels.adamw_torch if host else kernels.adamw
+        if not host and self.compiled and part.param.device.type == "cpu":
+            update = fused_adamw.adamw
         update(part.param[window], part.grad[window], part.exp_avg[window], part.exp_avg_sq[window],
                step=self.step_count, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
