@@ -209,3 +209,18 @@ def test_hugging_face_plans_check_compiled(kind, tmp_path):
 
     model = write_config(kind, str(tmp_path / kind))
     assert_all_pass(run_plans(4, plans_for(model), timeout_s=3600))
+
+
+def test_the_backend_and_the_api_take_the_switch(tmp_path):
+    import inspect
+
+    from mist_compiler.torch_compile.plan_runtime import DynamoRuntimeError, parse_options
+
+    path = tmp_path / "plan.json"
+    path.write_text(_plan().to_json())
+    assert parse_options({"plan": str(path), "compile_units": False})["compile_units"] is False
+    with pytest.raises(DynamoRuntimeError, match="option 'compile_units' must be True or False"):
+        parse_options({"plan": str(path), "compile_units": "no"})
+    from mist_compiler.runtime.engine import Engine
+
+    assert "compile_units" in inspect.signature(Engine).parameters  # mist_compiler.compile(..., compile_units=)
