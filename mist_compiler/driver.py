@@ -123,14 +123,20 @@ def check_plan(program: MistProgram, plan: Plan, *, model_name: str | None = Non
             prove_tensor_parallel(program, degree)
 
 
-def lower(program: MistProgram, plan: Plan, world, model=None, source=None):
+def lower(program: MistProgram, plan: Plan, world, model=None, source=None, compile_units: bool | None = None):
     """Step 6 (lowering): this rank's stage program, its modules holding this rank's slices of the
-    weights of ``source`` (default: the module's own tensors, or a model name's initialisation)."""
+    weights of ``source`` (default: the module's own tensors, or a model name's initialisation), its
+    units compiled by inductor as the plan says (``compile_units=False``: eager, for debugging;
+    ``MIST_COMPILE=0`` makes eager the default, as the test suite does)."""
+    from .lowering.compile import compile_stage, default_enabled
     from .lowering.lower import lower as lower_program
     from .lowering.materialize import tensor_source
 
     source = source if source is not None else tensor_source(model, plan.seq_len)
-    return lower_program(program, plan, world.coord, source, device=world.device, tp_group=world.tp_group)
+    stage = lower_program(program, plan, world.coord, source, device=world.device, tp_group=world.tp_group)
+    enabled = plan.compiled and default_enabled() if compile_units is None else compile_units
+    stage.compile_stats = compile_stage(stage, enabled=enabled)
+    return stage
 
 
 def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes: int = 1, gpus_per_node: int = 1,
@@ -138,13 +144,13 @@ def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes
                   attention: str = "flash", space=None, baseline: str | None = None, grad_dtype: str = "float32",
                   compiled: bool = COMPILED_DEFAULT, until: str = "run", model_name: str | None = None, progress: Callable[[str], None] | None = None,
                   program: MistProgram | None = None, prove: bool = True, optimizer=None, device=None,
-                  timeout_s: float | None = None, source=None) -> Compiled:
+                  timeout_s: float | None = None, source=None, compile_units: bool | None = None) -> Compiled:
     """The whole pipeline (see the module docstring). ``model``: an ``nn.Module`` (trained from its
     own weights) or a model name; ``plan``: run this plan instead of tuning (else tune for
     ``hardware`` and the cluster, in ``space`` or a ``baseline``'s spaces, with ``grad_dtype``
     gradients, pricing units ``compiled`` or eager); ``optimizer`` (AdamW
-    settings), ``device``, ``timeout_s`` and ``source`` (where the initial weights come from) are for
-    the runtime."""
+    settings), ``device``, ``timeout_s``, ``source`` (where the initial weights come from) and
+    ``compile_units`` (None: as the plan says; False: eager units, for debugging) are for the runtime."""
     if isinstance(plan, str):
         plan = load_plan(plan)
     if plan is not None and not isinstance(plan, Plan):
@@ -175,7 +181,7 @@ def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes
 
     world = join_world(plan, tied=bool(program.model_graph.tied_parameters()), device=device,
                        timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
-    stage = lower(program, plan, world, model, source)
+    stage = lower(program, plan, world, model, source, compile_units)
     compiled.engine = Engine(stage, plan, world, optimizer=optimizer)
     return compiled
 
@@ -216,12 +222,12 @@ def analyze_plan(model, plan: Plan | str, hardware, *, attention: str = "flash")
 
 
 def build_engine(model, plan: Plan | str, *, optimizer=None, device=None, timeout_s: float | None = None,
-                 source=None):
+                 source=None, compile_units: bool | None = None):
     """``mist_compiler.compile``: this rank's training engine for ``model`` (a module, trained from its
     own weights, or a model name, built and initialised shard by shard) under ``plan`` (a Plan or a
     path). Collective under torchrun: every rank calls it."""
     return compile_model(model, plan=plan, optimizer=optimizer, device=device, timeout_s=timeout_s,
-                         source=source).engine
+                         source=source, compile_units=compile_units).engine
 
 
 __all__ = ["Compiled", "IRShape", "analyse", "analyze_plan", "build_engine", "capture", "check_plan", "compile_model",

@@ -5,6 +5,11 @@ import os
 
 import pytest
 
+# The suite runs units eagerly unless a test asks for compiled ones (tests/test_compiled_units.py):
+# inductor's first compile of a graph takes tens of seconds on this CPU. Ranks and `mistc` subprocesses
+# inherit the setting.
+os.environ.setdefault("MIST_COMPILE", "0")
+
 
 @pytest.fixture(scope="session")
 def gpt_tiny_program():

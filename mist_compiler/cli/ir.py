@@ -19,7 +19,7 @@ CAPTURE_PASSES = ("build_fake_model", "group_layers", "keep_one_layer_per_group"
                   "check_layer_chain", "trace_joint_graph", "find_model_graph", "recognise_tensor_parallel",
                   "shape_prop", "block_discovery", "lower_to_ir")
 # The plan-driven lowering passes of the backend (lowering/lower.py); they need --plan.
-LOWERING_PASSES = ("partition", "tp_sharding", "checkpoint", "offload_insertion")
+LOWERING_PASSES = ("partition", "tp_sharding", "loss_kernel", "checkpoint", "offload_insertion")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -43,6 +43,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-rank", type=int, default=0, help="this node's index")
     parser.add_argument("--master-addr", default="127.0.0.1", help="rendezvous host (node 0)")
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="run the stage programs eagerly (debugging) instead of inductor-compiled")
 
 
 def validate(args: argparse.Namespace):
@@ -90,6 +92,7 @@ def torchrun_command(args: argparse.Namespace, port: int) -> list[str]:
         "--timeout", str(args.timeout),
     ]
     command += ["--check"] if args.check else []
+    command += ["--no-compile"] if getattr(args, "no_compile", False) else []
     command += ["--debug"] if getattr(args, "debug", False) else []
     command += ["--lr", str(args.lr)] if args.lr is not None else []
     return command

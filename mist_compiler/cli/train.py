@@ -72,10 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_plan(model: str, world: int, program: Any) -> dict:
-    """A plain data-parallel plan over ``world`` processes (fp32, ZeRO-0)."""
+    """A plain data-parallel plan over ``world`` processes (fp32, ZeRO-0, the plain head + loss: its
+    logits are small at this batch and sequence)."""
     seq = min(64, program.max_positions or 64)
     batch = max(8 // world, 1) * world
     return {"model": model, "seq_len": seq, "global_batch": batch, "dtype": "float32", "grad_accum": 1,
+            "fused_loss": False,
             "stages": [{"layers": [0, program.model_graph.num_layers], "nodes": 1, "gpus_per_node": world,
                         "micro_batch": batch // world, "dp": world, "tp": 1, "zero": 0}]}
 
@@ -92,7 +94,8 @@ def _config(args: argparse.Namespace) -> Any:
                        metrics=absolute(args.metrics), save_dir=absolute(args.save_dir), save_every=args.save_every,
                        resume=absolute(args.resume), resume_exact=args.resume_exact, blocking_save=args.blocking_save,
                        export=absolute(args.export), peak_tflops=args.peak_tflops, timeout_s=args.timeout,
-                       max_bad_steps=args.max_bad_steps, keep_last=args.keep_last, overwrite=args.overwrite)
+                       max_bad_steps=args.max_bad_steps, keep_last=args.keep_last, overwrite=args.overwrite,
+                       compile_units=False if getattr(args, "no_compile", False) else None)
 
 
 def validate(args: argparse.Namespace) -> dict:

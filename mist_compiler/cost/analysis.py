@@ -17,6 +17,7 @@ from ..passes.manager import PassManager
 from ..passes.memory_analysis import memory_analysis
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .compiled import compiled_cost_annotation
+from .loss_kernel import loss_shape
 
 
 def _param_elements(forward: fx.GraphModule, names: set[str], params: set[str], states: dict[str, str]) -> tuple[sympy.Expr, int]:
@@ -96,7 +97,7 @@ def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAna
     except ValueError as error:
         raise StageModelError(str(error)) from None
     graphs, costs = analysed.analysis.graphs, analysed.analysis.costs
-    forward, params = graphs.forward, graphs.params
+    forward, params, symbols = graphs.forward, graphs.params, graphs.symbols
     blocks = {kind: graphs.blocks[block_class.class_id] for kind, block_class in classes.items()}
     memory = {kind: analysed.analysis.memory[block_class.class_id] for kind, block_class in classes.items()}
     result = {}
@@ -110,5 +111,6 @@ def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAna
         units = _unit_elements(classes[kind], forward, names, params, costs.param_states)
         block_kind = classes[kind].kind
         result[kind] = BlockAnalysis(block_kind, costs.restrict(names), memory[kind], per_device, total, granularity,
-                                     tp_optional=block_kind != "layer", units=units)
+                                     tp_optional=block_kind != "layer", units=units,
+                                     loss=loss_shape(forward, names, symbols, costs.forward.states))
     return result, sum(1 for block in program.blocks if block.kind == "layer")

@@ -15,7 +15,7 @@ import numpy as np
 from ..ir.program import MistProgram
 from ..ir.plan import Plan, PlanError, load_plan
 from .hardware import HardwareProfile, load_profile
-from .stage_api import StageCandidates, pipeline_iteration_time
+from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates, pipeline_iteration_time
 from .stage_model import StageCostModel, build_stage_cost_model
 
 MB = 1e6
@@ -92,6 +92,7 @@ def plan_candidates(plan: Plan) -> StageCandidates:
         inflight=np.minimum(count - np.arange(count), plan.grad_accum),
         grad_accum=plan.grad_accum,
         low_precision_grads=plan.low_precision_grads,
+        fused_loss=LOSS_FUSED if plan.fused_loss else LOSS_PLAIN,  # the plan's head + loss, as it will run
     )
 
 

@@ -11,6 +11,7 @@ import sympy
 
 from ..passes.cost_annotation import BlockCosts
 from ..passes.memory_analysis import BlockMemory
+from .loss_kernel import LossShape
 
 BLOCK_KINDS = ("pre", "layer", "post")
 
@@ -33,6 +34,7 @@ class BlockAnalysis:
     # per-device parameter elements of the backend's units in the block (modules owning parameters), forward
     # order; None: one unit
     units: list[sympy.Expr] | None = None
+    loss: LossShape | None = None  # the fused head + loss it runs, if any (priced plain too: cost.loss_kernel)
 
     @property
     def tp_supported(self) -> bool:

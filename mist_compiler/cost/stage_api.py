@@ -14,6 +14,10 @@ from typing import Protocol
 import numpy as np
 
 
+# the last stage's head + loss (Plan.fused_loss, priced by cost.loss_kernel): as a candidate's ``fused_loss``
+LOSS_PLAIN, LOSS_FUSED, LOSS_CHOOSE = 0, 1, -1  # plain, fused and chunked, the faster that fits (the tuner)
+
+
 @dataclass
 class StageCandidates:
     """Stage configurations, as equal-length arrays (ints unless noted)."""
@@ -35,6 +39,9 @@ class StageCandidates:
     inflight: np.ndarray  # micro-batches whose activations are alive at once (1F1B: stages from here to the end)
     grad_accum: np.ndarray = 1  # micro-batches per iteration (gradient accumulators live between them)
     low_precision_grads: np.ndarray = False  # bool: ZeRO 0/1 keep gradients in the param dtype (plan grad_dtype)
+    # the last stage's head + loss (Plan.fused_loss): LOSS_FUSED (old plans' meaning), LOSS_PLAIN, or
+    # LOSS_CHOOSE: the faster that fits in memory (the choice is breakdown["fused_loss"], 1.0 fused)
+    fused_loss: np.ndarray = LOSS_FUSED
 
     def __post_init__(self) -> None:
         lengths = {f.name: len(np.atleast_1d(getattr(self, f.name))) for f in fields(self)}

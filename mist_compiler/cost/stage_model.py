@@ -51,10 +51,11 @@ from .analysis import analyse_program
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
+from .loss_kernel import plain_loss_deltas
 from .memory import BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory, state_bytes_per_param
 from .op_time import matmul_time, op_class_time
 from .overlap import OverlapResult, overlap
-from .stage_api import StageCandidates, StageEstimates
+from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates, StageEstimates
 
 MAX_MICRO_BATCH = 1 << 20  # the largest micro-batch (sequences) and group size the cost model prices
 MAX_GROUP = 1 << 14
@@ -97,6 +98,8 @@ class _BlockFunctions:
     units: list[Callable]  # the first two units in forward order (the second 0 when there is one)
     tp_optional: bool = False
     gemms: dict[str, list[tuple[Callable, Callable]]] = field(default_factory=dict)  # phase -> (flops, bytes) per matmul
+    loss: tuple[Callable, Callable, Callable] | None = None  # the fused loss's (N, H, V per device), cost.loss_kernel
+    loss_dtype_bytes: int = 4
 
 
 # The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
@@ -137,6 +140,9 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         gemms={p: [(_lambdify(c.flops), _lambdify(c.bytes)) for c in g.nodes if c.op_class == "matmul"]
                for p, g in phases.items()},
         units=[_lambdify(e) for e in ((block.units or [block.params_per_device]) + [sympy.Integer(0)])[:2]],
+        loss=None if block.loss is None else tuple(_lambdify(e) for e in (block.loss.rows, block.loss.hidden,
+                                                                          block.loss.vocab)),
+        loss_dtype_bytes=block.loss.dtype_bytes if block.loss is not None else 4,
     )
 
 
@@ -303,6 +309,11 @@ class StageCostModel:
         terms["unit_0"], terms["unit_1"] = (unit(b, s, t) for unit in functions.units)
         for index, size in enumerate(functions.saved_sequence):
             terms[f"saved_{index}"] = size(b, s, t)
+        if functions.loss is not None:
+            deltas = plain_loss_deltas(*(f(b, s, t) for f in functions.loss), functions.loss_dtype_bytes,
+                                       self.hardware, self.dtype)
+            for name, value in vars(deltas).items():
+                terms[f"plain_loss_{name}"] = value
         return terms
 
     def _candidate_terms(self, c: StageCandidates):
@@ -351,11 +362,40 @@ class StageCostModel:
         return infeasible
 
     def evaluate(self, candidates: StageCandidates) -> StageEstimates:
-        c = candidates
+        """Every candidate's time and memory; a last stage's head + loss priced as its ``fused_loss``
+        says, or (``-1``) both ways, keeping the plain loss where it fits and is faster
+        (``breakdown["fused_loss"]``: 1.0 fused, 0.0 plain)."""
+        per_kind, dp_shape = self._candidate_terms(candidates)
+        fused = self._estimate(candidates, per_kind, dp_shape)
+        fused.breakdown["fused_loss"] = np.ones(len(candidates))
+        choice = np.asarray(candidates.fused_loss)
+        wanted = np.flatnonzero((np.asarray(candidates.has_post, dtype=bool)) & (choice != LOSS_FUSED)
+                                & ("plain_loss_saved" in per_kind["post"]))
+        if not len(wanted):
+            return fused
+        subset = {kind: {name: value[wanted] for name, value in terms.items()} for kind, terms in per_kind.items()}
+        post = subset["post"]
+        for name in ("forward_compute", "backward_compute", "saved", "forward_peak", "backward_peak"):
+            post[name] = post[name] + post[f"plain_loss_{name}"]
+        plain = self._estimate(candidates.select(wanted), subset, tuple(part[wanted] for part in dp_shape))
+        better = (choice[wanted] == LOSS_PLAIN) | ((plain.peak_memory_bytes <= self.device_memory_bytes)
+                                             & (plain.stable_s <= fused.stable_s[wanted]))
+        chosen = wanted[better]
+        fused.stable_s[chosen] = plain.stable_s[better]
+        fused.delta_s[chosen] = plain.delta_s[better]
+        fused.peak_memory_bytes[chosen] = plain.peak_memory_bytes[better]
+        for name, values in plain.breakdown.items():
+            fused.breakdown[name] = np.broadcast_to(np.asarray(fused.breakdown[name], dtype=float),
+                                                    (len(candidates),)).copy()
+            fused.breakdown[name][chosen] = np.broadcast_to(np.asarray(values, dtype=float), (len(wanted),))[better]
+        fused.breakdown["fused_loss"][chosen] = 0.0
+        return fused
+
+    def _estimate(self, c: StageCandidates, per_kind: dict, dp_shape: tuple) -> StageEstimates:
         count = len(c)
         dp = np.asarray(c.dp, dtype=np.int64)
         nodes = np.asarray(c.nodes, dtype=np.int64)
-        per_kind, (dp_nodes, dp_gpus) = self._candidate_terms(c)
+        dp_nodes, dp_gpus = dp_shape
         layer, pre, post = per_kind["layer"], per_kind["pre"], per_kind["post"]
         n = np.asarray(c.num_layers, dtype=float)
         ckpt = np.asarray(c.ckpt_layers, dtype=float)

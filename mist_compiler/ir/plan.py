@@ -17,7 +17,15 @@ gradients (its fp32 accumulator is split with the host).
 
 ``compiled`` (optional, default ``ir.vocabulary.COMPILED_DEFAULT``) says whether every unit runs as
 code compiled by inductor (fused elementwise kernels, what its partitioner saves for the backward)
-or op by op in eager mode; the cost model prices the one the plan names.
+or op by op in eager mode; the cost model prices the one the plan names and the runtime runs it
+(``--no-compile`` runs a compiled plan eagerly, for debugging).
+
+``fused_loss`` (optional, default ``true``: what plans written before the key meant) is how the last
+stage computes its LM head and loss. ``true``: the fused, chunked ``mist::linear_cross_entropy``
+(no ``N x V`` logits exist; the backward recomputes them chunk by chunk: ``8NHV`` FLOPs instead of
+``6NHV``). ``false``: the head's logits are materialised and the loss runs as the model wrote it,
+which is faster and holds about ``N x V`` fp32 values more (``N`` tokens of a micro-batch, ``V``
+the vocabulary on one device). The tuner writes ``false`` where that fits in memory.
 """
 from __future__ import annotations
 
@@ -163,6 +171,7 @@ class Plan:
     stages: tuple[StagePlan, ...]
     grad_dtype: str = "float32"
     compiled: bool = COMPILED_DEFAULT
+    fused_loss: bool = True
 
     @property
     def low_precision_grads(self) -> bool:
@@ -197,11 +206,13 @@ class Plan:
             stages=tuple(StagePlan.from_dict(s, f"stages[{i}]") for i, s in enumerate(stages_data)),
             grad_dtype=data.get("grad_dtype", "float32"),
             compiled=data.get("compiled", COMPILED_DEFAULT),
+            fused_loss=data.get("fused_loss", True),
         )
         plan._check_consistency()
         return plan
 
     def _check_consistency(self) -> None:
+        _require(isinstance(self.fused_loss, bool), "fused_loss", f"expected true or false, got {self.fused_loss!r}")
         _require(self.grad_dtype in ("float32", self.dtype), "grad_dtype",
                  f"must be 'float32' or the plan's dtype {self.dtype!r}, got {self.grad_dtype!r}")
         _require(isinstance(self.compiled, bool), "compiled", f"expected true or false, got {self.compiled!r}")
@@ -239,6 +250,8 @@ class Plan:
             data["grad_dtype"] = self.grad_dtype
         if self.compiled != COMPILED_DEFAULT:
             data["compiled"] = self.compiled
+        if not self.fused_loss:
+            data["fused_loss"] = False
         return data
 
     def to_json(self) -> str:

@@ -24,9 +24,9 @@ SYMBOLS: dict[str, sympy.Symbol] = {"b": B, "s": S, "t": T}
 
 ATTENTION_KERNELS = ("flash", "math")  # flash keeps the log-sum-exp; math keeps the s x s probabilities
 OFFLOAD_KINDS = ("weights", "grads", "opt", "acts")
-# whether a plan's units run (and are priced) as compiled code unless it says otherwise: True once the
-# runtime compiles every unit (issue 29); a plan's "compiled" key records the choice either way
-COMPILED_DEFAULT = False
+# whether a plan's units run (and are priced) as inductor-compiled code unless it says otherwise
+# (lowering.compile); a plan's "compiled": false runs and prices them op by op
+COMPILED_DEFAULT = True
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -201,7 +201,9 @@ def launch(args: argparse.Namespace, command: Callable[[int], list[str]], name: 
     ``graceful``: SIGTERM/SIGINT ask the ranks to save and stop (see the module docstring);
     ``on_preempted(line)`` turns a rank's preemption line into the one the user reads."""
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    # the node's cores shared by its ranks (torchrun's default is 1 thread each: half of a 2-core machine
+    # idle under a one-process run); the user's OMP_NUM_THREADS wins
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, args.nproc_per_node))))
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     port = args.master_port or free_port()

@@ -111,6 +111,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--debug", action="store_true")
     parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--no-compile", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -124,7 +125,7 @@ def train(args: argparse.Namespace, rank: int) -> int:
     optimizer = AdamWConfig() if args.lr is None else AdamWConfig(lr=args.lr)
     started = time.perf_counter()
     compiled = driver.compile_model(args.model, plan=plan, model_name=args.model, prove=False, optimizer=optimizer,
-                                    timeout_s=args.timeout)
+                                    timeout_s=args.timeout, compile_units=False if args.no_compile else None)
     engine, vocab = compiled.engine, vocab_size(compiled.program)
     if rank == 0:
         say(f"compiled {args.model} for {plan.world_size} rank(s) in {time.perf_counter() - started:.1f} s")
@@ -143,6 +144,8 @@ def train(args: argparse.Namespace, rank: int) -> int:
             tokens = plan.global_batch * plan.seq_len
             elapsed = time.perf_counter() - clock
             say(f"step {step + 1}/{args.steps}: loss {losses[-1]:.6f}, {elapsed:.3f} s, {tokens / elapsed:,.0f} tokens/s")
+            if step == 0:  # units compile at their first call
+                say(f"compilation: {engine.compile_stats.describe()}")
     weights = engine.gather_full_state(dst=0)
     status = 0
     if args.check and rank == 0:

@@ -2,8 +2,8 @@
 
 The lowering is one list of passes run by the :class:`PassManager` (read it in
 :func:`lowering_passes`): cut the pipeline stage out of the captured torch-level program, shard
-it over the tensor-parallel group, checkpoint the first layers, set the units' offload
-fractions. Then :func:`~.materialize.build_stage` instantiates the stage's modules with this
+it over the tensor-parallel group, keep or undo the fused head + loss, checkpoint the first layers,
+set the units' offload fractions. Then :func:`~.materialize.build_stage` instantiates the stage's modules with this
 rank's weights only.
 """
 from __future__ import annotations
@@ -20,13 +20,14 @@ from ..ir.program import MistProgram
 from ..ir.stage import StageGraph
 from ..ir.topology import RankCoord
 from ..passes.checkpoint import ActivationCheckpoint
+from ..passes.loss_kernel import LossKernel
 from ..passes.manager import PassManager
 from ..passes.offload_insertion import OffloadInsertion
 from ..passes.partition import Partition, PartitionError
 from ..passes.tp_sharding import TensorParallel, check_degree
 from .materialize import StageProgram, TensorSource, build_stage
 
-LOWERING_PASSES = ("partition", "tp_sharding", "checkpoint", "offload_insertion")
+LOWERING_PASSES = ("partition", "tp_sharding", "loss_kernel", "checkpoint", "offload_insertion")
 
 
 def check_plan_against_program(plan: Plan, program: MistProgram) -> None:
@@ -48,6 +49,7 @@ def lowering_passes(program: MistProgram, plan: Plan, coord: RankCoord) -> list[
     return [
         Partition(plan, coord.stage),  # ModelGraph -> StageGraph: this stage's units and boundary
         TensorParallel(program.model_graph, coord.tp_index, stage.tp),  # apply the recognised split
+        LossKernel(plan.fused_loss),  # the fused, chunked head + loss, or the plain one
         ActivationCheckpoint(stage.ckpt_layers),  # recompute the first layers in backward
         OffloadInsertion(stage.offload),  # each unit's host fractions
     ]

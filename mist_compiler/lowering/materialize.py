@@ -91,6 +91,7 @@ class StageProgram:
     deferred: dict[int, "DeferredParameter"] = field(default_factory=dict, repr=False)  # id(param) -> how to make it
     tied: set[str] = field(default_factory=set)  # runtime names of weights the model ties across pre and post
     labels: Any = None  # frontend.labels.LabelConvention: how the model reads its labels (set by lower())
+    compile_stats: Any = None  # lowering.compile.CompileStats once the units are compiled (or kept eager)
 
     def initial_value(self, param: nn.Parameter) -> torch.Tensor | None:
         """The initial fp32 value of a deferred parameter (made now, on the stage's device; read it,

@@ -34,8 +34,9 @@ from torch import nn
 
 from ..ir.model_graph import DROPOUT_SEEDS, ShardSpec
 from ..ir.plan import Plan, PlanError
-from ..lowering.materialize import StageProgram
 from ..ir.vocabulary import TORCH_DTYPES
+from ..lowering.compile import CompileStats
+from ..lowering.materialize import StageProgram
 from ..ops.dropout import sample_seeds
 from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error
 from .host_allocator import keep_freed_host_memory
@@ -89,6 +90,8 @@ class Engine:
         self.monitor = FailureMonitor(self.rank, self.world, self.timeout_s)
         self.labels = stage.labels  # how the model reads its labels (frontend.labels): loss weights by label count
         self.tied_names = stage.tied
+        # lowering.compile: what compiling the units cost so far (eager when the stage was lowered without it)
+        self.compile_stats = stage.compile_stats or CompileStats(enabled=False, units=len(stage.units))
         self.tied = TiedWeights.create(self) if self.tied_names and plan.pp > 1 else None
         if self.tied is not None:
             for param in self.tied.params.values():

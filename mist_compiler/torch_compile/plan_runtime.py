@@ -2,7 +2,8 @@
 
 The dynamo backend hands the graph here (:func:`compile_with_plan`) when options ask for
 training: either ``plan`` (a Plan or a path) or what tuning needs (``hardware``, ``nodes``,
-``gpus_per_node``, ``global_batch``, optionally ``seq_len``, ``dtype``, ``attention``). Dynamo
+``gpus_per_node``, ``global_batch``, optionally ``seq_len``, ``dtype``, ``attention``; and
+``compile_units=False`` to run the stage programs eagerly, for debugging). Dynamo
 lifts the model's parameters into graph inputs whose sources lead back to a local (or global)
 of the frame being compiled: that object is the user's ``nn.Module`` (:func:`compiled_module`,
 no search of the heap). The driver captures it, tunes if needed, and builds this rank's engine
@@ -49,7 +50,7 @@ from .option_checks import check_option_values, check_plan_model
 
 PLAN_OPTIONS = {"plan"}
 TUNING_OPTIONS = {"hardware", "nodes", "gpus_per_node", "global_batch", "seq_len", "dtype", "attention"}
-RUNTIME_OPTIONS = {"timeout_s", "device"}
+RUNTIME_OPTIONS = {"timeout_s", "device", "compile_units"}
 KNOWN_OPTIONS = PLAN_OPTIONS | TUNING_OPTIONS | RUNTIME_OPTIONS
 _trainings: list["Training"] = []
 _hooks: list[Any] = []
@@ -86,6 +87,11 @@ def parse_options(options: dict) -> dict[str, Any]:
     settings: dict[str, Any] = {"timeout_s": float(options.get("timeout_s", DEFAULT_TIMEOUT_S))}
     if options.get("device") is not None:
         settings["device"] = options["device"]
+    if "compile_units" in options:  # False: the stage programs run eagerly (debugging)
+        if not isinstance(options["compile_units"], bool):
+            raise DynamoRuntimeError(f"mist backend: option 'compile_units' must be True or False, got "
+                                     f"{options['compile_units']!r}")
+        settings["compile_units"] = options["compile_units"]
     if "plan" in options:
         plan = options["plan"]
         plan = load_plan(plan) if isinstance(plan, str) else plan

@@ -61,6 +61,7 @@ class TrainConfig:
     keep_last: int = 0  # checkpoints kept in save_dir (0: all)
     overwrite: bool = False  # start over in a save_dir that holds checkpoints (deletes them)
     lock_token: str | None = None  # the launcher holds save_dir's lock under this token
+    compile_units: bool | None = None  # None: as the plan says; False: eager units (--no-compile, for debugging)
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("max_bad_steps", 1), ("keep_last", 0), ("save_every", 0), ("log_every", 1)):
@@ -128,7 +129,7 @@ class Trainer:
         self.lock = self._own_save_dir()
         resuming = _start_resume(config.resume) if config.resume else None
         compiled = driver.compile_model(model, plan=self.plan, model_name=model if isinstance(model, str) else None,
-                                        prove=False, timeout_s=config.timeout_s)
+                                        prove=False, timeout_s=config.timeout_s, compile_units=config.compile_units)
         self.program, self.engine = compiled.program, compiled.engine
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -274,6 +275,8 @@ class Trainer:
                         metrics.write({k: v for k, v in row.items() if k != "stop"})
                     if self.step % cfg.log_every == 0 or self.step == cfg.steps or bad or stopping:
                         self.say(self._line(row, len(bad), stopping))
+                    if len(rows) == 1:  # units compile at their first call
+                        self.say(f"compilation: {self.engine.compile_stats.describe()}")
                 if len(bad) >= cfg.max_bad_steps:
                     if self.checkpointer is not None:
                         self.checkpointer.wait()  # the last good step's save completes: the message names it

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..cost.stage_api import StageCandidates, StageCostModel, pipeline_iteration_time
+from ..cost.stage_api import LOSS_CHOOSE, StageCandidates, StageCostModel, pipeline_iteration_time
 from ..ir.plan import Offload, Plan, StagePlan
 from ..ir.vocabulary import COMPILED_DEFAULT
 from .inter_stage import StageSolution, solve_partition, uniform_solution
@@ -156,7 +156,7 @@ def _memory_diagnosis(cost_model: StageCostModel, work: Workload, cluster: Clust
                             num_layers=layers, has_pre=bool(pp & 1), has_post=pp >= PP_POST, nodes=shape.nodes,
                             gpus_per_node=shape.gpus, micro_batch=micro, dp=dp, tp=tp, zero=zero, ckpt_layers=ckpt,
                             offload_weights=most[0], offload_grads=most[1], offload_opt=most[2], offload_acts=most[3],
-                            inflight=inflight, grad_accum=g,
+                            inflight=inflight, grad_accum=g, fused_loss=LOSS_CHOOSE,
                         )
                         peaks.append(float(cost_model.evaluate(candidates).peak_memory_bytes[0]))
                     best = min(best, max(peaks))
@@ -305,8 +305,11 @@ def _result(cost_model: StageCostModel, work: Workload, space: SearchSpace, tabl
                             float(configs.offload_opt[row]), float(configs.offload_acts[row])),
         ))
         start += layers
+    # the last stage's head + loss as the cost model chose it: plain where it fits and is faster (cost.loss_kernel)
+    fused_loss = bool(np.asarray(estimates.breakdown.get("fused_loss", np.ones(len(rows))))[-1] > 0.5)
     plan = Plan(model=work.model_name, seq_len=work.seq_len, global_batch=work.global_batch, dtype=work.dtype,
-                grad_accum=table.grad_accum, stages=tuple(stages), grad_dtype=getattr(cost_model, "grad_dtype", "float32"))
+                grad_accum=table.grad_accum, stages=tuple(stages), grad_dtype=getattr(cost_model, "grad_dtype", "float32"),
+                fused_loss=fused_loss)
     predicted = pipeline_iteration_time(estimates.stable_s, estimates.delta_s, table.grad_accum)
     reports = [
         StageReport(i, float(estimates.stable_s[i]), float(estimates.delta_s[i]), float(estimates.peak_memory_bytes[i]),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cost.stage_api import StageCandidates, StageCostModel
+from ..cost.stage_api import LOSS_CHOOSE, StageCandidates, StageCostModel
 from .knobs import IncumbentBound, _candidate_knobs
 from .space import Cluster, DeviceShape, SearchSpace, Workload
 from .stage_configs import (MEMORY_TOLERANCE, PP_POST, Bases, CountingModel, _fits, _knob_limits, enumerate_bases,
@@ -156,6 +156,7 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
         micro_batch=kept.micro_batch, dp=kept.dp, tp=kept.tp, zero=kept.zero, ckpt_layers=ckpt[keep],
         offload_weights=offload[keep, 0], offload_grads=offload[keep, 1], offload_opt=offload[keep, 2],
         offload_acts=offload[keep, 3], inflight=np.ones(len(keep), dtype=int), grad_accum=kept.grad_accum,
+        fused_loss=LOSS_CHOOSE,
     ) if len(keep) else None
     stats["frontier_points"] = len(keep)
     stats["evaluated"] = model.rows

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost.stage_api import StageCandidates, StageCostModel, StageEstimates
+from ..cost.stage_api import LOSS_CHOOSE, StageCandidates, StageCostModel, StageEstimates
 from .space import Cluster, DeviceShape, SearchSpace, Workload
 
 PP_NONE, PP_PRE, PP_POST, PP_BOTH = 0, 1, 2, 3
@@ -61,7 +61,7 @@ def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckp
             zero=bases.zero[window], ckpt_layers=ckpt[window],
             offload_weights=offload[window, 0], offload_grads=offload[window, 1],
             offload_opt=offload[window, 2], offload_acts=offload[window, 3], inflight=inflight_arr[window],
-            grad_accum=bases.grad_accum[window],
+            grad_accum=bases.grad_accum[window], fused_loss=LOSS_CHOOSE,
         )
         parts.append(model.evaluate(candidates))
     if len(parts) == 1:

@@ -1,0 +1,226 @@
+"""Compiled units (``lowering/compile.py``): inductor-compiled stage programs train exactly like the eager ones.
+
+The rest of the suite runs units eagerly (``MIST_COMPILE=0`` in conftest: a first compile takes tens of
+seconds here); these tests turn compilation on. They share one model and one set of shapes (gpt-tiny,
+micro-batch 2, sequence 16), so after the first compile the others load their graphs from inductor's
+on-disk cache. Every plan kind goes through ``--check``'s comparison with one-process training; the
+heaviest combinations (three stages, a Hugging Face model, llama) are marked ``heavy``.
+"""
+from __future__ import annotations
+
+import operator
+import os
+
+import pytest
+import torch
+import torch.fx as fx
+
+from mist_compiler.ir.plan import Plan
+from mist_compiler.ir.topology import RankCoord
+from mist_compiler.lowering.compile import CompileStats, compile_stage, split_segments
+from mist_compiler.lowering.lower import lower
+from mist_compiler.lowering.materialize import ModuleTensors
+from mist_compiler.models import build_model
+from mist_compiler.verify.check import synthetic_batch
+from plan_runs import assert_all_pass, plan_dict, run_plans, stage
+
+MODEL, SEQ, MICRO = "gpt-tiny", 16, 2
+
+
+@pytest.fixture(autouse=True)
+def compiled_by_default(monkeypatch):
+    monkeypatch.setenv("MIST_COMPILE", "1")  # ranks spawned by the tests inherit it
+
+
+def _plan(ckpt_layers: int = 0, offload: dict | None = None) -> Plan:
+    return Plan.from_dict(plan_dict(MODEL, MICRO, 1, [stage((0, 4), ckpt_layers=ckpt_layers, offload=offload or {})],
+                                    seq=SEQ))
+
+
+def _stage(program, plan: Plan, model, compiled: bool):
+    built = lower(program, plan, RankCoord(0, 0, 0), ModuleTensors(model), device=torch.device("cpu"))
+    return built, compile_stage(built, enabled=compiled)
+
+
+def _saved_bytes(run) -> int:
+    """Bytes of the distinct storages the autograd graph saves while ``run()`` executes (what an outer
+    saved-tensor hook, the runtime's activation offload, sees)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = run()
+    return result, sum(storages.values())
+
+
+def _train_once(built, batch):
+    loss, saved = _saved_bytes(lambda: built.module(**batch))
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in built.module.named_parameters()}
+    return loss.detach(), grads, saved
+
+
+def test_segments_cut_at_the_tensor_parallel_collectives():
+    graph = fx.Graph()
+    x, w, labels = graph.placeholder("x"), graph.get_attr("weight"), graph.placeholder("labels")
+    y = graph.call_function(torch.nn.functional.linear, (x, w))
+    copied = graph.call_module("tp.copy", (y,))
+    fused = graph.call_module("tp.linear_cross_entropy", (copied, w, labels))
+    loss = graph.call_function(operator.getitem, (fused, 0))
+    graph.output(graph.call_function(torch.mul, (loss, 2.0)))
+    program = split_segments(graph)
+    assert [s.eager for s in program.segments] == [False, True, False]
+    assert [n.name for n in program.segments[1].nodes] == ["tp_copy", "tp_linear_cross_entropy", "getitem"]
+    assert program.segments[0].outputs == ["linear"] and program.segments[2].inputs == ["getitem"]
+    assert program.attrs == {"weight": "weight"}
+
+
+def test_compiled_stage_trains_like_the_eager_one(gpt_tiny_program):
+    torch.manual_seed(0)
+    model = build_model(MODEL, seq_len=SEQ)
+    batch = synthetic_batch(512, MICRO, SEQ, 0)
+    eager, off = _stage(gpt_tiny_program, _plan(), model, compiled=False)
+    compiled, stats = _stage(gpt_tiny_program, _plan(), model, compiled=True)
+    assert off.describe() == "8 units run eagerly (compilation off)"
+    reference, compiled_run = _train_once(eager, batch), _train_once(compiled, batch)
+    torch.testing.assert_close(compiled_run[0], reference[0], rtol=1e-5, atol=1e-6)
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(compiled_run[1][name], grad, rtol=1e-4, atol=1e-6)
+    # the four layers run one program: embeddings, layer, final norm and head are five, each compiled once
+    assert (stats.units, stats.programs, stats.graphs) == (8, 5, 5)
+    assert stats.describe().startswith("compiled 8 units (5 programs, 5 graphs) in ")
+    # a second engine of the process reuses the artefacts
+    again, again_stats = _stage(gpt_tiny_program, _plan(), model, compiled=True)
+    _train_once(again, batch)
+    assert again_stats.graphs == 5 and again_stats.from_cache
+
+
+def test_checkpointed_compiled_units_keep_only_their_inputs(gpt_tiny_program):
+    torch.manual_seed(0)
+    model = build_model(MODEL, seq_len=SEQ)
+    batch = synthetic_batch(512, MICRO, SEQ, 0)
+    plain, _ = _stage(gpt_tiny_program, _plan(), model, compiled=True)
+    checkpointed, _ = _stage(gpt_tiny_program, _plan(ckpt_layers=4), model, compiled=True)
+    loss, grads, saved = _train_once(plain, batch)
+    ckpt_loss, ckpt_grads, ckpt_saved = _train_once(checkpointed, batch)
+    torch.testing.assert_close(ckpt_loss, loss)
+    for name, grad in grads.items():
+        torch.testing.assert_close(ckpt_grads[name], grad, rtol=1e-5, atol=1e-7)
+    # what the layers' compiled regions save disappears behind the checkpoints (the pre and post units
+    # and the layers' inputs stay): a layer of gpt-tiny saves far more than its input
+    hidden = MICRO * SEQ * 64 * 4
+    assert saved - ckpt_saved > 4 * 4 * hidden
+
+
+def test_activation_offload_moves_what_compiled_units_save(gpt_tiny_program):
+    from mist_compiler.runtime.engine import install_activation_offload
+    from mist_compiler.runtime.stage_runtime import AdamWConfig, StageRuntime
+
+    torch.manual_seed(0)
+    model = build_model(MODEL, seq_len=SEQ)
+    batch = synthetic_batch(512, MICRO, SEQ, 0)
+    reference = _train_once(_stage(gpt_tiny_program, _plan(), model, compiled=False)[0], batch)
+    built, _ = _stage(gpt_tiny_program, _plan(offload={"acts": 0.5}), model, compiled=True)
+    runtime = StageRuntime(built.units, dp_group=None, zero=0, offload=built.offload, optimizer=AdamWConfig(),
+                           device=torch.device("cpu"))
+    hooks = install_activation_offload(runtime, built.units, built.offload, built.checkpointed)
+    try:
+        runtime.begin_iteration()
+        loss = built.module(**batch)
+        layers = [runtime.activations[f"blocks.{i}"] for i in range(4)]
+        for offloader in layers:  # within one saved tensor of half of what the compiled region saved
+            total = offloader.offloaded_bytes + offloader.kept_bytes
+            assert total > 0 and abs(offloader.offloaded_bytes - total / 2) <= total / 4
+        loss.backward()
+        runtime.finish_gradients()
+        torch.testing.assert_close(loss.detach(), reference[0], rtol=1e-5, atol=1e-6)
+        grads = runtime.named_full_gradients()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference[1][name], rtol=1e-4, atol=1e-6)
+    finally:
+        for handle in hooks:
+            handle.remove()
+        runtime.remove_hooks()
+
+
+def test_compile_stats_describe():
+    assert CompileStats(units=3, programs=2).describe() == "3 units (2 programs) not compiled yet"
+    stats = CompileStats(units=3, programs=2, graphs=2, compiled=0, seconds=1.25)
+    assert stats.describe() == "compiled 3 units (2 programs, 2 graphs) in 1.2 s (all from the cache)"
+    assert CompileStats(units=1, programs=1, graphs=2, compiled=1).describe().endswith("(1 of them from the cache)")
+
+
+def test_mistc_run_says_how_long_compilation_took(tmp_path):
+    """As users run it: a fresh ``mistc run`` reports its compilation after the first step; --no-compile
+    keeps the eager program."""
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan_dict(MODEL, MICRO, 1, [stage((0, 4))], seq=SEQ)))
+    mistc = os.path.join(os.path.dirname(sys.executable), "mistc")
+    lines = {}
+    for flag in ([], ["--no-compile"]):
+        result = subprocess.run([mistc, "run", MODEL, "--plan", str(path), "--steps", "2", *flag],
+                                capture_output=True, text=True, timeout=1200)
+        assert result.returncode == 0, result.stdout + result.stderr
+        lines[bool(flag)] = [line for line in result.stdout.splitlines() if "compilation:" in line]
+    assert len(lines[False]) == 1 and "mist: compilation: compiled 8 units (5 programs, 5 graphs) in " in lines[False][0]
+    assert lines[True] == ["mist: compilation: 8 units run eagerly (compilation off)"]
+
+
+# --------------------------------------------------------------------------- every plan kind, --check
+def test_every_two_rank_plan_kind_checks_compiled():
+    """On 2 ranks (one pair of processes, so later plans reuse the graphs the first compiled): DP, ZeRO-3,
+    two pipeline stages with checkpointing and offload, TP with the fused vocabulary-parallel loss and
+    with the plain one (the collectives run between the compiled regions)."""
+    plans = [
+        plan_dict(MODEL, 4, 1, [stage((0, 4), dp=2)], seq=SEQ),
+        plan_dict(MODEL, 4, 1, [stage((0, 4), dp=2, zero=3)], seq=SEQ),
+        plan_dict(MODEL, 4, 2, [stage((0, 2), ckpt_layers=1), stage((2, 4), offload={"acts": 0.5, "weights": 0.5})],
+                  seq=SEQ),
+        plan_dict(MODEL, 2, 1, [stage((0, 4), tp=2)], seq=SEQ),
+        {**plan_dict(MODEL, 2, 1, [stage((0, 4), tp=2)], seq=SEQ), "fused_loss": False},
+    ]
+    assert_all_pass(run_plans(2, plans, timeout_s=2400))
+
+
+@pytest.mark.heavy
+def test_three_stages_zero_and_llama_check_compiled():
+    plans = [plan_dict(MODEL, 6, 3, [stage((0, 1)), stage((1, 3)), stage((3, 4))], seq=SEQ),
+             {**plan_dict("llama-tiny", 6, 3, [stage((0, 2), ckpt_layers=1), stage((2, 3)), stage((3, 4))], seq=SEQ),
+              "fused_loss": False}]
+    assert_all_pass(run_plans(3, plans, timeout_s=2400))
+    plans = [plan_dict("llama-tiny", 4, 2, [stage((0, 4), dp=2, zero=z, ckpt_layers=2)], seq=SEQ) for z in (1, 2)]
+    plans.append(plan_dict("llama-tiny", 4, 1, [stage((0, 4), tp=2, offload={"acts": 0.5, "grads": 0.5})], seq=SEQ))
+    assert_all_pass(run_plans(2, plans, timeout_s=2400))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hugging_face_plans_check_compiled(kind, tmp_path):
+    pytest.importorskip("transformers")
+    from hf_configs import write_config
+    from test_hf_models import plans_for
+
+    model = write_config(kind, str(tmp_path / kind))
+    assert_all_pass(run_plans(4, plans_for(model), timeout_s=3600))
+
+
+def test_the_backend_and_the_api_take_the_switch(tmp_path):
+    import inspect
+
+    from mist_compiler.torch_compile.plan_runtime import DynamoRuntimeError, parse_options
+
+    path = tmp_path / "plan.json"
+    path.write_text(_plan().to_json())
+    assert parse_options({"plan": str(path), "compile_units": False})["compile_units"] is False
+    with pytest.raises(DynamoRuntimeError, match="option 'compile_units' must be True or False"):
+        parse_options({"plan": str(path), "compile_units": "no"})
+    from mist_compiler.runtime.engine import Engine
+
+    assert "compile_units" in inspect.signature(Engine).parameters  # mist_compiler.compile(..., compile_units=)
