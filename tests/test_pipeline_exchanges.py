@@ -8,16 +8,11 @@ import pytest
 import torch
 
 from mist_compiler.ir.plan import Plan
+from mist_compiler.ir.schedule import BACKWARD, FORWARD, build_schedule
 from mist_compiler.ir.topology import Topology
-from mist_compiler.runtime.pipeline import (
-    BACKWARD,
-    FORWARD,
-    SCHEDULES,
-    ExchangeError,
-    check_exchanges,
-    exchange_plan,
-    one_f_one_b,
-)
+from mist_compiler.runtime.pipeline import ExchangeError, check_exchanges, exchange_plan
+
+SCHEDULES = ("1f1b", "gpipe", "zb-h1")  # one virtual stage per group of devices
 
 
 @dataclass(frozen=True)
@@ -51,14 +46,14 @@ def topology(global_batch: int, grad_accum: int, stages: list[tuple[int, int, in
 
 
 def plans_of(topo: Topology, schedule: str, values=HIDDEN) -> dict[int, list]:
+    """Every rank's exchanges, each virtual stage passing ``values`` on."""
     plan = topo.plan
+    built = build_schedule(schedule, plan.pp, plan.virtual_stages, plan.grad_accum)
     result = {}
     for rank in range(topo.world_size):
-        stage = topo.coord(rank).stage
-        inputs = values if stage > 0 else []
-        outputs = values if stage < plan.pp - 1 else []
-        order = SCHEDULES[schedule](plan.pp, stage, plan.grad_accum)
-        result[rank] = exchange_plan(topo, rank, order, inputs, outputs)
+        chunks = built.chunks(topo.coord(rank).stage)
+        interfaces = [(values if j > 0 else [], values if j < built.num_virtual - 1 else []) for j in chunks]
+        result[rank] = exchange_plan(topo, rank, built, interfaces)
     return result
 
 
@@ -74,7 +69,7 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("grad_accum", [1, 2, 3, 8])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_exchanges_match_and_finish_under_nccl_rules(shape, grad_accum, schedule):
@@ -84,7 +79,7 @@ def test_exchanges_match_and_finish_under_nccl_rules(shape, grad_accum, schedule
     check_exchanges(plans_of(topo, schedule))
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_unbatched_and_integer_values_travel_once(schedule):
     topo = topology(8, 2, [(2, 1, 0), (1, 2, 0), (2, 1, 0)])
     plans = plans_of(topo, schedule, MIXED)
@@ -127,6 +122,6 @@ def test_receiving_ahead_in_one_batch_deadlocks_under_nccl_rules():
 
 
 def test_one_f_one_b_order():
-    assert one_f_one_b(3, 0, 4) == [(FORWARD, 0), (FORWARD, 1), (FORWARD, 2), (BACKWARD, 0), (FORWARD, 3),
-                                    (BACKWARD, 1), (BACKWARD, 2), (BACKWARD, 3)]
-    assert one_f_one_b(3, 2, 2) == [(FORWARD, 0), (BACKWARD, 0), (FORWARD, 1), (BACKWARD, 1)]
+    order = [str(a) for a in build_schedule("1f1b", 3, 1, 4).actions[0]]
+    assert order == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3", "STEP"]
+    assert [str(a) for a in build_schedule("1f1b", 3, 1, 2).actions[2]] == ["F0", "B0", "F1", "B1", "STEP"]

@@ -14,6 +14,15 @@ that memory: autograd accumulates each micro-batch into the param-dtype buffer (
 one rounding per micro-batch), the data-parallel reduction still runs in fp32. ZeRO 2-3 keep
 their ``1/dp`` accumulator shard in fp32 either way, and so does a ZeRO 0-1 stage that offloads
 gradients (its fp32 accumulator is split with the host).
+
+``schedule`` (optional, default ``"1f1b"``) names the pipeline schedule (:mod:`.schedule`:
+``1f1b``, ``gpipe``, ``interleaved``, ``zb-h1``, ``zbv``) and ``virtual_stages`` (optional,
+default 1) how many pipeline stages share one group of devices. With ``v`` virtual stages,
+``stages`` lists the ``pp * v`` virtual stages in pipeline order (contiguous layers, as ever) and
+virtual stage ``j`` runs on the devices of stage ``placement[j]`` (round-robin ``j % pp``;
+``zbv``: a V, the last stage back on the first devices); the first ``pp`` entries are the device
+groups, and a later entry repeats its group's ``nodes``, ``gpus_per_node``, ``dp``, ``tp``,
+``micro_batch`` and ``zero`` (its layers, checkpointing and offload are its own).
 """
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from .files import write_atomic
+from .schedule import DEFAULT_SCHEDULE, SCHEDULES, placement, schedule_problem
 from .vocabulary import OFFLOAD_KINDS
 from .vocabulary import TRAINING_DTYPES
 
@@ -154,6 +164,8 @@ class Plan:
     grad_accum: int
     stages: tuple[StagePlan, ...]
     grad_dtype: str = "float32"
+    schedule: str = DEFAULT_SCHEDULE
+    virtual_stages: int = 1
 
     @property
     def low_precision_grads(self) -> bool:
@@ -166,11 +178,26 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return sum(stage.devices for stage in self.stages)
+        return sum(stage.devices for stage in self.physical_stages)
 
     @property
     def pp(self) -> int:
-        return len(self.stages)
+        """Physical pipeline stages (groups of devices)."""
+        return len(self.stages) // self.virtual_stages
+
+    @property
+    def physical_stages(self) -> tuple[StagePlan, ...]:
+        """One entry per group of devices (virtual stage ``s < pp`` runs on group ``s``)."""
+        return self.stages[:self.pp]
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """The physical stage each virtual stage (entry of ``stages``) runs on."""
+        return placement(self.schedule, self.pp, self.virtual_stages)
+
+    def chunks(self, stage: int) -> list[int]:
+        """The virtual stages physical stage ``stage`` runs, in pipeline order."""
+        return [j for j, where in enumerate(self.placement) if where == stage]
 
     @classmethod
     def from_dict(cls, data: Any) -> "Plan":
@@ -187,6 +214,8 @@ class Plan:
             grad_accum=_int(data["grad_accum"], "grad_accum", 1),
             stages=tuple(StagePlan.from_dict(s, f"stages[{i}]") for i, s in enumerate(stages_data)),
             grad_dtype=data.get("grad_dtype", "float32"),
+            schedule=data.get("schedule", DEFAULT_SCHEDULE),
+            virtual_stages=_int(data.get("virtual_stages", 1), "virtual_stages", 1),
         )
         plan._check_consistency()
         return plan
@@ -194,6 +223,7 @@ class Plan:
     def _check_consistency(self) -> None:
         _require(self.grad_dtype in ("float32", self.dtype), "grad_dtype",
                  f"must be 'float32' or the plan's dtype {self.dtype!r}, got {self.grad_dtype!r}")
+        self._check_schedule()
         expected_start = 0
         for index, stage in enumerate(self.stages):
             where = f"stages[{index}]"
@@ -208,6 +238,21 @@ class Plan:
                 f"micro_batch * dp * grad_accum = {stage.micro_batch} * {stage.dp} * {self.grad_accum} = {samples} "
                 f"must equal global_batch = {self.global_batch}",
             )
+
+    def _check_schedule(self) -> None:
+        _require(self.schedule in SCHEDULES, "schedule", f"unknown schedule {self.schedule!r}; known: {sorted(SCHEDULES)}")
+        v = self.virtual_stages
+        _require(len(self.stages) % v == 0, "virtual_stages",
+                 f"{len(self.stages)} stages cannot be {v} virtual stages per group of devices")
+        problem = schedule_problem(self.schedule, self.pp, v, self.grad_accum)
+        if problem is not None:
+            _require(False, *problem)
+        for index, where in enumerate(self.placement):
+            group, stage = self.stages[where], self.stages[index]
+            for key in ("nodes", "gpus_per_node", "dp", "tp", "micro_batch", "zero"):
+                _require(getattr(stage, key) == getattr(group, key), f"stages[{index}].{key}",
+                         f"virtual stage {index} runs on the devices of stage {where} ({self.schedule!r} with "
+                         f"{v} virtual stages), so it needs its {key} {getattr(group, key)}, got {getattr(stage, key)}")
 
     def check_against_model(self, num_layers: int, max_seq: int | None = None) -> None:
         """Reject a plan whose layer ranges do not match the model's layer count."""
@@ -226,6 +271,10 @@ class Plan:
         }
         if self.low_precision_grads:  # plans of the default keep their schema unchanged
             data["grad_dtype"] = self.grad_dtype
+        if self.schedule != DEFAULT_SCHEDULE:
+            data["schedule"] = self.schedule
+        if self.virtual_stages != 1:
+            data["virtual_stages"] = self.virtual_stages
         return data
 
     def to_json(self) -> str:

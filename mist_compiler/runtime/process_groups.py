@@ -34,7 +34,7 @@ def build_groups(topology: Topology, rank: int, *, tied: bool, timeout: Any) -> 
     plan = topology.plan
     mine: dict[str, Any] = {}
     ranks_of: dict[str, list[int]] = {}
-    for stage, plan_stage in enumerate(plan.stages):
+    for stage, plan_stage in enumerate(plan.physical_stages):
         for t in range(plan_stage.tp):
             ranks = topology.dp_ranks(stage, t)
             group = _group(ranks, dist, timeout)
@@ -45,8 +45,8 @@ def build_groups(topology: Topology, rank: int, *, tied: bool, timeout: Any) -> 
             group = _group(ranks, dist, timeout)
             if rank in ranks:
                 mine["tp"], ranks_of["tp"] = group, ranks
-    if tied and plan.pp > 1:
-        first, last = 0, plan.pp - 1
+    if tied and topology.ends_apart:
+        first, last = topology.end_stages
         if plan.stages[first].tp == plan.stages[last].tp:  # rank t of each stage holds the same rows
             joined = [topology.tied_ranks(t) for t in range(plan.stages[first].tp)]
         else:  # rows do not line up: one group joins both stages (see tied_weights.py)
