@@ -15,6 +15,7 @@ import torch.fx as fx
 from ..passes.cost_annotation import ATTENTION_FORWARD, T, cost_annotation, op_name, tensor_shape
 from ..passes.manager import PassManager
 from ..passes.memory_analysis import memory_analysis
+from ..passes.weight_gradients import weight_gradients
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 
 
@@ -64,6 +65,7 @@ def _tp_granularity(forward: fx.GraphModule, names: set[str], states: dict[str, 
 ANALYSIS_PASSES = (
     cost_annotation,  # FLOPs, bytes, op class and tensor-parallel state per node; TP collectives
     memory_analysis,  # saved activations and peaks per block class, by liveness
+    weight_gradients,  # each block's backward cut into input and weight halves, and what the weight half keeps
 )
 
 
@@ -99,6 +101,8 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
         else:
             granularity = _tp_granularity(forward, names, costs.param_states)
         units = _unit_elements(classes[kind], forward, names, params, costs.param_states)
+        split = analysed.analysis.weight_split[classes[kind].class_id]
         result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total, granularity,
-                                     tp_optional=kind != "layer", units=units)
+                                     tp_optional=kind != "layer", units=units,
+                                     weight_costs=costs.backward.restrict(set(split.names)), weight_stash=split.stash)
     return result, sum(1 for block in program.blocks if block.kind == "layer")

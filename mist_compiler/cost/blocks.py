@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from ..passes.cost_annotation import BlockCosts
+from ..passes.cost_annotation import BlockCosts, GraphCosts
 from ..passes.memory_analysis import BlockMemory
 
 BLOCK_KINDS = ("pre", "layer", "post")
@@ -33,6 +33,9 @@ class BlockAnalysis:
     # per-device parameter elements of the backend's units in the block (modules owning parameters), forward
     # order; None: one unit
     units: list[sympy.Expr] | None = None
+    # the backward's weight half (``passes/weight_gradients``): its ops and the bytes it keeps from I to W
+    weight_costs: GraphCosts | None = None
+    weight_stash: sympy.Expr = sympy.Integer(0)
 
     @property
     def tp_supported(self) -> bool:

@@ -21,27 +21,27 @@ Schedules (:data:`SCHEDULES`):
 - ``interleaved``: Megatron's interleaved 1F1B over ``v >= 2`` round-robin chunks (needs the
   micro-batch count to be a multiple of ``pp``): the bubble shrinks ``v`` times, ``v`` times
   more transfers, more activations in flight on the first stages;
-- ``zb-h1``: zero-bubble with 1F1B's activations (Qi et al., 2023): a stage holds at most the
-  ``pp - s`` whole micro-batches 1F1B does; the weight halves (and their inputs, kept) wait to
-  fill the bubbles;
+- ``zb-h1``: zero-bubble within the peak memory of 1F1B's first stage (Qi et al., 2023): stage
+  ``s`` holds at most the ``pp - s`` whole micro-batches 1F1B does and ``pp`` in all, the weight
+  halves (keeping their inputs) waiting to fill what would be bubbles;
 - ``zbv``: zero-bubble over two V-placed chunks (ZB-V): every stage may hold ``2 pp`` chunk
   micro-batches (the peak of 1F1B's first stage, on every stage).
 
-The zero-bubble orders come from one list scheduler run with unit costs (F = I = W = 1): an idle
-stage takes a ready input-gradient half first, then a forward while its memory bound allows,
-then a pending weight half. Every order is a pure function of ``(schedule, pp, v, G)``: every
-rank derives every stage's list and needs no communication to agree.
+The zero-bubble orders come from one list scheduler run with typical costs (:data:`UNIT_COSTS`):
+an idle stage takes a ready input-gradient half first, then a forward while its memory bound
+allows, then a pending weight half. Every order is a pure function of ``(schedule, pp, v, G)``:
+every rank derives every stage's list and needs no communication to agree.
 
-Exchanges (:func:`exchange_plan`). Before action ``k`` a stage posts one batch of transfers, its
-*exchange* ``k`` (one more after its last compute action); the batch completes when every
-message in it has met its match. NCCL matches a pair's messages in posting order and a send
-waits for its receive, so where each message goes matters: it is sent in the exchange right
-after the action producing it, and received in the first exchange its receiver leaves no
-earlier than that action ends in a reference timeline (every stage running its list as early as
-its inputs allow, unit costs). Then a pair's messages are posted in the same order on both ends,
-and no chain of exchanges waiting for one another can close on itself (see
-:func:`exchange_plan`). Both ends order an exchange's messages by (exchange the sender posts it
-in, direction, cut, micro-batch): no tag is needed.
+Transfers (:func:`exchange_plan`). Before action ``k`` a stage posts its *exchange* ``k`` (one
+more after its last compute action): the sends action ``k-1`` produced and receives placed
+there; posting never waits. Action ``k`` then waits for the receives it needs. Transfers travel
+on *channels*, one per (sender, receiver) in one direction (``runtime/process_groups.py``: a
+communicator each), where NCCL matches messages in posting order, so a receiver posts a sender's
+messages in the order the sender sends them: in the exchange of the action that needs a message,
+or earlier where the sender sends it before one needed sooner (interleaved and zero-bubble
+schedules consume some out of order). Both ends order an exchange's messages by (peer, exchange
+the sender posts it in, direction, cut, micro-batch): no tag is needed. :func:`replay` runs the
+transfers under NCCL's rules and finds any mismatch or deadlock.
 """
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ from typing import NamedTuple
 FORWARD, BACKWARD = 0, 1  # directions of a transfer
 F, B, I, W, STEP = "F", "B", "I", "W", "STEP"
 COMPUTE_KINDS = (F, B, I, W)
+# action lengths the orders and exchanges are laid out with: a transformer layer's backward takes
+# about twice its forward, its weight half about a third of the backward (``cost/stage_model``)
+UNIT_COSTS = {F: 3, B: 6, I: 4, W: 2}
 
 
 class ScheduleError(ValueError):
@@ -227,11 +230,12 @@ def _zero_bubble(pp: int, v: int, g: int, where: tuple[int, ...]) -> list[list[A
                 continue
             kind, c, m = picked
             j = stage.chunks[c]
+            done = t + UNIT_COSTS[kind]
             if kind == F:
-                forward_done[(j, m)] = t + 1
+                forward_done[(j, m)] = done
             elif kind == I:
-                input_done[(j, m)] = t + 1
-            stage.busy = t + 1
+                input_done[(j, m)] = done
+            stage.busy = done
             stage.order.append(Action(kind, c, m))
             remaining -= 1
         t += 1
@@ -240,10 +244,10 @@ def _zero_bubble(pp: int, v: int, g: int, where: tuple[int, ...]) -> list[list[A
 
 def _memory_bounds(pp: int, v: int, stage: int) -> tuple[int, int]:
     """(chunk micro-batches a stage may hold whole, between their forward and input half; and in
-    all, until their weight half). One chunk: 1F1B's ``pp - s`` whole, ``2 pp`` in all (the
-    weight halves wait to fill the bubbles: ZB-H1's ``(pp - 1)(F + I - W)`` bubble with unit
-    costs); V-placed chunks: ``2 pp`` either way (1F1B's first-stage peak, on every stage)."""
-    return (pp - stage, 2 * pp) if v == 1 else (pp * v, pp * v)
+    all, until their weight half). One chunk (ZB-H1): 1F1B's ``pp - s`` whole and ``pp`` in all,
+    the peak of 1F1B's first stage (a weight half keeps less than its micro-batch's activations);
+    V-placed chunks (ZB-V): ``2 pp`` chunk micro-batches either way, the same peak on every stage."""
+    return (pp - stage, pp) if v == 1 else (pp * v, pp * v)
 
 
 class _StageState:
@@ -289,7 +293,7 @@ class _StageState:
         return None
 
 
-# ----------------------------------------------------------------------------- exchanges
+# ----------------------------------------------------------------------------- transfers
 
 @dataclass(frozen=True)
 class Message:
@@ -307,11 +311,13 @@ class Message:
 
 @dataclass(frozen=True)
 class Posting:
-    """A stage's end of a message: it sends (``send``) to, or receives from, stage ``peer``."""
+    """A stage's end of a message: it sends (``send``) to, or receives from, stage ``peer``; a
+    receive says which of the stage's actions needs it (``needed_by``)."""
 
     send: bool
     peer: int
     message: Message
+    needed_by: int = -1
 
 
 def produces(schedule: Schedule, stage: int, action: Action) -> list[tuple[int, int, int]]:
@@ -325,89 +331,122 @@ def produces(schedule: Schedule, stage: int, action: Action) -> list[tuple[int, 
     return out
 
 
-UNIT_COSTS = {F: 1, B: 2, I: 1, W: 1}  # the reference timeline's action lengths
-
-
-def reference_timeline(schedule: Schedule) -> list[list[tuple[int, int]]]:
-    """(start, end) of every compute action when each stage runs its list as early as its inputs
-    allow, with :data:`UNIT_COSTS` and instant transfers (raises if the lists cannot complete)."""
-    ready: dict[tuple[int, int, int], int] = {}  # value (see _needs) -> when it exists
-    times: list[list[tuple[int, int]]] = [[] for _ in range(schedule.stages)]
-    clock = [0] * schedule.stages
-    lists = [schedule.compute(s) for s in range(schedule.stages)]
-    progress = True
-    while progress:
-        progress = False
-        for stage, actions in enumerate(lists):
-            while len(times[stage]) < len(actions):
-                action = actions[len(times[stage])]
-                needs = _needs(schedule, stage, action)
-                if any(key not in ready for key in needs):
-                    break
-                start = max([clock[stage]] + [ready[key] for key in needs])
-                end = start + UNIT_COSTS[action.kind]
-                times[stage].append((start, end))
-                clock[stage] = end
-                for key in _gives(schedule, stage, action):
-                    ready[key] = end
-                progress = True
-    stuck = {s: len(times[s]) for s in range(schedule.stages) if len(times[s]) < len(lists[s])}
-    if stuck:
-        raise ScheduleError(f"schedule {schedule.name!r} cannot complete: stages stuck at actions {stuck}")
-    return times
-
-
-OWN_FORWARD, OWN_INPUT_HALF = -1, -2  # a virtual stage's own forward / input half of a micro-batch, done
-
-
-def _needs(schedule: Schedule, stage: int, action: Action) -> list[tuple[int, int, int]]:
-    """What an action waits for: (direction, boundary, micro) values, or (OWN_*, virtual stage, micro)."""
-    j = schedule.virtual_stage(stage, action.chunk)
-    if action.kind == F:
-        return [(FORWARD, j - 1, action.micro)] if j > 0 else []
-    if action.kind == W:
-        return [(OWN_INPUT_HALF, j, action.micro)]
-    needs = [(OWN_FORWARD, j, action.micro)]
-    return needs + ([(BACKWARD, j, action.micro)] if j + 1 < schedule.num_virtual else [])
-
-
-def _gives(schedule: Schedule, stage: int, action: Action) -> list[tuple[int, int, int]]:
-    j = schedule.virtual_stage(stage, action.chunk)
-    if action.kind == F:
-        return [(OWN_FORWARD, j, action.micro)] + ([(FORWARD, j, action.micro)] if j + 1 < schedule.num_virtual else [])
-    if action.kind in (B, I):
-        return [(OWN_INPUT_HALF, j, action.micro)] + ([(BACKWARD, j - 1, action.micro)] if j > 0 else [])
-    return []
+Exchanges = tuple[tuple[tuple[Posting, ...], ...], ...]
 
 
 @lru_cache(maxsize=256)
-def exchange_plan(schedule: Schedule) -> tuple[tuple[tuple[Posting, ...], ...], ...]:
-    """Per physical stage, its ``len(compute) + 1`` exchanges, each sorted by (peer, message order).
-
-    A message is sent in the exchange right after the action that produces it, and received in
-    the first exchange its receiver leaves no earlier than that action ends in the
-    :func:`reference_timeline` (no later than the exchange of the action that needs it). Then a
-    pair's messages are posted in the same order on both ends, and the exchanges complete under
-    NCCL's rules: every exchange waits only for exchanges whose preceding action started earlier in
-    the reference timeline (the start time strictly decreases along any chain of waits)."""
-    times = reference_timeline(schedule)
-    plan: list[list[list[Posting]]] = [[[] for _ in range(len(schedule.compute(s)) + 1)]
-                                       for s in range(schedule.stages)]
-    starts = [[start for start, _ in stage_times] for stage_times in times]
+def exchange_plan(schedule: Schedule) -> Exchanges:
+    """Per physical stage, its ``len(compute) + 1`` exchanges (see the module docstring), each
+    sorted by (peer, message order, send). A message is sent in the exchange right after the
+    action producing it; it is received in the exchange of the action needing it, or earlier where
+    the sender sends it before a message needed sooner (each channel delivers in order)."""
+    sends: dict[Message, tuple[int, int]] = {}  # message -> (receiving stage, action needing it)
+    needed_by: dict[tuple[int, int, int], int] = {}
     for stage in range(schedule.stages):
         for k, action in enumerate(schedule.compute(stage)):
-            produced = times[stage][k][1]
+            j = schedule.virtual_stage(stage, action.chunk)
+            if action.kind == F and j > 0:
+                needed_by[(FORWARD, j - 1, action.micro)] = k
+            if action.kind in (B, I) and j + 1 < schedule.num_virtual:
+                needed_by[(BACKWARD, j, action.micro)] = k
+    plan: list[list[list[Posting]]] = [[[] for _ in range(len(schedule.compute(s)) + 1)]
+                                       for s in range(schedule.stages)]
+    channels: dict[tuple[int, int], list[Message]] = {}
+    for stage in range(schedule.stages):
+        for k, action in enumerate(schedule.compute(stage)):
             for direction, boundary, peer in produces(schedule, stage, action):
                 message = Message(direction, boundary, action.micro, k + 1)
+                sends[message] = (peer, needed_by[(direction, boundary, action.micro)])
+                channels.setdefault((stage, peer), []).append(message)
                 plan[stage][k + 1].append(Posting(True, peer, message))
-                plan[peer][_first_at_or_after(starts[peer], produced)].append(Posting(False, stage, message))
+    for (sender, receiver), messages in channels.items():
+        position = len(schedule.compute(receiver))
+        for message in sorted(messages, key=Message.order, reverse=True):
+            needed = sends[message][1]
+            position = min(position, needed)
+            plan[receiver][position].append(Posting(False, sender, message, needed))
     return tuple(tuple(tuple(sorted(exchange, key=lambda p: (p.peer, p.message.order(), p.send)))
                        for exchange in stage_plan) for stage_plan in plan)
 
 
-def _first_at_or_after(starts: list[int], time: int) -> int:
-    """Index of the first action starting at or after ``time`` (its exchange is posted before it)."""
-    return bisect.bisect_left(starts, time)
+@dataclass(frozen=True)
+class ChannelMessage:
+    """One transfer as the replay sees it: on channel ``src -> dst``, posted by the sender in its
+    exchange ``sent_in`` and by the receiver in ``posted_in``, waited for before its action
+    ``needed_by``; ``key`` names what it carries (both ends must agree)."""
+
+    src: int
+    dst: int
+    key: tuple
+    sent_in: int
+    posted_in: int
+    needed_by: int
+
+
+def replay(actions: dict[int, int], sends: list[ChannelMessage], receives: list[ChannelMessage]) -> str | None:
+    """Run transfers under NCCL's rules, each rank (``actions``: rank -> its action count) in
+    order: on every channel ``src -> dst`` the messages match in posting order and complete in
+    that order, once both ends have posted them; a rank runs its action ``k`` once the receives it
+    waits for are complete. ``sends`` and ``receives`` are in each end's posting order. Returns
+    what goes wrong (a mismatch, a deadlock) or None."""
+    by_channel: dict[tuple[int, int], list[ChannelMessage]] = {}
+    for message in sends:
+        by_channel.setdefault((message.src, message.dst), []).append(message)
+    posted: dict[tuple[int, int], list[ChannelMessage]] = {}
+    for message in receives:
+        posted.setdefault((message.src, message.dst), []).append(message)
+    for channel in set(by_channel) | set(posted):
+        sent, got = by_channel.get(channel, []), posted.get(channel, [])
+        if len(sent) != len(got):
+            return f"rank {channel[0]} sends {len(sent)} tensors to rank {channel[1]}, which receives {len(got)}"
+        for index, (out, into) in enumerate(zip(sent, got)):
+            if out.key != into.key:
+                return (f"rank {channel[0]} -> {channel[1]}: message {index} sends {out.key} where the receiver "
+                        f"expects {into.key}")
+    waits: dict[tuple[int, int], list[tuple[tuple[int, int], int]]] = {}  # (rank, action) -> (channel, index)
+    for channel, got in posted.items():
+        for index, message in enumerate(got):
+            waits.setdefault((message.dst, message.needed_by), []).append((channel, index))
+    position = {rank: 0 for rank in actions}  # the action each rank runs next
+    done = {channel: 0 for channel in posted}  # messages completed per channel
+    progress = True
+    while progress:
+        progress = False
+        for channel, got in posted.items():  # complete, in order, what both ends have posted
+            sent = by_channel[channel]
+            while done[channel] < len(got):
+                index = done[channel]
+                if position[channel[0]] < sent[index].sent_in or position[channel[1]] < got[index].posted_in:
+                    break
+                done[channel] += 1
+                progress = True
+        for rank, count in actions.items():
+            while position[rank] < count and all(done[c] > i for c, i in waits.get((rank, position[rank]), [])):
+                position[rank] += 1
+                progress = True
+    stuck = {rank: position[rank] for rank, count in actions.items() if position[rank] < count}
+    return f"deadlock under NCCL's in-order matching: ranks stuck at actions {stuck}" if stuck else None
+
+
+def stage_messages(plan: Exchanges) -> tuple[list[ChannelMessage], list[ChannelMessage]]:
+    """Stage-level exchanges as the replay's (sends, receives), each in posting order."""
+    sends, receives = [], []
+    for stage, exchanges in enumerate(plan):
+        for k, exchange in enumerate(exchanges):
+            for posting in exchange:
+                m = posting.message
+                key = (m.direction, m.boundary, m.micro)
+                if posting.send:
+                    sends.append(ChannelMessage(stage, posting.peer, key, k, -1, -1))
+                else:
+                    receives.append(ChannelMessage(posting.peer, stage, key, m.sent_in, k, posting.needed_by))
+    return sends, receives
+
+
+def check_schedule(schedule: Schedule) -> str | None:
+    """Replay a schedule's stage-level exchanges (:func:`replay`); None when they complete."""
+    sends, receives = stage_messages(exchange_plan(schedule))
+    return replay({s: len(schedule.compute(s)) for s in range(schedule.stages)}, sends, receives)
 
 
 def action_table(schedule: Schedule) -> list[str]:

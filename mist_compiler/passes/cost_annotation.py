@@ -474,6 +474,7 @@ class PricedGraphs:
     graphs: ProgramGraphs
     costs: ProgramCosts
     memory: dict[int, Any] = field(default_factory=dict)  # block class id -> memory_analysis.BlockMemory
+    weight_split: dict[int, Any] = field(default_factory=dict)  # block class id -> weight_gradients.WeightSplit
 
 
 def program_graphs(program) -> ProgramGraphs:

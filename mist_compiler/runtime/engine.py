@@ -134,7 +134,7 @@ class Engine:
         self.schedule = build_schedule(name, plan.pp, plan.virtual_stages, plan.grad_accum)
         self.actions = self.schedule.compute(self.coord.stage)
         self.p2p = P2P(self.topology, self.rank, self.schedule, self._boundaries, self.stage_plan.micro_batch,
-                       self.device, self.timeout_s)
+                       self.device, self.timeout_s, channels=self.groups.channels)
 
     # ----------------------------------------------------------------- the step
     def step(self, batch: dict[str, torch.Tensor]) -> float:

@@ -2,9 +2,9 @@
 
 What each stage does and when is data (:mod:`mist_compiler.ir.schedule`): per physical stage an
 action list over its chunks (virtual stages) and, derived from it, the stage-level *exchanges*:
-before action ``k`` a stage posts one ``batch_isend_irecv`` with the sends and receives the
-schedule puts there (one more after its last compute action). This module turns each stage-level
-message into this rank's transfers and runs them.
+before action ``k`` a stage posts the sends and receives the schedule puts there (one more
+exchange after its last compute action). This module turns each stage-level message into this
+rank's transfers and runs them.
 
 Rows. Global micro-batch ``m`` holds ``global_batch / G`` samples; on stage ``s`` data-parallel
 rank ``d`` owns rows ``[d * mb_s, (d + 1) * mb_s)`` of it. Stages may differ in dp, micro_batch
@@ -14,21 +14,24 @@ takes its rows from the sender with tp index ``t % tp_sender`` (forward and back
 Values without a batch dimension are sent whole by the receiver's first sender. Two virtual
 stages on one rank hand their values over in place (no transfer).
 
-Matching. NCCL ignores tags: a pair's messages match in the order they are posted, and PyTorch
-runs every batched transfer of a rank on one NCCL stream, one batch after the other (TORCH-NOTES
-section 9). Both ends of a pair order an exchange's transfers by (peer, the message's order:
-the exchange its sender posts it in, direction, cut, micro-batch; value, rows), and the schedule
-puts a pair's messages in the same order on both ends (``ir/schedule.py``), so no tag is passed.
-:func:`check_exchanges` replays every rank's exchanges under NCCL's rules (each rank in order; an
-exchange finishes when each of its messages meets its match in the peer's current exchange) and
-reports any mismatch or deadlock. Tests run it for every schedule, for random pipelines, and for
-stages differing in dp, tp and micro-batch, and train on gloo with every tag forced equal.
+Matching. NCCL ignores tags: a pair's messages match in the order they are posted on one
+communicator, and a communicator runs its transfers one after the other. So every directed pair
+of ranks that exchanges activations or gradients gets a communicator of its own (a *channel*,
+:func:`channel_pairs`, created with the other groups by ``runtime/process_groups.py``): a send
+waiting for its receive holds up only later sends on that channel, never the sender's compute or
+its other transfers. Both ends order their transfers by (the message's order: the exchange its
+sender posts it in, direction, cut, micro-batch; value, rows), and the schedule posts a
+channel's receives in the order its sender sends (``ir/schedule.py``), so no tag is passed.
+:func:`check_exchanges` replays every rank's transfers under NCCL's rules
+(``ir.schedule.replay``) and reports any mismatch or deadlock. Tests run it for every schedule,
+for random pipelines, and for stages differing in dp, tp and micro-batch, and train on gloo with
+every tag forced equal.
 
-Waiting. On a CUDA device ``wait()`` only makes the compute stream wait for the transfer (no host
-stall; the process group's timeout and NCCL's watchdog bound it); on CPU (gloo) the host waits with
-the engine's timeout. The sends of one exchange are waited for before the next exchange is posted,
-so at most one exchange's send buffers are alive; that is weaker than what NCCL itself imposes
-(the whole exchange finishes before the action runs), so it cannot deadlock where NCCL would not.
+Waiting. Posting never waits; before an action the rank waits for the receives that action needs
+(on a CUDA device ``wait()`` only makes the compute stream wait: no host stall, the process
+group's timeout and NCCL's watchdog bound it; on CPU, gloo, the host waits with the engine's
+timeout). Sends are kept (their buffers alive) until they complete, at the latest at the end of
+the step.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ..ir.schedule import BACKWARD, FORWARD, Posting, Schedule, exchange_plan as stage_exchanges
+from ..ir.schedule import BACKWARD, FORWARD, ChannelMessage, Posting, Schedule, exchange_plan as stage_exchanges
+from ..ir.schedule import replay
 from ..ir.topology import Topology
 
 
@@ -130,6 +134,7 @@ class Transfer:
     piece: Piece
     rows: tuple[int, int] | None  # None: an unbatched value, sent whole
     sent_in: int
+    needed_by: int = -1  # a receive: the action that waits for it
 
     def key(self) -> tuple:
         return self.direction, self.boundary, self.micro, self.value, self.rows
@@ -167,7 +172,7 @@ def _posting_transfers(topology: Topology, rank: int, posting: Posting, values: 
                 continue
             rows = (first_row + piece.start, first_row + piece.end) if value.batched else None
             result.append(Transfer(posting.send, piece.peer, message.direction, message.boundary, message.micro,
-                                   index, piece, rows, message.sent_in))
+                                   index, piece, rows, message.sent_in, posting.needed_by))
     return result
 
 
@@ -182,53 +187,38 @@ def exchange_plan(topology: Topology, rank: int, schedule: Schedule,
             for exchange in stage_exchanges(schedule)[stage]]
 
 
+def channel_pairs(topology: Topology, schedule: Schedule) -> list[tuple[int, int]]:
+    """Every (sending rank, receiving rank) that carries pipeline transfers under ``schedule``'s
+    placement, in one order on every rank (each gets its own communicator)."""
+    pairs: set[tuple[int, int]] = set()
+    for boundary in range(schedule.num_virtual - 1):
+        low, high = schedule.placement[boundary], schedule.placement[boundary + 1]
+        if low == high:
+            continue
+        for rank in range(topology.world_size):
+            stage = topology.coord(rank).stage
+            if stage == low:
+                pairs.update((rank, piece.peer) for piece in _send_pieces(topology, rank, high))
+            if stage == high:
+                pairs.update((rank, piece.peer) for piece in _send_pieces(topology, rank, low))
+    return sorted(pairs)
+
+
 def check_exchanges(plans: dict[int, list[list[Transfer]]]) -> None:
-    """Fail (``ExchangeError``) unless every pair posts its messages in the same order on both ends
-    and the exchanges complete under NCCL's rules (see the module docstring)."""
-    streams: dict[tuple[int, int, bool], list[tuple[int, int, Transfer]]] = {}
+    """Fail (``ExchangeError``) unless every channel's messages are posted in the same order on
+    both ends and every rank's actions complete under NCCL's rules (``ir.schedule.replay``)."""
+    sends, receives = [], []
     for rank, exchanges in plans.items():
         for index, exchange in enumerate(exchanges):
-            for position, transfer in enumerate(exchange):
-                src, dst = (rank, transfer.peer) if transfer.send else (transfer.peer, rank)
-                streams.setdefault((src, dst, transfer.send), []).append((index, position, transfer))
-    match: dict[tuple[int, int, int], tuple[int, int, int]] = {}
-    for (src, dst, is_send), sent in streams.items():
-        if not is_send:
-            continue
-        received = streams.get((src, dst, False), [])
-        if len(sent) != len(received):
-            raise ExchangeError(f"rank {src} sends {len(sent)} tensors to rank {dst}, which receives {len(received)}")
-        for (i, p, out), (j, q, into) in zip(sent, received):
-            if out.key() != into.key():
-                raise ExchangeError(f"rank {src} -> {dst}: exchange {i} sends {out.key()} where exchange {j} of the "
-                                    f"receiver expects {into.key()} (direction, cut, micro, value, rows)")
-            match[(src, i, p)], match[(dst, j, q)] = (dst, j, q), (src, i, p)
-    for (src, dst, is_send), received in streams.items():
-        if not is_send and (src, dst, True) not in streams:
-            raise ExchangeError(f"rank {dst} receives {len(received)} tensors from rank {src}, which sends none")
-    _replay(plans, match)
-
-
-def _replay(plans: dict[int, list[list[Transfer]]], match: dict) -> None:
-    current = {rank: 0 for rank in plans}
-    done: set[tuple[int, int, int]] = set()
-    progress = True
-    while progress:
-        progress = False
-        for rank, exchanges in plans.items():
-            while current[rank] < len(exchanges):
-                index = current[rank]
-                for position in range(len(exchanges[index])):
-                    peer, j, q = match[(rank, index, position)]
-                    if (rank, index, position) not in done and current[peer] == j:
-                        done.update({(rank, index, position), (peer, j, q)})
-                if not all((rank, index, p) in done for p in range(len(exchanges[index]))):
-                    break
-                current[rank] += 1
-                progress = True
-    stuck = {rank: current[rank] for rank, exchanges in plans.items() if current[rank] < len(exchanges)}
-    if stuck:
-        raise ExchangeError(f"deadlock under NCCL's in-order matching: ranks stuck at exchanges {stuck}")
+            for transfer in exchange:
+                if transfer.send:
+                    sends.append(ChannelMessage(rank, transfer.peer, transfer.key(), index, -1, -1))
+                else:
+                    receives.append(ChannelMessage(transfer.peer, rank, transfer.key(), transfer.sent_in, index,
+                                                   transfer.needed_by))
+    problem = replay({rank: len(exchanges) - 1 for rank, exchanges in plans.items()}, sends, receives)
+    if problem is not None:
+        raise ExchangeError(problem)
 
 
 # ----------------------------------------------------------------------------- the runtime side
@@ -248,7 +238,9 @@ class P2P:
     """
 
     def __init__(self, topology: Topology, rank: int, schedule: Schedule, interfaces: Sequence[tuple[list, list]],
-                 micro_batch: int, device: torch.device, timeout_s: float) -> None:
+                 micro_batch: int, device: torch.device, timeout_s: float, channels: dict | None = None) -> None:
+        self.rank = rank
+        self.channels = channels or {}  # (src rank, dst rank) -> its process group (None: the world's)
         self.schedule = schedule
         self.stage = topology.coord(rank).stage
         self.chunk_stage = schedule.chunks(self.stage)  # chunk -> virtual stage
@@ -260,6 +252,7 @@ class P2P:
         self.inbox: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}  # (direction, cut, micro)
         self.outbox: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}
         self.sending: list[tuple[dist.Work | None, object, int]] = []  # (work, buffers it reads, peer)
+        self.receiving: dict[int, list[tuple[dist.Work, Transfer]]] = {}  # action -> the receives it waits for
 
     def _local(self, boundary: int) -> bool:
         """Both sides of cut ``boundary`` run on this rank."""
@@ -278,6 +271,7 @@ class P2P:
             raise PipelineTimeout(f"{what} with rank {peer} timed out after {self.timeout.total_seconds():.0f} s")
 
     def wait_sends(self) -> None:
+        """Wait for every posted send (the end of a step)."""
         for work, _buffers, peer in self.sending:
             if work is not None:
                 self._wait(work, peer, "sending to the next/previous stage")
@@ -285,33 +279,23 @@ class P2P:
 
     # ---- one exchange -----------------------------------------------------------------------
     def exchange(self, position: int) -> None:
-        """Post exchange ``position`` and wait for its receives."""
-        transfers = self.exchanges[position]
-        self.wait_sends()
-        if not transfers:
-            return
-        ops, sends, recvs = [], [], []
-        for transfer in transfers:
+        """Post exchange ``position`` (sends and receives, each on its channel, without waiting), then
+        wait for the receives action ``position`` needs (some posted in earlier exchanges)."""
+        self.sending = [entry for entry in self.sending if entry[0] is None or not entry[0].is_completed()]
+        for transfer in self.exchanges[position]:
             if transfer.send:
                 tensor = self._outgoing(transfer)
-                ops.append(dist.P2POp(dist.isend, tensor, transfer.peer))
-                sends.append((len(ops) - 1, tensor, transfer.peer))
+                group = self.channels.get((self.rank, transfer.peer))
+                self.sending.append((dist.isend(tensor, transfer.peer, group=group), tensor, transfer.peer))
             else:
-                ops.append(dist.P2POp(dist.irecv, self._incoming(transfer), transfer.peer))
-                recvs.append((len(ops) - 1, transfer))
-        for key in {(t.direction, t.boundary, t.micro) for t in transfers if t.send}:
+                group = self.channels.get((transfer.peer, self.rank))
+                work = dist.irecv(self._incoming(transfer), transfer.peer, group=group)
+                self.receiving.setdefault(transfer.needed_by, []).append((work, transfer))
+        for key in {(t.direction, t.boundary, t.micro) for t in self.exchanges[position] if t.send}:
             del self.outbox[key]
-        works = dist.batch_isend_irecv(ops)
-        if len(works) != len(ops):  # coalesced (NCCL): one work stands for the whole exchange
-            peers = sorted({t.peer for t in transfers})
-            for work in works:
-                self._wait(work, peers[0], f"exchange {position} of the pipeline schedule (peers {peers})")
-            self.sending.append((None, [tensor for _, tensor, _ in sends], -1))  # buffers kept to the next exchange
-            return
-        for index, transfer in recvs:
+        for work, transfer in self.receiving.pop(position, []):
             what = "receiving activations" if transfer.direction == FORWARD else "receiving gradients"
-            self._wait(works[index], transfer.peer, f"{what} of micro-batch {transfer.micro}")
-        self.sending.extend((works[index], tensor, peer) for index, tensor, peer in sends)
+            self._wait(work, transfer.peer, f"{what} of micro-batch {transfer.micro}")
 
     def _outgoing(self, transfer: Transfer) -> torch.Tensor:
         tensor = self.outbox[(transfer.direction, transfer.boundary, transfer.micro)][transfer.value]
@@ -359,3 +343,4 @@ class P2P:
         self.inbox.clear()
         self.outbox.clear()
         self.sending.clear()
+        self.receiving.clear()
