@@ -71,10 +71,16 @@ class _Structure:
 
 
 @lru_cache(maxsize=256)
+def _action_lists(schedule: Schedule) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Per stage: (kind, virtual stage) of each compute action."""
+    return tuple(tuple((a.kind, schedule.virtual_stage(s, a.chunk)) for a in schedule.compute(s))
+                 for s in range(schedule.stages))
+
+
+@lru_cache(maxsize=256)
 def _structure(schedule: Schedule) -> _Structure:
     sends, receives = stage_messages(exchange_plan(schedule))
-    lists = tuple(tuple((a.kind, schedule.virtual_stage(s, a.chunk)) for a in schedule.compute(s))
-                  for s in range(schedule.stages))
+    lists = _action_lists(schedule)
     sent = {(m.src, m.dst, m.key): m for m in sends}
     previous: dict[tuple[int, int], int] = {}
     messages = []  # (id, sender, sent_in, receiver, posted_in, boundary, previous id on the channel)
@@ -150,35 +156,42 @@ def simulate(schedule: Schedule, costs: ChunkCosts, delta: np.ndarray, spans: bo
             kept[stage].append((kind, start, start + length))
     finish = np.stack([stage_ends[-1] if stage_ends else zero for stage_ends in ends])
     time = np.max(finish + delta, axis=0)
-    inflight, held = _memory_walk(schedule, structure, costs)
+    held, inflight = held_activations(schedule, costs.acts, costs.stash)
     return Simulation(schedule, time, finish, busy, inflight, held, kept if spans else [])
 
 
-def _memory_walk(schedule: Schedule, structure: _Structure, costs: ChunkCosts) -> tuple[np.ndarray, np.ndarray]:
-    """Per stage: peak bytes of activations held over its action order, and that peak in units of
-    one micro-batch of all its chunks."""
-    pp, n = schedule.stages, costs.acts.shape[1]
+def held_activations(schedule: Schedule, acts: np.ndarray, stash: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage (rows) and candidate (columns): the peak bytes of activations held over its
+    action order (``acts``, ``stash``: [virtual stages, n], see the module docstring), and that
+    peak in micro-batches of all its chunks' activations (its in-flight count)."""
+    lists = _action_lists(schedule)
+    pp, n = schedule.stages, acts.shape[1]
     inflight, held_peak = np.zeros((pp, n)), np.zeros((pp, n))
     for stage in range(pp):
         held, peak = np.zeros(n), np.zeros(n)
-        for kind, virtual in structure.actions[stage]:
+        for kind, virtual in lists[stage]:
             if kind == F:
-                held = held + costs.acts[virtual]
+                held = held + acts[virtual]
                 peak = np.maximum(peak, held)
             elif kind == B:
-                held = held - costs.acts[virtual]
+                held = held - acts[virtual]
             elif kind == I:
-                held = held - costs.acts[virtual] + costs.stash[virtual]
+                held = held - acts[virtual] + stash[virtual]
                 peak = np.maximum(peak, held)
             else:
-                held = held - costs.stash[virtual]
-        unit = sum(costs.acts[j] for j in schedule.chunks(stage))
+                held = held - stash[virtual]
+        unit = sum(acts[j] for j in schedule.chunks(stage))
         held_peak[stage] = peak
         inflight[stage] = np.where(unit > 0, peak / np.maximum(unit, 1e-30), 1.0)
-    return inflight, held_peak
+    return held_peak, inflight
 
 
 # ----------------------------------------------------------------------------- pricing a plan
+
+def _rows(estimates: StageEstimates, rows: np.ndarray) -> StageEstimates:
+    return StageEstimates(estimates.stable_s[rows], estimates.delta_s[rows], estimates.peak_memory_bytes[rows],
+                          {name: np.asarray(values)[rows] for name, values in estimates.breakdown.items()})
+
 
 def _candidates(plan: Plan, stages: list[StagePlan], pre: list[bool], post: list[bool]) -> StageCandidates:
     def column(get) -> np.ndarray:
@@ -243,14 +256,32 @@ def price_plan(cost_model: StageCostModel, plan: Plan, spans: bool = False) -> P
     """Simulate ``plan``'s schedule with the stage model's costs (see the module docstring)."""
     schedule = build_schedule(plan.schedule, plan.pp, plan.virtual_stages, plan.grad_accum)
     last = len(plan.stages) - 1
-    chunks = cost_model.evaluate(_candidates(plan, list(plan.stages), [j == 0 for j in range(last + 1)],
-                                             [j == last for j in range(last + 1)]))
     groups, pre, post = group_stages(plan)
-    group_candidates = _candidates(plan, groups, pre, post)
-    at_one = cost_model.evaluate(group_candidates)
-    group_candidates.inflight = np.full(plan.pp, 2)
-    at_two = cost_model.evaluate(group_candidates)
+    entries = list(plan.stages) + groups + groups  # the virtual stages, then every group at 1 and 2 in flight
+    candidates = _candidates(plan, entries, [j == 0 for j in range(last + 1)] + pre + pre,
+                             [j == last for j in range(last + 1)] + post + post)
+    count, pp = last + 1, plan.pp
+    candidates.inflight = np.array([1] * (count + pp) + [2] * pp)
+    every = cost_model.evaluate(candidates)  # one call: the model's per-call work is paid once
+    chunks, at_one, at_two = (_rows(every, np.arange(a, b)) for a, b in
+                              ((0, count), (count, count + pp), (count + pp, count + 2 * pp)))
     simulation = simulate(schedule, chunk_costs(chunks, schedule), at_one.delta_s[:, None], spans=spans)
     slope = at_two.peak_memory_bytes - at_one.peak_memory_bytes
     peak = at_one.peak_memory_bytes + (simulation.inflight[:, 0] - 1.0) * slope
     return PlanPrice(float(simulation.time_s[0]), simulation, chunks, at_one, peak, at_one.delta_s)
+
+
+def simulate_estimates(plan: Plan, stable_s: list[float], breakdowns: list[dict], delta_s: list[float],
+                       spans: bool = True) -> Simulation:
+    """Simulate ``plan``'s schedule from stored per-stage estimates (one per entry of
+    ``plan.stages``: stable time and the stage model's breakdown; ``delta_s`` per group of devices),
+    e.g. the tuner's side file."""
+    schedule = build_schedule(plan.schedule, plan.pp, plan.virtual_stages, plan.grad_accum)
+    names = set.intersection(*(set(b) for b in breakdowns))
+    estimates = StageEstimates(np.asarray(stable_s, dtype=float), np.zeros(len(stable_s)), np.zeros(len(stable_s)),
+                               {name: np.array([float(b[name]) for b in breakdowns]) for name in names})
+    for name in ("tp_forward", "backward_weight", "weight_stash", "p2p", "acts_per_microbatch"):
+        estimates.breakdown.setdefault(name, np.zeros(len(stable_s)))
+    if "forward" not in names:  # no split stored: a third forward, two thirds backward
+        estimates.breakdown["forward"] = estimates.stable_s / 3
+    return simulate(schedule, chunk_costs(estimates, schedule), np.asarray(delta_s, dtype=float)[:, None], spans=spans)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 FORWARD, BACKWARD = 0, 1  # directions of a transfer
@@ -144,12 +144,16 @@ class Schedule:
     def split_backward(self) -> bool:
         return SCHEDULES[self.name].split_backward
 
+    @cached_property
+    def _chunks(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(j for j, p in enumerate(self.placement) if p == stage) for stage in range(self.stages))
+
     def chunks(self, stage: int) -> list[int]:
         """The virtual stages of physical stage ``stage``, in chunk order."""
-        return [j for j, p in enumerate(self.placement) if p == stage]
+        return list(self._chunks[stage])
 
     def virtual_stage(self, stage: int, chunk: int) -> int:
-        return self.chunks(stage)[chunk]
+        return self._chunks[stage][chunk]
 
     def compute(self, stage: int) -> tuple[Action, ...]:
         """``stage``'s actions without the final ``STEP``."""

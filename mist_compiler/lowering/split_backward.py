@@ -25,6 +25,7 @@ post-accumulate hooks (the runtime's reductions) firing.
 from __future__ import annotations
 
 import operator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -230,7 +231,11 @@ class SplitBackward(nn.Module):
         key = tuple((tuple(a.shape), a.dtype, a.requires_grad, a.device.type) if isinstance(a, torch.Tensor) else a
                     for a in args)
         if key not in self._traced:
-            self._traced[key] = trace_split(self.program, list(args), self.num_params, self.compile_graph)
+            # traced on a thread of its own: the caller's saved-tensor hooks (a checkpoint's, an offload's)
+            # are per thread and must not see the trace's fake tensors
+            with ThreadPoolExecutor(max_workers=1) as worker:
+                self._traced[key] = worker.submit(trace_split, self.program, list(args), self.num_params,
+                                                  self.compile_graph).result()
         return self._traced[key]
 
     @property
