@@ -226,18 +226,23 @@ def group_stages(plan: Plan) -> tuple[list[StagePlan], list[bool], list[bool]]:
 
 def chunk_costs(estimates: StageEstimates, schedule: Schedule) -> ChunkCosts:
     """The simulation's inputs from the stage model's estimates of each virtual stage (one column)."""
-    parts = estimates.breakdown
-    forward = parts["forward"] + parts["tp_forward"]
-    backward = estimates.stable_s - parts["p2p"] - forward
-    weight = parts["backward_weight"] if schedule.split_backward else np.zeros_like(forward)
+    stable = np.asarray(estimates.stable_s, dtype=float)
+    nothing = np.zeros_like(stable)
+    parts = {name: np.asarray(values, dtype=float) for name, values in estimates.breakdown.items()}
+    p2p = parts.get("p2p", nothing)
+    # a cost model without the split (a test double): a third forward, no weight half, no transfer time
+    forward = parts["forward"] + parts.get("tp_forward", nothing) if "forward" in parts else (stable - p2p) / 3
+    backward = stable - p2p - forward
+    weight = parts.get("backward_weight", nothing) if schedule.split_backward else nothing
     neighbours = np.full(len(forward), 2.0)
     neighbours[0] -= 1.0
     neighbours[-1] -= 1.0
-    transfer = parts["p2p"] / np.maximum(neighbours, 1.0)
-    stash = parts["weight_stash"] if schedule.split_backward else np.zeros_like(forward)
+    transfer = p2p / np.maximum(neighbours, 1.0)
+    stash = parts.get("weight_stash", nothing) if schedule.split_backward else nothing
+    acts = parts.get("acts_per_microbatch", parts.get("acts", nothing))
     column = lambda values: np.asarray(values, dtype=float)[:, None]  # noqa: E731
     return ChunkCosts(column(forward), column(backward), column(np.minimum(weight, backward)), column(transfer),
-                      column(parts["acts_per_microbatch"]), column(stash))
+                      column(acts), column(stash))
 
 
 @dataclass

@@ -222,13 +222,11 @@ class _Search:
         self.best_table: FrontierTable | None = None
         self.stats: dict = {"space": space.describe(), "grad_accum_tried": 0, "partitions": 0,
                             "grad_accum_skipped": 0, "evaluated": 0, "frontier_points": 0, "dp_passes": 0}
-        self.per_g: dict[int, tuple[FrontierTable, StageSolution]] = {}  # each G's best 1F1B layout
+        self.per_g: dict[int, list[tuple[FrontierTable, StageSolution]]] = {}  # each G's 1F1B plans found
 
     def consider(self, solution: StageSolution | None, table: FrontierTable) -> None:
         if solution is not None:
-            known = self.per_g.get(table.grad_accum)
-            if known is None or solution.objective < known[1].objective:
-                self.per_g[table.grad_accum] = (table, solution)
+            self.per_g.setdefault(table.grad_accum, []).append((table, solution))
         if solution is not None and solution.objective < self.incumbent:
             self.incumbent, self.best, self.best_table = solution.objective, solution, table
             self.say(f"S={len(solution.rows)} G={table.grad_accum}: {solution.objective * 1e3:.1f} ms per iteration "
@@ -290,17 +288,20 @@ class _Search:
         work, space = self.work, self.space
         grad_dtype = getattr(self.cost_model, "grad_dtype", "float32")
         priced = []
-        for g, (table, solution) in self.per_g.items():
-            plan = plan_of(table, solution, work, grad_dtype)
-            priced.append((price_plan(self.cost_model, plan), plan, g))
+        for g, found in self.per_g.items():
+            found.sort(key=lambda item: item[1].objective)
+            for table, solution in found[:ONE_F_ONE_B_PLANS]:  # the closed form's best few, simulated
+                plan = plan_of(table, solution, work, grad_dtype)
+                priced.append((price_plan(self.cost_model, plan), plan, g))
         priced.sort(key=lambda item: item[0].time_s)
         best_price, best_plan = priced[0][0], priced[0][1]
-        self.stats["one_f_one_b_s"] = best_price.time_s
+        self.stats["one_f_one_b_s"] = best_price.time_s  # the best 1F1B plan, simulated
+        self.stats["closed_form_s"] = self.incumbent  # the partition DP's optimum by 1F1B's closed form
         if len(space.schedules) > 1:
             started = time.perf_counter()
             stash = stash_ratio_of(self.cost_model)
-            for _, _, g in priced[:SCHEDULE_G_VALUES]:
-                table, solution = self.per_g[g]
+            for g in list(dict.fromkeys(g for _, _, g in priced))[:SCHEDULE_G_VALUES]:
+                table, solution = self.per_g[g][0]
                 pool = StagePool(table)
                 layouts = [layout_of(table, solution.rows)] + even_layouts(table, work, self.cluster.world,
                                                                             self.stage_options)
@@ -316,6 +317,7 @@ class _Search:
 
 
 SCHEDULE_G_VALUES = 4  # G values whose layouts are tried under the other schedules (the fastest by 1F1B)
+ONE_F_ONE_B_PLANS = 3  # per G, the 1F1B plans of the search (DP and even splits) priced by simulation
 
 
 def plan_of(table: FrontierTable, solution: StageSolution, work: Workload, grad_dtype: str) -> Plan:

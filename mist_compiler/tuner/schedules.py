@@ -214,5 +214,5 @@ def stash_ratio_of(cost_model: StageCostModel) -> float:
                             dp=1, tp=1, zero=0, ckpt_layers=0, offload_weights=0.0, offload_grads=0.0, offload_opt=0.0,
                             offload_acts=0.0, inflight=1)
     parts = cost_model.evaluate(probe).breakdown
-    acts = float(parts["acts_per_microbatch"][0])
+    acts = float(parts.get("acts_per_microbatch", np.zeros(1))[0])
     return float(parts.get("weight_stash", np.zeros(1))[0]) / acts if acts > 0 else 1.0
