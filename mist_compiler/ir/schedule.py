@@ -218,7 +218,7 @@ def _interleaved(pp: int, v: int, g: int, where: tuple[int, ...]) -> list[list[A
 
 
 def _zero_bubble(pp: int, v: int, g: int, where: tuple[int, ...]) -> list[list[Action]]:
-    """The list scheduler of the module docstring, with unit costs and :func:`_memory_bounds`."""
+    """The list scheduler of the module docstring, with :data:`UNIT_COSTS` and :func:`_memory_bounds`."""
     n = pp * v
     state = [_StageState([j for j in range(n) if where[j] == s], *_memory_bounds(pp, v, s)) for s in range(pp)]
     forward_done: dict[tuple[int, int], int] = {}  # (virtual stage, micro) -> finish time
@@ -226,6 +226,8 @@ def _zero_bubble(pp: int, v: int, g: int, where: tuple[int, ...]) -> list[list[A
     remaining = 3 * g * n
     t = 0
     while remaining:
+        if all(stage.busy <= t for stage in state) and t > max(stage.busy for stage in state) + max(UNIT_COSTS.values()):
+            raise ScheduleError(f"the zero-bubble list scheduler is stuck ({pp} stages, {v} chunks, {g} micro-batches)")
         for stage in state:
             if stage.busy > t:
                 continue
