@@ -59,6 +59,8 @@ class PlanConfig:
     dtype: str = "float32"  # fp16/bf16: mixed precision (fp32 master), peak memory only (see `timed`)
     grad_dtype: str = "float32"  # the plan's dtype: ZeRO 0/1 keep low-precision gradients
     compiled: bool = False  # the plan's units run (and are priced) compiled by inductor
+    schedule: str = "1f1b"  # the pipeline schedule; with ``virtual`` > 1 ``stages`` are the virtual stages
+    virtual: int = 1
 
     @property
     def timed(self) -> bool:
@@ -72,7 +74,12 @@ class PlanConfig:
 
     @property
     def world(self) -> int:
-        return sum(stage.dp * stage.tp for stage in self.stages)
+        return sum(stage.dp * stage.tp for stage in self.stages[:len(self.stages) // self.virtual])
+
+    @property
+    def pipeline_stages(self) -> int:
+        """Groups of devices (each holds ``virtual`` of the stages)."""
+        return len(self.stages) // self.virtual
 
     def plan(self) -> Plan:
         built, start = [], 0
@@ -82,7 +89,7 @@ class PlanConfig:
                                    tp=stage.tp, zero=stage.zero, ckpt_layers=stage.ckpt, offload=stage.offload))
             start += stage.layers
         plan = Plan(self.model, self.seq_len, self.global_batch, self.dtype, self.grad_accum, tuple(built),
-                    self.grad_dtype, self.compiled)
+                    self.grad_dtype, compiled=self.compiled, schedule=self.schedule, virtual_stages=self.virtual)
         plan._check_consistency()
         return plan
 
@@ -102,7 +109,9 @@ class PlanConfig:
         precision = {"float32": "", "float16": " fp16", "bfloat16": " bf16"}[self.dtype]
         precision += " lpg" if self.grad_dtype != "float32" else ""
         precision += " compiled" if self.compiled else ""
-        return f"{self.world}r {self.model} {pipeline} gb{self.global_batch}{accum} s{self.seq_len}{math}{precision}"
+        schedule = "" if self.schedule == "1f1b" else f" {self.schedule}" + (f"/{self.virtual}" if self.virtual > 1 else "")
+        return (f"{self.world}r {self.model} {pipeline} gb{self.global_batch}{accum} s{self.seq_len}{math}{precision}"
+                f"{schedule}")
 
 
 def _stages(*stages: StageSpec) -> tuple[StageSpec, ...]:
@@ -173,6 +182,18 @@ TP_CONFIGS: list[PlanConfig] = [
     PlanConfig("gpt-small", 256, 8, 2, _stages(StageSpec(4, dp=2, tp=2, zero=1))),
     PlanConfig("gpt-small", 256, 8, 1, _stages(StageSpec(4, tp=2)), dtype="bfloat16"),
 ]
-CONFIGS: list[PlanConfig] = ONE_RANK_CONFIGS + PLAN_CONFIGS + PRECISION_CONFIGS + TP_CONFIGS
+# pipeline schedules on 4 ranks (two stages of two data-parallel ranks): each beside its 1F1B twin
+SCHEDULE_CONFIGS: list[PlanConfig] = [
+    PlanConfig("gpt-small", 256, 16, 4, _stages(StageSpec(2, dp=2), StageSpec(2, dp=2))),
+    PlanConfig("gpt-small", 256, 16, 4, _stages(StageSpec(2, dp=2), StageSpec(2, dp=2)), schedule="zb-h1"),
+    PlanConfig("gpt-small", 256, 16, 4, _stages(*(StageSpec(1, dp=2) for _ in range(4))), schedule="interleaved",
+               virtual=2),
+    PlanConfig("llama-small", 256, 16, 4, _stages(StageSpec(2, dp=2, zero=1), StageSpec(2, dp=2, zero=1))),
+    PlanConfig("llama-small", 256, 16, 4, _stages(*(StageSpec(1, dp=2, zero=1) for _ in range(4))), schedule="zbv",
+               virtual=2),
+    PlanConfig("llama-small", 256, 16, 4, _stages(StageSpec(2, dp=2, zero=1, ckpt=1), StageSpec(2, dp=2, zero=1)),
+               schedule="zb-h1"),
+]
+CONFIGS: list[PlanConfig] = ONE_RANK_CONFIGS + PLAN_CONFIGS + PRECISION_CONFIGS + TP_CONFIGS + SCHEDULE_CONFIGS
 QUICK: list[PlanConfig] = [ONE_RANK_CONFIGS[0], ONE_RANK_CONFIGS[14], PLAN_CONFIGS[3], PLAN_CONFIGS[7], PLAN_CONFIGS[11],
                            PRECISION_CONFIGS[1], PRECISION_CONFIGS[3]]

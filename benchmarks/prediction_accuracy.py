@@ -43,8 +43,12 @@ half a core; a device model cannot describe that (hence no 4-stage pipeline here
 with a core per rank it does not arise).
 Prediction: ``mist_compiler.cost.analyze.analyze`` of the plan.
 
-Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--ranks 1|2|4] [--compiled]`` (``--compiled``:
-every plan runs and is priced as compiled units; needs a runtime that compiles them, issue 29)
+Schedules (``--schedules``, ``accuracy_configs.SCHEDULE_CONFIGS``): interleaved 1F1B, ZB-H1 and ZB-V plans
+on 4 ranks (two stages of two data-parallel ranks), each with its 1F1B twin, predicted by
+simulating their action lists.
+
+Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--ranks 1|2|4] [--compiled] [--schedules]``
+(``--compiled``: every plan runs and is priced as compiled units)
 
 Last full run: see the closing note of issue 3 (figures are quoted as measured there, with the
 command above).
@@ -79,6 +83,7 @@ try:  # run as a script (benchmarks/ on the path) or imported as benchmarks.pred
         ONE_RANK_CONFIGS,
         PLAN_CONFIGS,
         PRECISION_CONFIGS,
+        SCHEDULE_CONFIGS,
         QUICK,
         TP_CONFIGS,
         PlanConfig,
@@ -93,6 +98,7 @@ except ImportError:
         ONE_RANK_CONFIGS,
         PLAN_CONFIGS,
         PRECISION_CONFIGS,
+        SCHEDULE_CONFIGS,
         QUICK,
         TP_CONFIGS,
         PlanConfig,
@@ -342,7 +348,7 @@ def measure_plan(config: PlanConfig, timed_steps: int, measure_memory: bool, cal
     step_s = (statistics.median(max(times[step] for _, times, _ in results) for step in range(timed_steps))
               if timed_steps else float("nan"))
     topology = Topology(config.plan())
-    stage_peaks = [0.0] * len(config.stages)
+    stage_peaks = [0.0] * config.pipeline_stages
     for rank, (peak, _, _) in enumerate(results):
         stage = topology.coord(rank).stage
         stage_peaks[stage] = max(stage_peaks[stage], peak)
@@ -358,8 +364,9 @@ def predict_plan(config: PlanConfig, hardware: HardwareProfile) -> Outcome:
     blocks, num_layers = _analysed(config.model, config.dtype, config.compiled)
     cost_model = StageCostModel(blocks, hardware, config.seq_len, config.dtype, config.attention, config.model, num_layers,
                                 compiled=config.compiled)
-    estimate = analyze(None, config.plan(), hardware, cost_model=cost_model, attention=config.attention)
-    peaks = [stage.peak_memory_mb * 1e6 for stage in estimate.stages]
+    plan = config.plan()
+    estimate = analyze(None, plan, hardware, cost_model=cost_model, attention=config.attention)
+    peaks = [estimate.stages[plan.chunks(group)[0]].peak_memory_mb * 1e6 for group in range(plan.pp)]
     return Outcome(estimate.iteration_time_s, max(peaks), peaks)
 
 
@@ -400,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, 2 rounds")
     parser.add_argument("--ranks", type=int, choices=(1, 2, 4), help="only the plans on this many ranks")
     parser.add_argument("--tp", action="store_true", help="only the tensor-parallel plans")
+    parser.add_argument("--schedules", action="store_true",
+                        help="only the pipeline-schedule plans (interleaved, zero-bubble, each beside its 1F1B twin)")
     parser.add_argument("--hardware", default="cpu", help="hardware profile of this machine")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="use the shipped profile as is (default: re-measure compute rates and collectives first)")
@@ -412,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_only:
         args.rounds, args.no_calibrate = 1, True
     torch.set_num_threads(1)
-    configs = [dataclasses.replace(c, compiled=args.compiled) for c in (QUICK if args.quick else CONFIGS)
+    configs = [dataclasses.replace(c, compiled=args.compiled)
+               for c in (QUICK if args.quick else SCHEDULE_CONFIGS if args.schedules else CONFIGS)
                if args.ranks in (None, c.world) and (c.tensor_parallel or not args.tp)]
     rounds = args.rounds or (2 if args.quick else 3)
     worlds = sorted({c.world for c in configs if c.world > 1 and c.timed and not args.memory_only})
@@ -469,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                  if math.isfinite(step_s) else f"{'-':>7} {'-':>7} {'-':>7}")
         print(f"{config.label + stages:<52} {times}  {pred_mb / 1e6:>8.2f} {meas_mb / 1e6:>8.2f} {pred_mb / meas_mb - 1:>+7.2%}")
         group = f"{config.world} rank" + ("s" if config.world > 1 else "") + (" TP" if config.tensor_parallel else "")
+        group += f" {config.schedule}" if config in SCHEDULE_CONFIGS else ""
         rows.setdefault(group, []).append((prediction.step_s, step_s, pred_mb, meas_mb))
     print()
     for group, group_rows in rows.items():

@@ -123,8 +123,8 @@ def test_explain_writes_trace_and_pictures(cost_model, tmp_path, capsys):
     out_dir = str(tmp_path / "explain")
     assert run_command(explain_command, [plan_path, "--hardware", HARDWARE, "-o", out_dir]) == 0
     text = capsys.readouterr().out
-    assert "stage 0: layers 0.." in text and "1F1B timeline simulation" in text
     plan = load_plan(plan_path)
+    assert "stage 0: layers 0.." in text and f"by simulating the {plan.schedule} schedule" in text
     with open(os.path.join(out_dir, "timeline.json")) as handle:
         trace = json.load(handle)
     slots = [e for e in trace["traceEvents"] if e["ph"] == "X"]

@@ -30,8 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def format_table(estimate: PlanEstimate) -> str:
     lines = [
         f"model {estimate.model} on {estimate.hardware} (attention: {estimate.attention}, "
-        f"{'compiled' if estimate.compiled else 'eager'} units, grad_accum {estimate.grad_accum})",
-        f"iteration time {estimate.iteration_time_s:.4f} s, {estimate.tokens_per_s:,.0f} tokens/s",
+        f"{'compiled' if estimate.compiled else 'eager'} units, grad_accum {estimate.grad_accum}, "
+        f"schedule {estimate.schedule}" + (f", {estimate.virtual_stages} virtual stages per device group" if
+                                         estimate.virtual_stages > 1 else "") + ")",
+        f"iteration time {estimate.iteration_time_s:.4f} s (simulated schedule), {estimate.tokens_per_s:,.0f} tokens/s",
         "",
         f"{'stage':>5} {'layers':>9} {'compute s':>10} {'comm s':>9} {'copy s':>9} {'bubble s':>9} "
         f"{'peak MB':>11} {'limit MB':>10}  status",

@@ -1,8 +1,9 @@
 """mistc explain PLAN [--model M] [--hardware HW] [-o DIR]: a plan in words, its breakdown and timeline.
 
-Says what every stage does, and — with per-stage predictions from ``--hardware`` (the cost
-model) or from the ``<plan>.frontiers.json`` side file that ``mistc tune -o`` writes — the
-per-stage breakdown and a predicted 1F1B timeline of one iteration. With ``-o DIR`` it writes
+Says what every stage does and which schedule runs them, and — with per-stage predictions from
+``--hardware`` (the cost model) or from the ``<plan>.frontiers.json`` side file that ``mistc tune
+-o`` writes — the per-stage breakdown and the predicted timeline of one iteration under the
+plan's schedule (its action lists simulated, ``cost/schedule.py``). With ``-o DIR`` it writes
 ``timeline.json`` (Chrome trace; open in Perfetto), ``timeline.png`` and, when the side file
 exists, ``frontiers.png`` (the Pareto frontiers the tuner chose from).
 """
@@ -12,12 +13,14 @@ import argparse
 import json
 import os
 
+from ..cost.schedule import Simulation, simulate_estimates
 from ..cost.stage_api import pipeline_iteration_time
 from ..ir.files import check_output_dir
 from ..ir.plan import Plan, PlanError, load_plan
+from ..ir.schedule import SCHEDULES, action_table, build_schedule
 from ..ir.vocabulary import ATTENTION_KERNELS
 from ..tuner.report import describe_stage, frontier_path
-from ..tuner.timeline import iteration_time, plot_frontiers, plot_timeline, simulate, write_chrome_trace
+from ..tuner.timeline import iteration_time, plot_frontiers, plot_timeline, timeline_slots, write_chrome_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,37 +32,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_in_words(plan: Plan) -> list[str]:
+    chunks = (f", each group of devices running {plan.virtual_stages} of the {len(plan.stages)} stages"
+              if plan.virtual_stages > 1 else "")
     lines = [
         f"{plan.model} trained with global batch {plan.global_batch} x {plan.seq_len} tokens ({plan.dtype}) on "
-        f"{plan.world_size} devices as a {plan.pp}-stage pipeline; each stage accumulates gradients over "
-        f"{plan.grad_accum} micro-batch step(s) (1F1B schedule).",
+        f"{plan.world_size} devices as a {plan.pp}-stage pipeline{chunks}; each stage accumulates gradients over "
+        f"{plan.grad_accum} micro-batch step(s) (schedule {plan.schedule}: {SCHEDULES[plan.schedule].summary}).",
     ]
-    lines += ["  " + describe_stage(i, stage, plan.grad_accum) for i, stage in enumerate(plan.stages)]
+    for i, stage in enumerate(plan.stages):
+        where = f" (devices of stage {plan.placement[i]})" if plan.virtual_stages > 1 else ""
+        lines.append("  " + describe_stage(i, stage, plan.grad_accum) + where)
+    schedule = build_schedule(plan.schedule, plan.pp, plan.virtual_stages, plan.grad_accum)
+    if sum(len(actions) for actions in schedule.actions) <= 400:  # small enough to read
+        lines += ["", "actions (F forward, B backward, I/W its input/weight halves; .c: chunk c):"]
+        lines += ["  " + line for line in action_table(schedule)]
     return lines
 
 
-def stage_predictions(plan: Plan, args: argparse.Namespace) -> tuple[list[dict], str] | None:
-    """Per-stage stable/delta/forward/backward/memory, from the cost model or the side file."""
+def stage_predictions(plan: Plan, args: argparse.Namespace) -> tuple[list[dict], Simulation, str] | None:
+    """Per-stage stable/delta/memory and the simulated schedule, from the cost model or the side file."""
     if args.hardware:
         from .. import driver
-        from ..cost.analyze import plan_candidates
+        from ..cost.schedule import price_plan
 
         program = driver.capture(model_to_price(plan, args.model), dtype=plan.dtype, attention=args.attention,
                                  seq_len=plan.seq_len)
         driver.check_plan(program, plan, prove=False)  # layers, positions, tp degrees: as analyze and run refuse
         cost_model = driver.analyse(program, args.hardware, seq_len=plan.seq_len, attention=args.attention)
-        estimates = cost_model.evaluate(plan_candidates(plan))
+        price = price_plan(cost_model, plan, spans=True)
         stages = []
-        for i in range(plan.pp):
-            breakdown = {k: float(v[i]) for k, v in estimates.breakdown.items()}
-            stages.append({"stable_s": float(estimates.stable_s[i]), "delta_s": float(estimates.delta_s[i]),
-                           "peak_memory_bytes": float(estimates.peak_memory_bytes[i]), "breakdown": breakdown})
-        return stages, f"cost model ({args.hardware})"
+        for i in range(len(plan.stages)):
+            group = plan.placement[i]
+            breakdown = {k: float(v[i]) for k, v in price.chunks.breakdown.items()}
+            stages.append({"stable_s": float(price.chunks.stable_s[i]), "delta_s": float(price.delta_s[group]),
+                           "peak_memory_bytes": float(price.peak_memory_bytes[group]), "breakdown": breakdown})
+        return stages, price.simulation, f"cost model ({args.hardware})"
     side = frontier_path(args.plan)
     if os.path.isfile(side):
         estimates = read_side_file(side)["stage_estimates"]
-        if len(estimates) == plan.pp:
-            return estimates, f"tuner predictions in {side}"
+        if len(estimates) == len(plan.stages):
+            delta = [estimates[plan.chunks(group)[0]]["delta_s"] for group in range(plan.pp)]
+            simulation = simulate_estimates(plan, [s["stable_s"] for s in estimates],
+                                            [s.get("breakdown", {}) for s in estimates], delta)
+            return estimates, simulation, f"tuner predictions in {side}"
     return None
 
 
@@ -127,16 +142,6 @@ def model_to_price(plan: Plan, model: str | None) -> str:
                     f"pass --model {plan.model} to price it")
 
 
-def forward_backward(stage: dict) -> tuple[float, float]:
-    """Split of ``stable`` into forward and backward (the cost model's own split when it gives one)."""
-    parts = stage.get("breakdown", {})
-    forward, backward = parts.get("forward"), parts.get("backward")
-    if forward is not None and backward is not None and forward + backward > 0:
-        scale = stage["stable_s"] / (forward + backward)
-        return forward * scale, backward * scale
-    return stage["stable_s"] / 3, 2 * stage["stable_s"] / 3
-
-
 def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     if args.output_dir:
@@ -146,27 +151,31 @@ def run(args: argparse.Namespace) -> int:
     if predictions is None:
         print("\n(no timing: pass --hardware HW, or tune with -o to get a frontiers side file)")
         return 0
-    stages, source = predictions
-    formula = pipeline_iteration_time([s["stable_s"] for s in stages], [s["delta_s"] for s in stages], plan.grad_accum)
-    halves = [forward_backward(s) for s in stages]
-    slots = simulate([f for f, _ in halves], [b for _, b in halves], [s["delta_s"] for s in stages], plan.grad_accum)
-    print(f"\npredicted iteration ({source}): {formula:.4f} s by the tuner's formula, {iteration_time(slots):.4f} s "
-          f"by the 1F1B timeline simulation")
-    print(f"{'stage':>5} {'forward s':>10} {'backward s':>10} {'delta s':>9} {'busy %':>7} {'peak GB':>8}  breakdown")
+    stages, simulation, source = predictions
+    delta = [stages[plan.chunks(group)[0]]["delta_s"] for group in range(plan.pp)]
+    slots = timeline_slots(simulation, delta)
     total = iteration_time(slots)
-    for i, (stage, (forward, backward)) in enumerate(zip(stages, halves)):
-        busy = (plan.grad_accum * (forward + backward) + stage["delta_s"]) / total if total > 0 else 0.0
-        parts = ", ".join(f"{k} {v:.4g}" for k, v in sorted(stage.get("breakdown", {}).items())
-                          if k not in ("forward", "backward"))
-        print(f"{i:>5} {forward:>10.4f} {backward:>10.4f} {stage['delta_s']:>9.4f} {busy:>7.1%} "
-              f"{stage.get('peak_memory_bytes', 0) / 1e9:>8.2f}  {parts}")
+    line = f"\npredicted iteration ({source}): {total:.4f} s by simulating the {plan.schedule} schedule"
+    if plan.schedule == "1f1b":
+        formula = pipeline_iteration_time([s["stable_s"] for s in stages], [s["delta_s"] for s in stages],
+                                          plan.grad_accum)
+        line += f" ({formula:.4f} s by 1F1B's closed form)"
+    print(line)
+    print(f"{'stage':>5} {'devices':>7} {'stable s':>9} {'delta s':>9} {'busy %':>7} {'in flight':>9} {'peak GB':>8}")
+    for i, stage in enumerate(stages):
+        group = plan.placement[i]
+        busy = (float(simulation.busy_s[group, 0]) + delta[group]) / total if total > 0 else 0.0
+        print(f"{i:>5} {group:>7} {stage['stable_s']:>9.4f} {stage['delta_s']:>9.4f} {busy:>7.1%} "
+              f"{float(simulation.inflight[group, 0]):>9.2f} {stage.get('peak_memory_bytes', 0) / 1e9:>8.2f}")
     if args.output_dir:
         check_output_dir(args.output_dir, "-o")
-        names = [f"stage {i}: layers {s.layers[0]}..{s.layers[1] - 1}, {s.devices} GPUs" for i, s in enumerate(plan.stages)]
+        names = [f"stage {g}: " + ", ".join(f"layers {plan.stages[j].layers[0]}..{plan.stages[j].layers[1] - 1}"
+                                            for j in plan.chunks(g)) + f", {plan.stages[g].devices} GPUs"
+                 for g in range(plan.pp)]
         trace = os.path.join(args.output_dir, "timeline.json")
         write_chrome_trace(slots, trace, names)
         picture = os.path.join(args.output_dir, "timeline.png")
-        plot_timeline(slots, picture, f"{plan.model}: predicted 1F1B iteration, {total:.3f} s")
+        plot_timeline(slots, picture, f"{plan.model}: predicted {plan.schedule} iteration, {total:.3f} s")
         written = [trace, picture]
         side = frontier_path(args.plan)
         if os.path.isfile(side):

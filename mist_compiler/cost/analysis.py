@@ -15,6 +15,7 @@ import torch.fx as fx
 from ..passes.cost_annotation import ATTENTION_FORWARD, T, cost_annotation, op_name, tensor_shape
 from ..passes.manager import PassManager
 from ..passes.memory_analysis import memory_analysis
+from ..passes.weight_gradients import weight_gradients
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .compiled import compiled_cost_annotation
 from .loss_kernel import loss_shape
@@ -66,10 +67,12 @@ def _tp_granularity(forward: fx.GraphModule, names: set[str], states: dict[str, 
 ANALYSIS_PASSES = (
     cost_annotation,  # FLOPs, bytes, op class and tensor-parallel state per node; TP collectives
     memory_analysis,  # saved activations and peaks per block class, by liveness
+    weight_gradients,  # each block's backward cut into input and weight halves, and what the weight half keeps
 )
 COMPILED_ANALYSIS_PASSES = (
     compiled_cost_annotation,  # the partition inductor makes, elementwise chains priced as fused kernels
     memory_analysis,  # what that partition saves, by liveness (fused intermediates never stored)
+    weight_gradients,  # as above, on the compiled partition
 )
 
 
@@ -109,8 +112,10 @@ def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAna
         else:
             granularity = _tp_granularity(forward, names, costs.param_states)
         units = _unit_elements(classes[kind], forward, names, params, costs.param_states)
+        split = analysed.analysis.weight_split[classes[kind].class_id]
         block_kind = classes[kind].kind
         result[kind] = BlockAnalysis(block_kind, costs.restrict(names), memory[kind], per_device, total, granularity,
                                      tp_optional=block_kind != "layer", units=units,
-                                     loss=loss_shape(forward, names, symbols, costs.forward.states))
+                                     loss=loss_shape(forward, names, symbols, costs.forward.states),
+                                     weight_costs=costs.backward.restrict(set(split.names)), weight_stash=split.stash)
     return result, sum(1 for block in program.blocks if block.kind == "layer")

@@ -1,10 +1,12 @@
 """``analyze``: predicted iteration time and per-stage memory of a plan (``mistc analyze``).
 
-A plan is priced stage by stage with the vectorised stage cost model (one candidate per stage,
-1F1B: stage i of S keeps ``min(S - i, grad_accum)`` micro-batches' activations in flight) and the
-stages are combined by ``stage_api.pipeline_iteration_time``. Each stage reports its compute,
-exposed communication, exposed copies, its bubble (idle time in the iteration) and its peak
-memory; a stage whose peak exceeds the device memory is reported with the amount missing.
+A plan is priced by simulating its schedule's action lists (:func:`.schedule.price_plan`): every
+stage (each virtual stage when stages share devices) is evaluated with the vectorised stage
+cost model, the schedule's actions and transfers are replayed, and each group of devices holds
+the activations the simulated order keeps in flight (1F1B: stage i of S keeps ``min(S - i, G)``
+micro-batches). Each stage reports its compute, exposed communication, exposed copies, its bubble
+(idle time of its devices in the iteration) and the peak memory of its devices; a stage whose
+peak exceeds the device memory is reported with the amount missing.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import numpy as np
 from ..ir.program import MistProgram
 from ..ir.plan import Plan, PlanError, load_plan
 from .hardware import HardwareProfile, load_profile
-from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates, pipeline_iteration_time
+from .schedule import price_plan
+from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates
 from .stage_model import StageCostModel, build_stage_cost_model
 
 MB = 1e6
@@ -51,6 +54,8 @@ class PlanEstimate:
     tokens_per_s: float
     stages: list[StageEstimate]
     compiled: bool = False  # the units were priced as compiled code (else eager ops)
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
 
     @property
     def fits(self) -> bool:
@@ -140,24 +145,29 @@ def analyze(program: MistProgram | None, plan, hardware, *, attention: str = "fl
         raise PlanError(f"plan field grad_dtype: {plan.grad_dtype!r}, but the cost model given prices "
                         f"{cost_model.grad_dtype!r} gradients")
     _check_plan(plan, cost_model, profile)
-    estimates = cost_model.evaluate(plan_candidates(plan))
+    price = price_plan(cost_model, plan)
     grad_accum = plan.grad_accum
-    iteration = pipeline_iteration_time(estimates.stable_s, estimates.delta_s, grad_accum)
-    parts = estimates.breakdown
+    iteration = price.time_s
+    chunks, groups = price.chunks, price.groups
+    bubble = price.simulation.bubble_s(price.delta_s[:, None])[:, 0]
     stages = []
     for index, stage in enumerate(plan.stages):
-        stable, delta = float(estimates.stable_s[index]), float(estimates.delta_s[index])
-        peak = float(estimates.peak_memory_bytes[index])
+        group = plan.placement[index]
+        parts = {name: float(values[group]) for name, values in groups.breakdown.items()}
+        peak = float(price.peak_memory_bytes[group])
         limit = cost_model.device_memory_bytes
+        acts = parts["acts"] + (peak - float(groups.peak_memory_bytes[group]))  # at the simulated in-flight count
         stages.append(StageEstimate(
-            index=index, layers=stage.layers, stable_s=stable, delta_s=delta,
-            compute_s=grad_accum * float(parts["compute"][index]),
-            exposed_comm_s=grad_accum * float(parts["exposed_comm"][index]) + float(parts["grad_sync"][index]),
-            exposed_copy_s=grad_accum * float(parts["exposed_copy"][index]),
-            bubble_s=max(0.0, iteration - grad_accum * stable - delta),
+            index=index, layers=stage.layers, stable_s=float(chunks.stable_s[index]), delta_s=float(price.delta_s[group]),
+            compute_s=grad_accum * float(chunks.breakdown["compute"][index]),
+            exposed_comm_s=grad_accum * float(chunks.breakdown["exposed_comm"][index]) + parts["grad_sync"],
+            exposed_copy_s=grad_accum * float(chunks.breakdown["exposed_copy"][index]),
+            bubble_s=float(bubble[group]),
             peak_memory_mb=peak / MB, memory_limit_mb=limit / MB, missing_mb=(peak - limit) / MB,
-            memory_mb={name: float(parts[name][index]) / MB for name in ("params", "grads", "opt", "buffers", "acts")},
+            memory_mb={name: (acts if name == "acts" else parts[name]) / MB
+                       for name in ("params", "grads", "opt", "buffers", "acts")},
         ))
     tokens = plan.global_batch * plan.seq_len
     return PlanEstimate(plan.model, profile.name, attention, grad_accum, iteration,
-                        tokens / iteration if iteration > 0 else float("inf"), stages, compiled=cost_model.compiled)
+                        tokens / iteration if iteration > 0 else float("inf"), stages, compiled=cost_model.compiled,
+                        schedule=plan.schedule, virtual_stages=plan.virtual_stages)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from ..passes.cost_annotation import BlockCosts
+from ..passes.cost_annotation import BlockCosts, GraphCosts
 from ..passes.memory_analysis import BlockMemory
 from .loss_kernel import LossShape
 
@@ -35,6 +35,9 @@ class BlockAnalysis:
     # order; None: one unit
     units: list[sympy.Expr] | None = None
     loss: LossShape | None = None  # the fused head + loss it runs, if any (priced plain too: cost.loss_kernel)
+    # the backward's weight half (``passes/weight_gradients``): its ops and the bytes it keeps from I to W
+    weight_costs: GraphCosts | None = None
+    weight_stash: sympy.Expr = sympy.Integer(0)
 
     @property
     def tp_supported(self) -> bool:

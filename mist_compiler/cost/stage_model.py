@@ -100,6 +100,7 @@ class _BlockFunctions:
     gemms: dict[str, list[tuple[Callable, Callable]]] = field(default_factory=dict)  # phase -> (flops, bytes) per matmul
     loss: tuple[Callable, Callable, Callable] | None = None  # the fused loss's (N, H, V per device), cost.loss_kernel
     loss_dtype_bytes: int = 4
+    stash: Callable | None = None  # bytes the backward's weight half keeps from the input half
 
 
 # The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
@@ -110,14 +111,16 @@ MATH_ATTENTION_PASSES = {"forward": 4, "backward": 6}
 
 def _class_bytes(block: BlockAnalysis, phase: str, graph_costs, attention: str) -> dict[str, sympy.Expr]:
     nbytes = dict(graph_costs.bytes_by_class())
-    if attention == "math" and block.memory.attention_probs != 0:
+    if attention == "math" and block.memory.attention_probs != 0 and phase in MATH_ATTENTION_PASSES:
         extra = MATH_ATTENTION_PASSES[phase] * block.memory.attention_probs
         nbytes["attention"] = nbytes.get("attention", sympy.Integer(0)) + extra
     return nbytes
 
 
 def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
-    phases = {"forward": block.costs.forward, "backward": block.costs.backward}
+    # "weight": the backward's weight half (part of "backward"), for schedules that run it apart
+    weight = block.weight_costs if block.weight_costs is not None else block.costs.backward.restrict(set())
+    phases = {"forward": block.costs.forward, "backward": block.costs.backward, "weight": weight}
     return _BlockFunctions(
         flops={p: {c: _lambdify(e) for c, e in g.flops_by_class().items()} for p, g in phases.items()},
         nbytes={p: {c: _lambdify(e) for c, e in _class_bytes(block, p, g, attention).items()} for p, g in phases.items()},
@@ -143,6 +146,7 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
         loss=None if block.loss is None else tuple(_lambdify(e) for e in (block.loss.rows, block.loss.hidden,
                                                                           block.loss.vocab)),
         loss_dtype_bytes=block.loss.dtype_bytes if block.loss is not None else 4,
+        stash=_lambdify(block.weight_stash),
     )
 
 
@@ -281,7 +285,7 @@ class StageCostModel:
         s = np.full(b.shape, float(self.seq_len))
         terms: dict[str, np.ndarray] = {}
         by_shape = self.hardware.matmul_model is not None  # GEMMs priced one by one, by their shape
-        for phase in ("forward", "backward"):
+        for phase in ("forward", "backward", "weight"):
             time = np.zeros(b.shape)
             for op_class, flops in functions.flops[phase].items():
                 if by_shape and op_class == "matmul":
@@ -296,6 +300,7 @@ class StageCostModel:
             for payload in functions.collectives[phase]:
                 comm = comm + collective_time(self.hardware, "all_reduce", np.maximum(payload(b, s, t), 0.0), *tp_shape)
             terms[f"{phase}_tp"] = np.where(t > 1, comm, 0.0)
+        terms["stash"] = functions.stash(b, s, t)
         terms["saved"] = functions.saved(b, s, t)
         terms["input"] = functions.input(b, s, t)
         terms["output"] = functions.output(b, s, t)
@@ -489,7 +494,12 @@ class StageCostModel:
             "forward": forward.total_s,
             "backward": backward.total_s,
             "tp_comm": tp_exposed,
+            "tp_forward": stage_sum("forward_tp"),
             "p2p": p2p,
+            # the backward's weight half (compute) and what it keeps from the input half: units with
+            # tensor-parallel collectives keep their backward whole (passes/split_backward.py)
+            "backward_weight": np.where(np.asarray(c.tp) > 1, 0.0, stage_sum("weight_compute")),
+            "weight_stash": np.where(np.asarray(c.tp) > 1, 0.0, stage_sum("stash")),
             "exposed_comm": forward.exposed_s["collective"] + backward.exposed_s["collective"] + tp_exposed + p2p,
             "exposed_copy": (forward.exposed_s["h2d"] + forward.exposed_s["d2h"]
                              + backward.exposed_s["h2d"] + backward.exposed_s["d2h"]),

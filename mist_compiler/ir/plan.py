@@ -26,6 +26,15 @@ stage computes its LM head and loss. ``true``: the fused, chunked ``mist::linear
 ``6NHV``). ``false``: the head's logits are materialised and the loss runs as the model wrote it,
 which is faster and holds about ``N x V`` fp32 values more (``N`` tokens of a micro-batch, ``V``
 the vocabulary on one device). The tuner writes ``false`` where that fits in memory.
+
+``schedule`` (optional, default ``"1f1b"``) names the pipeline schedule (:mod:`.schedule`:
+``1f1b``, ``gpipe``, ``interleaved``, ``zb-h1``, ``zbv``) and ``virtual_stages`` (optional,
+default 1) how many pipeline stages share one group of devices. With ``v`` virtual stages,
+``stages`` lists the ``pp * v`` virtual stages in pipeline order (contiguous layers, as ever) and
+virtual stage ``j`` runs on the devices of stage ``placement[j]`` (round-robin ``j % pp``;
+``zbv``: a V, the last stage back on the first devices); the first ``pp`` entries are the device
+groups, and a later entry repeats its group's ``nodes``, ``gpus_per_node``, ``dp``, ``tp``,
+``micro_batch`` and ``zero`` (its layers, checkpointing and offload are its own).
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from .files import write_atomic
+from .schedule import DEFAULT_SCHEDULE, SCHEDULES, placement, schedule_problem
 from .vocabulary import COMPILED_DEFAULT, OFFLOAD_KINDS
 from .vocabulary import TRAINING_DTYPES
 
@@ -172,6 +182,8 @@ class Plan:
     grad_dtype: str = "float32"
     compiled: bool = COMPILED_DEFAULT
     fused_loss: bool = True
+    schedule: str = DEFAULT_SCHEDULE
+    virtual_stages: int = 1
 
     @property
     def low_precision_grads(self) -> bool:
@@ -184,11 +196,26 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return sum(stage.devices for stage in self.stages)
+        return sum(stage.devices for stage in self.physical_stages)
 
     @property
     def pp(self) -> int:
-        return len(self.stages)
+        """Physical pipeline stages (groups of devices)."""
+        return len(self.stages) // self.virtual_stages
+
+    @property
+    def physical_stages(self) -> tuple[StagePlan, ...]:
+        """One entry per group of devices (virtual stage ``s < pp`` runs on group ``s``)."""
+        return self.stages[:self.pp]
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """The physical stage each virtual stage (entry of ``stages``) runs on."""
+        return placement(self.schedule, self.pp, self.virtual_stages)
+
+    def chunks(self, stage: int) -> list[int]:
+        """The virtual stages physical stage ``stage`` runs, in pipeline order."""
+        return [j for j, where in enumerate(self.placement) if where == stage]
 
     @classmethod
     def from_dict(cls, data: Any) -> "Plan":
@@ -207,6 +234,8 @@ class Plan:
             grad_dtype=data.get("grad_dtype", "float32"),
             compiled=data.get("compiled", COMPILED_DEFAULT),
             fused_loss=data.get("fused_loss", True),
+            schedule=data.get("schedule", DEFAULT_SCHEDULE),
+            virtual_stages=_int(data.get("virtual_stages", 1), "virtual_stages", 1),
         )
         plan._check_consistency()
         return plan
@@ -216,6 +245,7 @@ class Plan:
         _require(self.grad_dtype in ("float32", self.dtype), "grad_dtype",
                  f"must be 'float32' or the plan's dtype {self.dtype!r}, got {self.grad_dtype!r}")
         _require(isinstance(self.compiled, bool), "compiled", f"expected true or false, got {self.compiled!r}")
+        self._check_schedule()
         expected_start = 0
         for index, stage in enumerate(self.stages):
             where = f"stages[{index}]"
@@ -230,6 +260,21 @@ class Plan:
                 f"micro_batch * dp * grad_accum = {stage.micro_batch} * {stage.dp} * {self.grad_accum} = {samples} "
                 f"must equal global_batch = {self.global_batch}",
             )
+
+    def _check_schedule(self) -> None:
+        _require(self.schedule in SCHEDULES, "schedule", f"unknown schedule {self.schedule!r}; known: {sorted(SCHEDULES)}")
+        v = self.virtual_stages
+        _require(len(self.stages) % v == 0, "virtual_stages",
+                 f"{len(self.stages)} stages cannot be {v} virtual stages per group of devices")
+        problem = schedule_problem(self.schedule, self.pp, v, self.grad_accum)
+        if problem is not None:
+            _require(False, *problem)
+        for index, where in enumerate(self.placement):
+            group, stage = self.stages[where], self.stages[index]
+            for key in ("nodes", "gpus_per_node", "dp", "tp", "micro_batch", "zero"):
+                _require(getattr(stage, key) == getattr(group, key), f"stages[{index}].{key}",
+                         f"virtual stage {index} runs on the devices of stage {where} ({self.schedule!r} with "
+                         f"{v} virtual stages), so it needs its {key} {getattr(group, key)}, got {getattr(stage, key)}")
 
     def check_against_model(self, num_layers: int, max_seq: int | None = None) -> None:
         """Reject a plan whose layer ranges do not match the model's layer count."""
@@ -252,6 +297,10 @@ class Plan:
             data["compiled"] = self.compiled
         if not self.fused_loss:
             data["fused_loss"] = False
+        if self.schedule != DEFAULT_SCHEDULE:
+            data["schedule"] = self.schedule
+        if self.virtual_stages != 1:
+            data["virtual_stages"] = self.virtual_stages
         return data
 
     def to_json(self) -> str:

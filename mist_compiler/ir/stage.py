@@ -8,7 +8,8 @@ reads parameters, each layer, each such module of the post part) in execution or
 built: its fx graph (shared by every layer of one class), the model tensors its attributes
 stand for, how each is split over tensor-parallel ranks, whether it is checkpointed, how much
 of it is offloaded. The later passes (``tp_sharding``, ``checkpoint``, ``offload_insertion``)
-fill those fields; the runtime then builds the modules, with only this rank's weights.
+(and ``split_backward``, for zero-bubble schedules) fill those fields; the runtime then builds
+the modules, with only this rank's weights.
 """
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ class Unit:
     checkpointed: bool = False
     offload: Offload = field(default_factory=Offload)  # fractions of this unit's state kept on the host
     needs_tp: bool = False  # its graph calls the tensor-parallel collectives (module ``tp``)
+    split_backward: bool = False  # its backward runs as an input-gradient and a weight-gradient half
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """Rank layout of a plan: which rank runs which stage, data-parallel index and tensor-parallel index.
 
-Stages take contiguous rank ranges in order; inside stage ``s`` (first rank ``offset_s``) the
+Physical stages (groups of devices, ``Plan.physical_stages``) take contiguous rank ranges in order; inside stage ``s`` (first rank ``offset_s``) the
 rank of data-parallel index ``d`` and tensor-parallel index ``t`` is ``offset_s + d * tp_s + t``.
 Groups of ranks follow: one data-parallel group per (stage, tp index), one tensor-parallel group
 per (stage, dp index) and, for models whose head is tied to the embedding across stages, one
-group per tp index joining the first and the last stage (one group joining both stages whole
-when their tp differ). Pure arithmetic on the plan; :mod:`mist_compiler.runtime.process_groups`
+group per tp index joining the stages of the first and the last virtual stage (one group joining
+both stages whole when their tp differ). Pure arithmetic on the plan; :mod:`mist_compiler.runtime.process_groups`
 creates the groups.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Topology:
         return self.plan.world_size
 
     def stage_offset(self, stage: int) -> int:
-        return sum(s.devices for s in self.plan.stages[:stage])
+        return sum(s.devices for s in self.plan.physical_stages[:stage])
 
     def rank_of(self, stage: int, dp_index: int, tp_index: int) -> int:
         plan_stage = self.plan.stages[stage]
@@ -40,7 +40,7 @@ class Topology:
     def coord(self, rank: int) -> RankCoord:
         if not 0 <= rank < self.world_size:
             raise PlanError(f"plan field stages: rank {rank} is outside the plan's {self.world_size} devices")
-        for stage, plan_stage in enumerate(self.plan.stages):
+        for stage, plan_stage in enumerate(self.plan.physical_stages):
             offset = self.stage_offset(stage)
             if rank < offset + plan_stage.devices:
                 local = rank - offset
@@ -50,7 +50,7 @@ class Topology:
     def check_world_size(self, world_size: int) -> None:
         """A plan must use exactly the launched ranks."""
         if world_size != self.world_size:
-            per_stage = " + ".join(f"{s.dp}*{s.tp}" for s in self.plan.stages)
+            per_stage = " + ".join(f"{s.dp}*{s.tp}" for s in self.plan.physical_stages)
             raise PlanError(
                 f"plan field stages: the plan needs {self.world_size} ranks (sum of dp*tp per stage: {per_stage}) "
                 f"but {world_size} were launched"
@@ -62,10 +62,21 @@ class Topology:
     def tp_ranks(self, stage: int, dp_index: int) -> list[int]:
         return [self.rank_of(stage, dp_index, t) for t in range(self.plan.stages[stage].tp)]
 
+    @property
+    def end_stages(self) -> tuple[int, int]:
+        """Physical stages of the first and of the last virtual stage (the embedding's, the head's)."""
+        return self.plan.placement[0], self.plan.placement[-1]
+
+    @property
+    def ends_apart(self) -> bool:
+        """The embedding and the head run on different devices (a tied weight needs a group)."""
+        first, last = self.end_stages
+        return first != last
+
     def tied_ranks(self, tp_index: int) -> list[int]:
         """First- and last-stage ranks with tp index ``tp_index`` (the same vocabulary rows of a tied
         weight when both stages have the same tp)."""
-        first, last = 0, self.plan.pp - 1
+        first, last = self.end_stages
         return sorted(set(self.dp_ranks(first, tp_index)) | set(self.dp_ranks(last, tp_index)))
 
     def sample_range(self, stage: int, dp_index: int, micro: int) -> tuple[int, int]:

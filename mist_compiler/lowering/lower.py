@@ -3,8 +3,11 @@
 The lowering is one list of passes run by the :class:`PassManager` (read it in
 :func:`lowering_passes`): cut the pipeline stage out of the captured torch-level program, shard
 it over the tensor-parallel group, keep or undo the fused head + loss, checkpoint the first layers,
-set the units' offload fractions. Then :func:`~.materialize.build_stage` instantiates the stage's modules with this
-rank's weights only.
+set the units' offload fractions, mark the units whose backward is split (zero-bubble schedules).
+Then :func:`~.materialize.build_stage` instantiates the stage's modules with this rank's weights only
+(the split units as the two halves of their joint graph, :mod:`.split_backward`). A rank whose
+devices run several virtual stages (interleaved and V schedules) lowers each of them and holds
+them as the chunks of one :class:`~.materialize.StageProgram`.
 """
 from __future__ import annotations
 
@@ -23,11 +26,14 @@ from ..passes.checkpoint import ActivationCheckpoint
 from ..passes.loss_kernel import LossKernel
 from ..passes.manager import PassManager
 from ..passes.offload_insertion import OffloadInsertion
+from ..ir.schedule import SCHEDULES
 from ..passes.partition import Partition, PartitionError
+from ..passes.split_backward import SplitBackward
 from ..passes.tp_sharding import TensorParallel, check_degree
-from .materialize import StageProgram, TensorSource, build_stage
+from .materialize import StageProgram, TensorSource, build_stage, merge_chunks
+from .split_backward import WeightGradQueue
 
-LOWERING_PASSES = ("partition", "tp_sharding", "loss_kernel", "checkpoint", "offload_insertion")
+LOWERING_PASSES = ("partition", "tp_sharding", "loss_kernel", "checkpoint", "offload_insertion", "split_backward")
 
 
 def check_plan_against_program(plan: Plan, program: MistProgram) -> None:
@@ -41,17 +47,24 @@ def check_plan_against_program(plan: Plan, program: MistProgram) -> None:
     plan.check_against_model(graph.num_layers, program.max_positions)
     for index, stage in enumerate(plan.stages):
         check_degree(graph.tp, stage.tp, where=f"plan field stages[{index}].tp")
+    if graph.tied_parameters() and len(plan.stages) > 1 and plan.placement[0] == plan.placement[-1]:
+        raise PlanError(f"plan field schedule: {program.model_name} ties its embedding and head, and "
+                        f"{plan.schedule!r} with {plan.virtual_stages} virtual stages puts both on the same devices in "
+                        f"different virtual stages, which is not supported; use a schedule that places them apart")
 
 
-def lowering_passes(program: MistProgram, plan: Plan, coord: RankCoord) -> list[Callable]:
-    """The lowering pipeline for one rank, in the order it runs."""
-    stage = plan.stages[coord.stage]
+def lowering_passes(program: MistProgram, plan: Plan, coord: RankCoord, virtual: int | None = None) -> list[Callable]:
+    """The lowering pipeline for one rank's stage (``virtual``: which of its virtual stages, by
+    index into ``plan.stages``; default the rank's stage itself), in the order it runs."""
+    index = coord.stage if virtual is None else virtual
+    stage = plan.stages[index]
     return [
-        Partition(plan, coord.stage),  # ModelGraph -> StageGraph: this stage's units and boundary
+        Partition(plan, index),  # ModelGraph -> StageGraph: this stage's units and boundary
         TensorParallel(program.model_graph, coord.tp_index, stage.tp),  # apply the recognised split
         LossKernel(plan.fused_loss),  # the fused, chunked head + loss, or the plain one
         ActivationCheckpoint(stage.ckpt_layers),  # recompute the first layers in backward
         OffloadInsertion(stage.offload),  # each unit's host fractions
+        SplitBackward(SCHEDULES[plan.schedule].split_backward),  # input- and weight-gradient halves
     ]
 
 
@@ -64,23 +77,31 @@ def graphs_are_well_formed(program: Any) -> None:
         graph.lint()
 
 
-def lower_stage(program: MistProgram, plan: Plan, coord: RankCoord, *, print_after: tuple[str, ...] = (),
-                on_dump: Callable[[str, Any], None] | None = None) -> StageGraph:
-    """Run the lowering passes for one rank (no weights involved); the plan was checked against the
-    program before (:func:`check_plan_against_program`, the driver's ``check_plan``)."""
-    manager = PassManager(lowering_passes(program, plan, coord), invariants=(graphs_are_well_formed,),
+def lower_stage(program: MistProgram, plan: Plan, coord: RankCoord, *, virtual: int | None = None,
+                print_after: tuple[str, ...] = (), on_dump: Callable[[str, Any], None] | None = None) -> StageGraph:
+    """Run the lowering passes for one rank's stage, or one of its virtual stages (no weights
+    involved); the plan was checked against the program before (:func:`check_plan_against_program`,
+    the driver's ``check_plan``)."""
+    manager = PassManager(lowering_passes(program, plan, coord, virtual), invariants=(graphs_are_well_formed,),
                           print_after=print_after, on_dump=on_dump)
     return manager(program.model_graph).program
 
 
 def lower(program: MistProgram, plan: Plan, coord: RankCoord, source: TensorSource, *, device: torch.device,
-          tp_group: Any = None, deferred: bool = True) -> StageProgram:
-    """This rank's runnable stage program: the lowered stage, built with this rank's weights (made
-    when the runtime lays each unit out when ``deferred``, so no rank ever holds more than its own
-    state plus one unit in flight)."""
-    stage = lower_stage(program, plan, coord)
-    built = build_stage(stage, program.model_graph, source, device=device, group=tp_group, deferred=deferred)
-    built.labels = label_convention(program)
+          tp_group: Any = None, deferred: bool = True, compile_graph: Any = None) -> StageProgram:
+    """This rank's runnable stage program: its lowered virtual stages (one unless stages share
+    devices), built with this rank's weights (made when the runtime lays each unit out when
+    ``deferred``, so no rank ever holds more than its own state plus one unit in flight).
+    ``compile_graph``: how the halves of split units are compiled (default: run as fx graphs)."""
+    queue = WeightGradQueue()
+    made: dict = {}
+    chunks = [build_stage(lower_stage(program, plan, coord, virtual=j), program.model_graph, source, device=device,
+                          group=tp_group, deferred=deferred, made=made, weight_grads=queue, compile_graph=compile_graph)
+              for j in plan.chunks(coord.stage)]
+    built = chunks[0] if len(chunks) == 1 else merge_chunks(chunks)
+    labels = label_convention(program)
+    for stage in [built, *chunks]:
+        stage.labels = labels
     return built
 
 
@@ -90,13 +111,14 @@ def dump_lowered(program: MistProgram, plan: Plan, after: str) -> str:
         raise PlanError(f"unknown pass {after!r}; lowering passes are: {', '.join(LOWERING_PASSES)}")
     check_plan_against_program(plan, program)
     out = io.StringIO()
-    for stage_index in range(plan.pp):
+    for stage_index, where in enumerate(plan.placement):
         dumps: list[str] = []
-        lower_stage(program, plan, RankCoord(stage_index, 0, 0), print_after=(after,),
+        lower_stage(program, plan, RankCoord(where, 0, 0), virtual=stage_index, print_after=(after,),
                     on_dump=lambda name, stage: dumps.append(describe(stage)))
         stage = plan.stages[stage_index]
-        out.write(f"# stage {stage_index}: layers [{stage.layers[0]}, {stage.layers[1]}), dp={stage.dp} tp={stage.tp} "
-                  f"zero={stage.zero} ckpt_layers={stage.ckpt_layers} (after {after})\n")
+        runs_on = f" on the devices of stage {where}" if plan.virtual_stages > 1 else ""
+        out.write(f"# stage {stage_index}{runs_on}: layers [{stage.layers[0]}, {stage.layers[1]}), dp={stage.dp} "
+                  f"tp={stage.tp} zero={stage.zero} ckpt_layers={stage.ckpt_layers} (after {after})\n")
         out.write("".join(dumps))
     return out.getvalue()
 
@@ -110,7 +132,8 @@ def describe(stage: StageGraph) -> str:
                  else stage.graph.python_code("self").src.strip())
     shown: set[int] = set()
     for unit in stage.units:
-        extra = [f"checkpointed" if unit.checkpointed else "", f"offload {unit.offload}" if unit.offload != type(unit.offload)() else "",
+        extra = [f"checkpointed" if unit.checkpointed else "", "backward split" if unit.split_backward else "",
+                 f"offload {unit.offload}" if unit.offload != type(unit.offload)() else "",
                  f"split {({a: (s.dim, s.segments) for a, s in unit.shards.items()})}" if unit.shards else ""]
         lines.append(f"#   unit {unit.name} ({unit.kind}, {len(unit.tensors)} tensors) {' '.join(e for e in extra if e)}".rstrip())
         if id(unit.graph) not in shown:

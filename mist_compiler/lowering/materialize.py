@@ -29,6 +29,7 @@ from ..ir.model_graph import BUFFER, CONSTANT, PARAMETER, ModelGraph, ShardSpec
 from ..ir.plan import Offload
 from ..ir.stage import StageGraph, StageInterface
 from ..ops.tensor_parallel import TP_CHILDREN, TensorParallelOps
+from .split_backward import CompileGraph, SplitBackward, WeightGradQueue, eager_graph, lift_parameters, split_unit_graph
 
 
 class TensorSource(Protocol):
@@ -79,7 +80,11 @@ def read_shard(source: TensorSource, kind: str, name: str, spec: ShardSpec | Non
 
 @dataclass
 class StageProgram:
-    """One rank's runnable stage: the module, its interface and its units in execution order."""
+    """One rank's runnable stage: the module, its interface and its units in execution order.
+
+    When the rank's devices run several virtual stages, ``chunks`` holds one program per virtual
+    stage (in pipeline order) and this one describes the rank: every chunk's units, parameters and
+    tables together (``module`` and ``interface`` are the first chunk's)."""
 
     module: fx.GraphModule
     interface: StageInterface
@@ -92,6 +97,13 @@ class StageProgram:
     tied: set[str] = field(default_factory=set)  # runtime names of weights the model ties across pre and post
     labels: Any = None  # frontend.labels.LabelConvention: how the model reads its labels (set by lower())
     compile_stats: Any = None  # lowering.compile.CompileStats once the units are compiled (or kept eager)
+    chunks: list["StageProgram"] = field(default_factory=list)  # per virtual stage, when there are several
+    weight_grads: WeightGradQueue | None = None  # where split units defer their weight halves (one per rank)
+
+    @property
+    def chunk_programs(self) -> list["StageProgram"]:
+        """The virtual stages this rank runs, in pipeline order (itself when there is one)."""
+        return self.chunks or [self]
 
     def initial_value(self, param: nn.Parameter) -> torch.Tensor | None:
         """The initial fp32 value of a deferred parameter (made now, on the stage's device; read it,
@@ -135,11 +147,16 @@ def _without_storage(shape: torch.Size, device: torch.device) -> torch.Tensor:
 
 
 def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, device: torch.device,
-                group: Any = None, deferred: bool = False) -> StageProgram:
+                group: Any = None, deferred: bool = False, made: dict | None = None,
+                weight_grads: WeightGradQueue | None = None, compile_graph: CompileGraph | None = None) -> StageProgram:
     """Instantiate ``stage``'s modules on ``device`` with this rank's slices of ``source``'s tensors
-    (parameters left without storage until asked for when ``deferred``)."""
+    (parameters left without storage until asked for when ``deferred``; ``made``: tensors already
+    made for another virtual stage of this rank, shared). Units marked ``split_backward`` run their
+    joint graph's two backward halves (:mod:`.split_backward`), deferring weight halves into
+    ``weight_grads``, each graph through ``compile_graph``."""
     rank, world = stage.tp
-    made: dict[tuple[str, str], torch.Tensor] = {}
+    made = {} if made is None else made
+    weight_grads = weight_grads if weight_grads is not None else WeightGradQueue()
     pending: dict[int, DeferredParameter] = {}
 
     def tensor(kind: str, name: str, spec: ShardSpec | None) -> torch.Tensor:
@@ -165,7 +182,10 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
         parts: dict[str, Any] = {attr: tensor(kind, name, unit.shards.get(attr)) for attr, (kind, name) in unit.tensors.items()}
         if unit.needs_tp:
             parts.update({f"tp.{child}": getattr(ops, child) for child in TP_CHILDREN})
-        module = fx.GraphModule(parts, unit.graph, class_name=f"Unit_{unit.kind}")
+        if unit.split_backward:
+            module = _split_unit(unit, parts, weight_grads, compile_graph or eager_graph)
+        else:
+            module = fx.GraphModule(parts, unit.graph, class_name=f"Unit_{unit.kind}")
         root[unit.name] = module
         units.append((unit.name, module))
         for attr, (kind, name) in unit.tensors.items():
@@ -182,7 +202,34 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
     checkpointed = {unit.name for unit in stage.units if unit.checkpointed}
     tied_fqns = model.tied_parameters()
     tied = {name for name, full_name in fqn.items() if full_name in tied_fqns}
-    return StageProgram(module, stage.interface, units, offload, checkpointed, fqn, shards, pending, tied)
+    return StageProgram(module, stage.interface, units, offload, checkpointed, fqn, shards, pending, tied,
+                        weight_grads=weight_grads)
+
+
+def _split_unit(unit, parts: dict[str, Any], queue: WeightGradQueue, compile_graph: CompileGraph) -> fx.GraphModule:
+    """A unit whose backward runs as two halves: its parameters as ever, its program in a
+    :class:`~.split_backward.SplitBackward` child reading them as inputs."""
+    params = [attr for attr, (kind, _) in unit.tensors.items() if kind == PARAMETER]
+    others = {attr: value for attr, value in parts.items() if attr not in params}
+    program = fx.GraphModule(others, lift_parameters(unit.graph, params), class_name=f"Lifted_{unit.kind}")
+    outer = {attr: parts[attr] for attr in params}
+    outer["split"] = SplitBackward(program, len(params), unit.name, queue, compile_graph)
+    return fx.GraphModule(outer, split_unit_graph(unit.graph, params), class_name=f"Unit_{unit.kind}")
+
+
+def merge_chunks(chunks: list[StageProgram]) -> StageProgram:
+    """One rank's program made of several virtual stages (see :class:`StageProgram`)."""
+    first = chunks[0]
+    merged = StageProgram(first.module, first.interface, [u for c in chunks for u in c.units], {}, set(),
+                          chunks=list(chunks), weight_grads=first.weight_grads)
+    for chunk in chunks:
+        merged.offload.update(chunk.offload)
+        merged.checkpointed |= chunk.checkpointed
+        merged.fqn.update(chunk.fqn)
+        merged.shards.update(chunk.shards)
+        merged.deferred.update(chunk.deferred)
+        merged.tied |= chunk.tied
+    return merged
 
 
 def tensor_source(model: nn.Module | str, seq_len: int | None) -> TensorSource:

@@ -508,6 +508,7 @@ class PricedGraphs:
     costs: ProgramCosts
     memory: dict[int, Any] = field(default_factory=dict)  # block class id -> memory_analysis.BlockMemory
     transient: frozenset = frozenset()  # values no kernel stores (intermediates of fused kernels, cost.compiled)
+    weight_split: dict[int, Any] = field(default_factory=dict)  # block class id -> weight_gradients.WeightSplit
 
 
 def program_graphs(program, partition=None) -> ProgramGraphs:

@@ -1,7 +1,8 @@
 """Pipeline partitioning: the captured torch-level program -> one stage's program.
 
 Input: the :class:`~mist_compiler.ir.model_graph.ModelGraph` capture produced (the graph the cost
-model priced, cut into pre / layer / post regions), a plan and a stage index. Output: a
+model priced, cut into pre / layer / post regions), a plan and a stage index (an entry of the
+plan's ``stages``: a virtual stage when stages share devices). Output: a
 :class:`~mist_compiler.ir.stage.StageGraph`:
 
 - every node of the pre and post regions that depends on the batch alone (positions, masks,
@@ -244,7 +245,7 @@ def _stage_of_pre_outputs(model: ModelGraph, plan: Plan, pre_unit_nodes: set[str
     last_stage = {}
     by_name = model._by_name()
     stage_of_layer = {k: i for i, s in enumerate(plan.stages) for k in range(*s.layers)}
-    post_stage = plan.pp - 1
+    post_stage = len(plan.stages) - 1
     for name in pre_unit_nodes:
         for user in by_name[name].users:
             if user.name in pre_unit_nodes:
@@ -263,7 +264,7 @@ def _stage_of_pre_outputs(model: ModelGraph, plan: Plan, pre_unit_nodes: set[str
 
 def _build_stage(model: ModelGraph, plan: Plan, index: int) -> StageGraph:
     stage = plan.stages[index]
-    first, last = index == 0, index == plan.pp - 1
+    first, last = index == 0, index == len(plan.stages) - 1  # virtual stages: the plan's entries
     by_name = model._by_name()
     free = free_values(model)
     pre_nodes = [by_name[n] for n in model.pre if n not in free and not _is_side_effect(by_name[n])
@@ -328,9 +329,10 @@ def _build_stage(model: ModelGraph, plan: Plan, index: int) -> StageGraph:
         outputs_sent += [boundary_value(model, n, n, micro, seq) for n in forwarded]
         graph.output(tuple(sent))
     graph.lint()
-    interface = StageInterface(index, plan.pp, inputs, batch_inputs, outputs_sent,
+    interface = StageInterface(index, len(plan.stages), inputs, batch_inputs, outputs_sent,
                                [u.name for u in units if u.kind == "layer"])
-    return StageGraph(index, plan.pp, graph, interface, units, _top_level_tensors(graph, model), plan_dtype=plan.dtype)
+    return StageGraph(index, len(plan.stages), graph, interface, units, _top_level_tensors(graph, model),
+                      plan_dtype=plan.dtype)
 
 
 def _emit_part(model: ModelGraph, graph: fx.Graph, env: dict[str, fx.Node], units: list[Unit], nodes: list[fx.Node],
@@ -372,7 +374,7 @@ def _needed_free_values(model: ModelGraph, plan: Plan, index: int, free: set[str
         roots += [a.name for a in _external_inputs(pre_nodes, {n.name for n in pre_nodes})]
     for layer in range(*stage.layers):
         roots += [name for name in model.region_of_layer(layer).glue if name != model.layer_index]
-    if index == plan.pp - 1:
+    if index == len(plan.stages) - 1:
         roots += [a.name for a in _external_inputs(post_nodes, {n.name for n in post_nodes})]
     by_name = model._by_name()
     needed: set[str] = set()

@@ -9,9 +9,12 @@ gradients across stages, link the pipeline neighbours. On a CPU device the proce
 host memory for reuse (:mod:`.host_allocator`).
 
 ``step(batch)`` runs one training iteration: every rank is given the same global batch and takes
-its own rows; the stage runs its pipeline schedule (1F1B unless ``set_schedule`` chose another)
-over ``grad_accum`` micro-batches, each loss scaled by ``1/G`` (the runtime averages over
-data-parallel ranks), then the optimizer steps.
+its own rows; the stage runs its actions of the plan's pipeline schedule (``ir/schedule.py``;
+``set_schedule`` may pick another with the same placement) over ``grad_accum`` micro-batches and
+its chunks (virtual stages), each loss scaled by ``1/G`` (the runtime averages over
+data-parallel ranks), then the optimizer steps. A ``B`` action runs a chunk's whole backward; an
+``I`` action its input-gradient half, the split units queueing their weight halves, which the
+chunk's ``W`` action of the same micro-batch runs.
 It returns the mean loss of the global batch, the same on every rank.
 
 ``forward_backward`` and ``optimizer_step`` are the two halves (the ``torch.compile`` runtime
@@ -34,15 +37,17 @@ from torch import nn
 
 from ..ir.model_graph import DROPOUT_SEEDS, ShardSpec
 from ..ir.plan import Plan, PlanError
+from ..ir.schedule import B, F, I, W, build_schedule, placement, schedule_problem
 from ..ir.vocabulary import TORCH_DTYPES
 from ..lowering.compile import CompileStats
 from ..lowering.materialize import StageProgram
+from ..lowering.split_backward import WeightGradQueue
 from ..ops.dropout import sample_seeds
 from .failure import HEARTBEAT_S, FailureMonitor, is_transfer_error
 from .host_allocator import keep_freed_host_memory
 from .loss_scaling import loss_scaler_for
 from .optimizer import AdamWConfig
-from .pipeline import BACKWARD, FORWARD, P2P, SCHEDULES
+from .pipeline import P2P
 from .stage_runtime import StageRuntime
 from .tied_weights import TiedWeights
 from .world import DEFAULT_TIMEOUT_S, RankWorld
@@ -65,8 +70,8 @@ EXTERNAL_OPTIMIZER = "external"  # Engine(optimizer=...): the caller's optimizer
 class StepState:
     """Per-iteration bookkeeping of one stage."""
 
-    inputs: dict[int, list[torch.Tensor]]
-    outputs: dict[int, Any]
+    inputs: dict[tuple[int, int], list[torch.Tensor]]  # (chunk, micro) -> what its forward received
+    outputs: dict[tuple[int, int], Any]
     loss_sum: torch.Tensor
     weights: list[float]  # per micro-batch: its share of the global batch's counted labels (frontend.labels)
 
@@ -92,7 +97,7 @@ class Engine:
         self.tied_names = stage.tied
         # lowering.compile: what compiling the units cost so far (eager when the stage was lowered without it)
         self.compile_stats = stage.compile_stats or CompileStats(enabled=False, units=len(stage.units))
-        self.tied = TiedWeights.create(self) if self.tied_names and plan.pp > 1 else None
+        self.tied = TiedWeights.create(self) if self.tied_names else None
         if self.tied is not None:
             for param in self.tied.params.values():
                 stage.materialize(param)
@@ -110,29 +115,37 @@ class Engine:
         if self.tied is not None:
             self.tied.attach(self.runtime)
         self.interface = stage.interface
+        self.chunks = stage.chunk_programs  # the virtual stages this rank runs, in pipeline order
+        self.weight_grads = stage.weight_grads if stage.weight_grads is not None else WeightGradQueue()
         # activations travel in the plan's dtype (the runtime casts the weights to it)
-        inputs, outputs = (_in_dtype(values, TORCH_DTYPES[plan.dtype]) for values in (self.interface.inputs, self.interface.outputs))
-        self._boundary = (inputs, outputs)
-        self.set_schedule("1f1b")
+        dtype = TORCH_DTYPES[plan.dtype]
+        self._boundaries = [(_in_dtype(c.interface.inputs, dtype), _in_dtype(c.interface.outputs, dtype))
+                            for c in self.chunks]
+        self.set_schedule(plan.schedule)
         if self.device.type == "cpu":
             # from now on large per-step tensors reuse freed memory instead of page-faulting it in again
             # (not before: start-up's transients would fragment a heap that never returns memory)
             keep_freed_host_memory()
         # The next stage sends dp_next * dL/dx (its loss share is averaged over its own dp ranks);
         # this stage's data-parallel mean needs dp_here * dL/dx.
-        is_last = self.coord.stage == plan.pp - 1
-        self.grad_scale = 1.0 if is_last else self.stage_plan.dp / plan.stages[self.coord.stage + 1].dp
+        self.grad_scale = [1.0 if c.interface.is_last else self.stage_plan.dp / plan.stages[c.interface.stage + 1].dp
+                           for c in self.chunks]
 
     def set_schedule(self, name: str) -> None:
-        """Use pipeline schedule ``name`` (``pipeline.SCHEDULES``: 1f1b, the default, or gpipe) from the
-        next step on; every rank must choose the same."""
-        if name not in SCHEDULES:
-            raise PlanError(f"unknown pipeline schedule {name!r}; known: {sorted(SCHEDULES)}")
-        schedule = SCHEDULES[name](self.plan.pp, self.coord.stage, self.plan.grad_accum)
-        inputs, outputs = self._boundary
-        self.p2p = P2P(self.topology, self.rank, schedule, inputs, outputs, self.stage_plan.micro_batch,
-                       self.device, self.timeout_s)
-        self.schedule = schedule
+        """Use pipeline schedule ``name`` (``ir.schedule.SCHEDULES``; the plan's by default) from the
+        next step on; it must place the virtual stages as the plan does. Every rank must choose the same.
+        A schedule that splits backward on a program lowered without split units runs each unit's
+        whole backward in its input half (its weight halves have nothing to do)."""
+        plan = self.plan
+        problem = schedule_problem(name, plan.pp, plan.virtual_stages, plan.grad_accum)
+        if problem is not None:
+            raise PlanError(f"plan field {problem[0]}: {problem[1]}")
+        if placement(name, plan.pp, plan.virtual_stages) != plan.placement:
+            raise PlanError(f"schedule {name!r} places the virtual stages differently from the plan's {plan.schedule!r}")
+        self.schedule = build_schedule(name, plan.pp, plan.virtual_stages, plan.grad_accum)
+        self.actions = self.schedule.compute(self.coord.stage)
+        self.p2p = P2P(self.topology, self.rank, self.schedule, self._boundaries, self.stage_plan.micro_batch,
+                       self.device, self.timeout_s, channels=self.groups.channels)
 
     # ----------------------------------------------------------------- the step
     def step(self, batch: dict[str, torch.Tensor]) -> float:
@@ -202,21 +215,25 @@ class Engine:
         ranges = [self.topology.sample_range(self.coord.stage, self.coord.dp_index, m) for m in range(self.plan.grad_accum)]
         rows = torch.cat([torch.arange(start, end) for start, end in ranges])
         staged = {}
-        for name in self.interface.batch_inputs:
+        for name in self._batch_inputs():
             mine = batch[name].index_select(0, rows.to(batch[name].device))
             if self.device.type == "cuda" and mine.device.type == "cpu":
                 mine = mine.pin_memory()
             staged[name] = mine.to(self.device, non_blocking=True)
         return staged
 
-    def _micro_inputs(self, staged: dict[str, torch.Tensor], micro: int) -> dict[str, torch.Tensor]:
+    def _micro_inputs(self, staged: dict[str, torch.Tensor], micro: int, names: list[str]) -> dict[str, torch.Tensor]:
         mb = self.stage_plan.micro_batch
-        return {name: rows[micro * mb:(micro + 1) * mb] for name, rows in staged.items()}
+        return {name: staged[name][micro * mb:(micro + 1) * mb] for name in names}
+
+    def _batch_inputs(self) -> list[str]:
+        """The batch inputs any of this rank's chunks reads."""
+        return list(dict.fromkeys(name for c in self.chunks for name in c.interface.batch_inputs))
 
     def _check_batch(self, batch: dict[str, torch.Tensor]) -> None:
-        for name in self.interface.batch_inputs:
+        for name in self._batch_inputs():
             if name not in batch:
-                raise BatchError(f"batch has no {name!r}; the model needs {self.interface.batch_inputs}")
+                raise BatchError(f"batch has no {name!r}; the model needs {self._batch_inputs()}")
             if batch[name].shape[0] != self.plan.global_batch:
                 raise BatchError(f"batch[{name!r}] has {batch[name].shape[0]} samples but the plan's global_batch is "
                                  f"{self.plan.global_batch}")
@@ -225,7 +242,7 @@ class Engine:
         """The batch with this step's per-sample dropout seeds (the whole global batch's: each rank
         takes its rows like any input), when the stage has dropout sites; every stage counts steps."""
         step, self.dropout_step = self.dropout_step, self.dropout_step + 1
-        if DROPOUT_SEEDS not in self.interface.batch_inputs or DROPOUT_SEEDS in batch:
+        if DROPOUT_SEEDS not in self._batch_inputs() or DROPOUT_SEEDS in batch:
             return batch
         return {**batch, DROPOUT_SEEDS: sample_seeds(self.dropout_seed, step, torch.arange(self.plan.global_batch))}
 
@@ -240,19 +257,27 @@ class Engine:
             self.runtime.set_loss_scale(self.loss_scaler.scale)
         if self.tied is not None:
             self.tied.begin_iteration()
-        backward_done = 0
-        for position, (kind, micro) in enumerate(self.schedule):
+        if self.weight_grads is not None:
+            self.weight_grads.clear()
+        for position, action in enumerate(self.actions):
             self.p2p.exchange(position)  # the previous action's sends and this one's receives, in one batch
-            if kind == FORWARD:
-                self._forward(batch, micro, state)
+            if action.kind == F:
+                self._forward(batch, action.chunk, action.micro, state)
+                continue
+            last = action.micro == grad_accum - 1  # each chunk runs its backwards in micro-batch order
+            self.runtime.set_last_microbatch(last)
+            if self.tied is not None:
+                self.tied.last_backward = last and self.chunks[action.chunk].interface.is_first
+            if action.kind == W:
+                for unit, run in self.weight_grads.take((action.chunk, action.micro)):
+                    self.runtime.weight_backward(unit, run)
             else:
-                backward_done += 1
-                last = backward_done == grad_accum
-                self.runtime.set_last_microbatch(last)
-                if self.tied is not None:
-                    self.tied.last_backward = last
-                self._backward(micro, state, grad_accum)
-        self.p2p.exchange(len(self.schedule))  # the last action's sends (before any collective that waits on them)
+                self.weight_grads.defer, self.weight_grads.key = action.kind == I, (action.chunk, action.micro)
+                try:
+                    self._backward(action.chunk, action.micro, state, grad_accum)
+                finally:
+                    self.weight_grads.defer = False
+        self.p2p.exchange(len(self.actions))  # the last action's sends (before any collective that waits on them)
         if self.tied is not None:
             self.tied.after_backward()
         self.runtime.finish_gradients()
@@ -261,7 +286,7 @@ class Engine:
 
     def _weights(self, batch: dict[str, torch.Tensor]) -> list[float]:
         """This rank's micro-batch loss weights (1.0 but where rows count different numbers of labels)."""
-        if not self.interface.is_last or "labels" not in batch:
+        if not any(c.interface.is_last for c in self.chunks) or "labels" not in batch:
             return [1.0] * self.plan.grad_accum
         shares = [self.topology.sample_range(self.coord.stage, self.coord.dp_index, m)
                   for m in range(self.plan.grad_accum)]
@@ -276,44 +301,51 @@ class Engine:
         if self.tied is not None:
             self.tied.after_step()
 
-    def _forward(self, batch: dict[str, torch.Tensor], micro: int, state: StepState) -> None:
-        received = self.p2p.recv_forward(micro) if not self.interface.is_first else []
-        out = self.program.module(*received, **self._micro_inputs(batch, micro))
-        state.inputs[micro] = received
-        if self.interface.is_last:
+    def _forward(self, batch: dict[str, torch.Tensor], chunk: int, micro: int, state: StepState) -> None:
+        program = self.chunks[chunk]
+        interface = program.interface
+        received = self.p2p.recv_forward(chunk, micro) if not interface.is_first else []
+        out = program.module(*received, **self._micro_inputs(batch, micro, interface.batch_inputs))
+        state.inputs[(chunk, micro)] = received
+        if interface.is_last:
             state.loss_sum += out.detach() * state.weights[micro]  # on the device: one host sync per step
-            state.outputs[micro] = out
+            state.outputs[(chunk, micro)] = out
         else:
             outputs = list(out)
-            self.p2p.send_forward(outputs, micro)
-            state.outputs[micro] = outputs
+            self.p2p.send_forward(chunk, outputs, micro)
+            state.outputs[(chunk, micro)] = outputs
 
-    def _backward(self, micro: int, state: StepState, grad_accum: int) -> None:
-        outputs = state.outputs.pop(micro)
-        if self.interface.is_last:
+    def _backward(self, chunk: int, micro: int, state: StepState, grad_accum: int) -> None:
+        """A chunk's backward of one micro-batch (``B``), or its input half (``I``: the weight
+        halves of split units are queued meanwhile)."""
+        interface = self.chunks[chunk].interface
+        outputs = state.outputs.pop((chunk, micro))
+        if interface.is_last:
             weight = state.weights[micro]
             loss = outputs / grad_accum if weight == 1.0 else outputs * (weight / grad_accum)
             (loss * self.loss_scaler.scale if self.loss_scaler is not None else loss).backward()
         else:
-            grads = self.p2p.recv_backward(micro)
-            if self.grad_scale != 1.0:
-                grads = [g.mul_(self.grad_scale) if g is not None else None for g in grads]
-            pairs = [(o, g) for o, g, v in zip(outputs, grads, self.interface.outputs)
+            grads = self.p2p.recv_backward(chunk, micro)
+            scale = self.grad_scale[chunk]
+            if scale != 1.0:
+                grads = [g.mul_(scale) if g is not None else None for g in grads]
+            pairs = [(o, g) for o, g, v in zip(outputs, grads, interface.outputs)
                      if v.needs_grad and g is not None and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        inputs = state.inputs.pop(micro)
-        if not self.interface.is_first:
+        inputs = state.inputs.pop((chunk, micro))
+        if not interface.is_first:
             grads = [t.grad if t.grad is not None else torch.zeros_like(t) if v.needs_grad else None
-                     for t, v in zip(inputs, self.interface.inputs)]
-            self.p2p.send_backward(grads, micro)
+                     for t, v in zip(inputs, interface.inputs)]
+            self.p2p.send_backward(chunk, grads, micro)
 
     def _step_outcome(self, loss_sum: torch.Tensor) -> float:
         """The global batch's mean loss on every rank, and (fp16) whether any rank's gradients overflowed:
         one all-reduce of both and the step's only host sync."""
         found = (self.loss_scaler.found_nonfinite(self.runtime.reduced_gradients(), self.device)
                  if self.loss_scaler is not None else torch.zeros((), device=self.device))
-        total = torch.stack([loss_sum.double() if self.interface.is_last else torch.zeros_like(loss_sum, dtype=torch.float64),
+        holds_loss = any(c.interface.is_last for c in self.chunks)
+        total = torch.stack([loss_sum.double() if holds_loss else torch.zeros_like(loss_sum, dtype=torch.float64),
                              found.double()])
         if self.world > 1:
             dist.all_reduce(total)

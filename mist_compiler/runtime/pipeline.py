@@ -1,44 +1,50 @@
-"""The pipeline: schedules, and point-to-point transfers whose matching never depends on tags.
+"""The pipeline's point-to-point transfers, whose matching never depends on tags.
+
+What each stage does and when is data (:mod:`mist_compiler.ir.schedule`): per physical stage an
+action list over its chunks (virtual stages) and, derived from it, the stage-level *exchanges*:
+before action ``k`` a stage posts the sends and receives the schedule puts there (one more
+exchange after its last compute action). This module turns each stage-level message into this
+rank's transfers and runs them.
 
 Rows. Global micro-batch ``m`` holds ``global_batch / G`` samples; on stage ``s`` data-parallel
 rank ``d`` owns rows ``[d * mb_s, (d + 1) * mb_s)`` of it. Stages may differ in dp, micro_batch
 and tp, so each rank sends every next-stage rank the rows their shares have in common. The ranks
 of a tensor-parallel group hold the same boundary activations: a receiver with tp index ``t``
 takes its rows from the sender with tp index ``t % tp_sender`` (forward and backward alike).
-Values without a batch dimension are sent whole by the receiver's first sender.
+Values without a batch dimension are sent whole by the receiver's first sender. Two virtual
+stages on one rank hand their values over in place (no transfer).
 
-Matching. NCCL ignores tags: a pair's messages match in the order they are posted, and PyTorch
-runs every batched transfer of a rank on one NCCL stream, one batch after the other (TORCH-NOTES
-section 9). So the transfers are laid out as *exchanges*: before action ``k`` of its schedule a
-rank posts one ``batch_isend_irecv`` holding the sends that action ``k-1`` produced and the
-receives action ``k`` needs; after its last action, one more with the last sends. Every rank
-derives its exchanges from the same schedule, messages inside an exchange are ordered by
-(peer, direction, micro-batch, value), and micro-batches travel in increasing order in each
-direction, so both ends of a pair post the pair's messages in the same order; no tag is passed.
-:func:`check_exchanges` replays every rank's exchanges under NCCL's rules (each rank in order; an
-exchange finishes when each of its messages meets its match in the peer's current exchange) and
-reports any mismatch or deadlock. Tests run it for every schedule and for stages differing in
-dp, tp and micro-batch, and train on gloo with every tag forced equal.
+Matching. NCCL ignores tags: a pair's messages match in the order they are posted on one
+communicator, and a communicator runs its transfers one after the other. So every directed pair
+of ranks that exchanges activations or gradients gets a communicator of its own (a *channel*,
+:func:`channel_pairs`, created with the other groups by ``runtime/process_groups.py``): a send
+waiting for its receive holds up only later sends on that channel, never the sender's compute or
+its other transfers. Both ends order their transfers by (the message's order: the exchange its
+sender posts it in, direction, cut, micro-batch; value, rows), and the schedule posts a
+channel's receives in the order its sender sends (``ir/schedule.py``), so no tag is passed.
+:func:`check_exchanges` replays every rank's transfers under NCCL's rules
+(``ir.schedule.replay``) and reports any mismatch or deadlock. Tests run it for every schedule,
+for random pipelines, and for stages differing in dp, tp and micro-batch, and train on gloo with
+every tag forced equal.
 
-Waiting. On a CUDA device ``wait()`` only makes the compute stream wait for the transfer (no host
-stall; the process group's timeout and NCCL's watchdog bound it); on CPU (gloo) the host waits with
-the engine's timeout. The sends of one exchange are waited for before the next exchange is posted,
-so at most one exchange's send buffers are alive; that is weaker than what NCCL itself imposes
-(the whole exchange finishes before the action runs), so it cannot deadlock where NCCL would not.
+Waiting. Posting never waits; before an action the rank waits for the receives that action needs
+(on a CUDA device ``wait()`` only makes the compute stream wait: no host stall, the process
+group's timeout and NCCL's watchdog bound it; on CPU, gloo, the host waits with the engine's
+timeout). Sends are kept (their buffers alive) until they complete, at the latest at the end of
+the step.
 """
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..ir.schedule import BACKWARD, FORWARD, ChannelMessage, Posting, Schedule, exchange_plan as stage_exchanges
+from ..ir.schedule import replay
 from ..ir.topology import Topology
-
-FORWARD, BACKWARD = 0, 1
-Action = tuple[int, int]  # (FORWARD | BACKWARD, micro-batch)
 
 
 class PipelineTimeout(RuntimeError):
@@ -58,26 +64,7 @@ class Boundary(Protocol):
     def needs_grad(self) -> bool: ...
 
 
-# ----------------------------------------------------------------------------- schedules
-
-def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> list[Action]:
-    """The 1F1B order of (FORWARD | BACKWARD, micro-batch) for one stage."""
-    warmup = min(num_stages - stage - 1, num_micro)
-    order = [(FORWARD, m) for m in range(warmup)]
-    forward, backward = warmup, 0
-    while forward < num_micro:
-        order += [(FORWARD, forward), (BACKWARD, backward)]
-        forward, backward = forward + 1, backward + 1
-    order += [(BACKWARD, m) for m in range(backward, num_micro)]
-    return order
-
-
-def gpipe(num_stages: int, stage: int, num_micro: int) -> list[Action]:
-    """All forwards, then all backwards (GPipe): more activations alive, a simpler order."""
-    return [(FORWARD, m) for m in range(num_micro)] + [(BACKWARD, m) for m in range(num_micro)]
-
-
-SCHEDULES: dict[str, Callable[[int, int, int], list[Action]]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+Values = Sequence[Boundary]
 
 
 # ----------------------------------------------------------------------------- who talks to whom
@@ -90,14 +77,6 @@ class Piece:
     start: int
     end: int
     whole: bool  # also carries the values without a batch dimension
-
-
-@dataclass
-class Links:
-    recv_forward: list[Piece] = field(default_factory=list)
-    send_forward: list[Piece] = field(default_factory=list)
-    recv_backward: list[Piece] = field(default_factory=list)
-    send_backward: list[Piece] = field(default_factory=list)
 
 
 def _overlaps(topology: Topology, stage: int, dp_index: int, other_stage: int) -> list[tuple[int, int, int]]:
@@ -137,131 +116,109 @@ def _send_pieces(topology: Topology, rank: int, target_stage: int) -> list[Piece
     return pieces
 
 
-def build_links(topology: Topology, rank: int) -> Links:
-    stage = topology.coord(rank).stage
-    links = Links()
-    if stage > 0:
-        links.recv_forward = _receive_pieces(topology, rank, stage - 1)
-        links.send_backward = _send_pieces(topology, rank, stage - 1)
-    if stage < topology.plan.pp - 1:
-        links.send_forward = _send_pieces(topology, rank, stage + 1)
-        links.recv_backward = _receive_pieces(topology, rank, stage + 1)
-    return links
-
-
 # ----------------------------------------------------------------------------- exchanges
 
 @dataclass(frozen=True)
 class Transfer:
-    """One tensor sent to or received from ``peer``: value ``value`` of micro-batch ``micro`` in
-    ``direction``, the rows of ``piece`` (or the whole value when it has no batch dimension).
-    ``rows`` are the same rows in global-batch coordinates: both ends of a pair compute the same."""
+    """One tensor sent to or received from ``peer``: value ``value`` crossing cut ``boundary`` for
+    micro-batch ``micro`` in ``direction``, the rows of ``piece`` (or the whole value when it has
+    no batch dimension). ``rows`` are the same rows in global-batch coordinates and ``sent_in``
+    the exchange its sender posts it in: both ends of a pair compute the same."""
 
     send: bool
     peer: int
     direction: int
+    boundary: int
     micro: int
     value: int
     piece: Piece
     rows: tuple[int, int] | None  # None: an unbatched value, sent whole
+    sent_in: int
+    needed_by: int = -1  # a receive: the action that waits for it
 
     def key(self) -> tuple:
-        return self.direction, self.micro, self.value, self.rows
+        return self.direction, self.boundary, self.micro, self.value, self.rows
 
     def order(self) -> tuple:
-        return (not self.send, self.peer, self.direction, self.micro, self.value,
-                self.rows if self.rows is not None else (-1, -1))
+        return (self.peer, self.sent_in, self.direction, self.boundary, self.micro, self.value,
+                self.rows if self.rows is not None else (-1, -1), self.send)
 
 
-def _transfers(topology: Topology, rank: int, values: Sequence[Boundary], pieces: list[Piece], *, send: bool,
-               direction: int, micro: int) -> list[Transfer]:
+def boundary_values(schedule: Schedule, stage: int, interfaces: Sequence[tuple[Values, Values]]) -> dict[int, Values]:
+    """The values crossing each cut this stage touches (from the chunk on this side of it);
+    ``interfaces``: (inputs, outputs) per chunk."""
+    values: dict[int, Values] = {}
+    for chunk, (inputs, outputs) in enumerate(interfaces):
+        j = schedule.virtual_stage(stage, chunk)
+        if j > 0:
+            values[j - 1] = inputs
+        if j + 1 < schedule.num_virtual:
+            values[j] = outputs
+    return values
+
+
+def _posting_transfers(topology: Topology, rank: int, posting: Posting, values: Values) -> list[Transfer]:
     coord = topology.coord(rank)
-    first_row = topology.sample_range(coord.stage, coord.dp_index, micro)[0]
+    message = posting.message
+    pieces = (_send_pieces(topology, rank, posting.peer) if posting.send
+              else _receive_pieces(topology, rank, posting.peer))
+    first_row = topology.sample_range(coord.stage, coord.dp_index, message.micro)[0]
     result = []
     for index, value in enumerate(values):
-        if direction == BACKWARD and not value.needs_grad:
+        if message.direction == BACKWARD and not value.needs_grad:
             continue
         for piece in pieces:
             if not value.batched and not piece.whole:
                 continue
             rows = (first_row + piece.start, first_row + piece.end) if value.batched else None
-            result.append(Transfer(send, piece.peer, direction, micro, index, piece, rows))
+            result.append(Transfer(posting.send, piece.peer, message.direction, message.boundary, message.micro,
+                                   index, piece, rows, message.sent_in, posting.needed_by))
     return result
 
 
-def _action_transfers(topology: Topology, rank: int, links: Links, inputs: Sequence[Boundary],
-                      outputs: Sequence[Boundary], action: Action) -> tuple[list[Transfer], list[Transfer]]:
-    """(receives the action needs, sends it produces)."""
-    kind, micro = action
-    if kind == FORWARD:
-        recvs = _transfers(topology, rank, inputs, links.recv_forward, send=False, direction=FORWARD, micro=micro)
-        sends = _transfers(topology, rank, outputs, links.send_forward, send=True, direction=FORWARD, micro=micro)
-    else:
-        recvs = _transfers(topology, rank, outputs, links.recv_backward, send=False, direction=BACKWARD, micro=micro)
-        sends = _transfers(topology, rank, inputs, links.send_backward, send=True, direction=BACKWARD, micro=micro)
-    return recvs, sends
+def exchange_plan(topology: Topology, rank: int, schedule: Schedule,
+                  interfaces: Sequence[tuple[Values, Values]]) -> list[list[Transfer]]:
+    """This rank's exchanges: its stage's (``ir.schedule.exchange_plan``) made into transfers."""
+    stage = topology.coord(rank).stage
+    values = boundary_values(schedule, stage, interfaces)
+    return [sorted((t for posting in exchange for t in _posting_transfers(topology, rank, posting,
+                                                                          values[posting.message.boundary])),
+                   key=Transfer.order)
+            for exchange in stage_exchanges(schedule)[stage]]
 
 
-def exchange_plan(topology: Topology, rank: int, schedule: list[Action], inputs: Sequence[Boundary],
-                  outputs: Sequence[Boundary]) -> list[list[Transfer]]:
-    """``len(schedule) + 1`` exchanges: exchange ``k`` holds action ``k-1``'s sends and action ``k``'s receives."""
-    links = build_links(topology, rank)
-    per_action = [_action_transfers(topology, rank, links, inputs, outputs, action) for action in schedule]
-    exchanges = []
-    for k in range(len(schedule) + 1):
-        sends = per_action[k - 1][1] if k > 0 else []
-        recvs = per_action[k][0] if k < len(schedule) else []
-        exchanges.append(sorted(sends + recvs, key=Transfer.order))
-    return exchanges
+def channel_pairs(topology: Topology, schedule: Schedule) -> list[tuple[int, int]]:
+    """Every (sending rank, receiving rank) that carries pipeline transfers under ``schedule``'s
+    placement, in one order on every rank (each gets its own communicator)."""
+    pairs: set[tuple[int, int]] = set()
+    for boundary in range(schedule.num_virtual - 1):
+        low, high = schedule.placement[boundary], schedule.placement[boundary + 1]
+        if low == high:
+            continue
+        for rank in range(topology.world_size):
+            stage = topology.coord(rank).stage
+            if stage == low:
+                pairs.update((rank, piece.peer) for piece in _send_pieces(topology, rank, high))
+            if stage == high:
+                pairs.update((rank, piece.peer) for piece in _send_pieces(topology, rank, low))
+    return sorted(pairs)
 
 
 def check_exchanges(plans: dict[int, list[list[Transfer]]]) -> None:
-    """Fail (``ExchangeError``) unless every pair posts its messages in the same order on both ends
-    and the exchanges complete under NCCL's rules (see the module docstring)."""
-    streams: dict[tuple[int, int, bool], list[tuple[int, int, Transfer]]] = {}
+    """Fail (``ExchangeError``) unless every channel's messages are posted in the same order on
+    both ends and every rank's actions complete under NCCL's rules (``ir.schedule.replay``)."""
+    sends, receives = [], []
     for rank, exchanges in plans.items():
         for index, exchange in enumerate(exchanges):
-            for position, transfer in enumerate(exchange):
-                src, dst = (rank, transfer.peer) if transfer.send else (transfer.peer, rank)
-                streams.setdefault((src, dst, transfer.send), []).append((index, position, transfer))
-    match: dict[tuple[int, int, int], tuple[int, int, int]] = {}
-    for (src, dst, is_send), sent in streams.items():
-        if not is_send:
-            continue
-        received = streams.get((src, dst, False), [])
-        if len(sent) != len(received):
-            raise ExchangeError(f"rank {src} sends {len(sent)} tensors to rank {dst}, which receives {len(received)}")
-        for (i, p, out), (j, q, into) in zip(sent, received):
-            if out.key() != into.key():
-                raise ExchangeError(f"rank {src} -> {dst}: exchange {i} sends {out.key()} where exchange {j} of the "
-                                    f"receiver expects {into.key()} (direction, micro, value, rows)")
-            match[(src, i, p)], match[(dst, j, q)] = (dst, j, q), (src, i, p)
-    for (src, dst, is_send), received in streams.items():
-        if not is_send and (src, dst, True) not in streams:
-            raise ExchangeError(f"rank {dst} receives {len(received)} tensors from rank {src}, which sends none")
-    _replay(plans, match)
-
-
-def _replay(plans: dict[int, list[list[Transfer]]], match: dict) -> None:
-    current = {rank: 0 for rank in plans}
-    done: set[tuple[int, int, int]] = set()
-    progress = True
-    while progress:
-        progress = False
-        for rank, exchanges in plans.items():
-            while current[rank] < len(exchanges):
-                index = current[rank]
-                for position in range(len(exchanges[index])):
-                    peer, j, q = match[(rank, index, position)]
-                    if (rank, index, position) not in done and current[peer] == j:
-                        done.update({(rank, index, position), (peer, j, q)})
-                if not all((rank, index, p) in done for p in range(len(exchanges[index]))):
-                    break
-                current[rank] += 1
-                progress = True
-    stuck = {rank: current[rank] for rank, exchanges in plans.items() if current[rank] < len(exchanges)}
-    if stuck:
-        raise ExchangeError(f"deadlock under NCCL's in-order matching: ranks stuck at exchanges {stuck}")
+            for transfer in exchange:
+                if transfer.send:
+                    sends.append(ChannelMessage(rank, transfer.peer, transfer.key(), index, -1, -1))
+                else:
+                    receives.append(ChannelMessage(transfer.peer, rank, transfer.key(), transfer.sent_in, index,
+                                                   transfer.needed_by))
+    problem = replay({rank: len(exchanges) - 1 for rank, exchanges in plans.items()}, sends, receives)
+    if problem is not None:
+        raise ExchangeError(problem)
 
 
 # ----------------------------------------------------------------------------- the runtime side
@@ -275,21 +232,32 @@ class P2P:
     """One rank's pipeline transfers, one exchange per schedule position (see the module docstring).
 
     Per action the engine calls ``exchange(position)`` first (its receives arrive), then
-    ``recv_forward`` / ``recv_backward`` for the received tensors, computes, and hands its results
-    to ``send_forward`` / ``send_backward``, which only stage them for the next exchange.
+    ``recv_forward`` / ``recv_backward`` for the chunk's received tensors, computes, and hands its
+    results to ``send_forward`` / ``send_backward``, which stage them for the next exchange (or,
+    when the next virtual stage is on this rank, hand them over at once).
     """
 
-    def __init__(self, topology: Topology, rank: int, schedule: list[Action], inputs: list, outputs: list,
-                 micro_batch: int, device: torch.device, timeout_s: float) -> None:
-        self.inputs, self.outputs = inputs, outputs
+    def __init__(self, topology: Topology, rank: int, schedule: Schedule, interfaces: Sequence[tuple[list, list]],
+                 micro_batch: int, device: torch.device, timeout_s: float, channels: dict | None = None) -> None:
+        self.rank = rank
+        self.channels = channels or {}  # (src rank, dst rank) -> its process group (None: the world's)
         self.schedule = schedule
+        self.stage = topology.coord(rank).stage
+        self.chunk_stage = schedule.chunks(self.stage)  # chunk -> virtual stage
+        self.values = boundary_values(schedule, self.stage, interfaces)
         self.micro_batch = micro_batch
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.exchanges = exchange_plan(topology, rank, schedule, inputs, outputs)
-        self.inbox: dict[tuple[int, int], list[torch.Tensor | None]] = {}
-        self.outbox: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self.exchanges = exchange_plan(topology, rank, schedule, interfaces)
+        self.inbox: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}  # (direction, cut, micro)
+        self.outbox: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}
         self.sending: list[tuple[dist.Work | None, object, int]] = []  # (work, buffers it reads, peer)
+        self.receiving: dict[int, list[tuple[dist.Work, Transfer]]] = {}  # action -> the receives it waits for
+
+    def _local(self, boundary: int) -> bool:
+        """Both sides of cut ``boundary`` run on this rank."""
+        placement = self.schedule.placement
+        return placement[boundary] == placement[boundary + 1] == self.stage
 
     # ---- waiting ----------------------------------------------------------------------------
     def _wait(self, work: dist.Work, peer: int, what: str) -> None:
@@ -303,6 +271,7 @@ class P2P:
             raise PipelineTimeout(f"{what} with rank {peer} timed out after {self.timeout.total_seconds():.0f} s")
 
     def wait_sends(self) -> None:
+        """Wait for every posted send (the end of a step)."""
         for work, _buffers, peer in self.sending:
             if work is not None:
                 self._wait(work, peer, "sending to the next/previous stage")
@@ -310,43 +279,31 @@ class P2P:
 
     # ---- one exchange -----------------------------------------------------------------------
     def exchange(self, position: int) -> None:
-        """Post exchange ``position`` (the previous action's sends, this action's receives) and wait
-        for its receives."""
-        transfers = self.exchanges[position]
-        self.wait_sends()
-        if not transfers:
-            return
-        ops, sends, recvs = [], [], []
-        for transfer in transfers:
+        """Post exchange ``position`` (sends and receives, each on its channel, without waiting), then
+        wait for the receives action ``position`` needs (some posted in earlier exchanges)."""
+        self.sending = [entry for entry in self.sending if entry[0] is None or not entry[0].is_completed()]
+        for transfer in self.exchanges[position]:
             if transfer.send:
                 tensor = self._outgoing(transfer)
-                ops.append(dist.P2POp(dist.isend, tensor, transfer.peer))
-                sends.append((len(ops) - 1, tensor, transfer.peer))
+                group = self.channels.get((self.rank, transfer.peer))
+                self.sending.append((dist.isend(tensor, transfer.peer, group=group), tensor, transfer.peer))
             else:
-                ops.append(dist.P2POp(dist.irecv, self._incoming(transfer), transfer.peer))
-                recvs.append((len(ops) - 1, transfer))
-        for key in {(t.direction, t.micro) for t in transfers if t.send}:
+                group = self.channels.get((transfer.peer, self.rank))
+                work = dist.irecv(self._incoming(transfer), transfer.peer, group=group)
+                self.receiving.setdefault(transfer.needed_by, []).append((work, transfer))
+        for key in {(t.direction, t.boundary, t.micro) for t in self.exchanges[position] if t.send}:
             del self.outbox[key]
-        works = dist.batch_isend_irecv(ops)
-        if len(works) != len(ops):  # coalesced (NCCL): one work stands for the whole exchange
-            peers = sorted({t.peer for t in transfers})
-            for work in works:
-                self._wait(work, peers[0], f"exchange {position} of the pipeline schedule (peers {peers})")
-            self.sending.append((None, [tensor for _, tensor, _ in sends], -1))  # buffers kept to the next exchange
-            return
-        for index, transfer in recvs:
+        for work, transfer in self.receiving.pop(position, []):
             what = "receiving activations" if transfer.direction == FORWARD else "receiving gradients"
-            self._wait(works[index], transfer.peer, f"{what} of micro-batch {transfer.micro}")
-        self.sending.extend((works[index], tensor, peer) for index, tensor, peer in sends)
+            self._wait(work, transfer.peer, f"{what} of micro-batch {transfer.micro}")
 
     def _outgoing(self, transfer: Transfer) -> torch.Tensor:
-        values = self.outputs if transfer.direction == FORWARD else self.inputs
-        tensor = self.outbox[(transfer.direction, transfer.micro)][transfer.value]
-        return _piece_of(values[transfer.value], tensor, transfer).detach().contiguous()
+        tensor = self.outbox[(transfer.direction, transfer.boundary, transfer.micro)][transfer.value]
+        return _piece_of(self.values[transfer.boundary][transfer.value], tensor, transfer).detach().contiguous()
 
     def _incoming(self, transfer: Transfer) -> torch.Tensor:
-        values = self.inputs if transfer.direction == FORWARD else self.outputs
-        key = (transfer.direction, transfer.micro)
+        values = self.values[transfer.boundary]
+        key = (transfer.direction, transfer.boundary, transfer.micro)
         if key not in self.inbox:
             self.inbox[key] = [None] * len(values)
         buffers = self.inbox[key]
@@ -356,24 +313,34 @@ class P2P:
         return _piece_of(value, buffers[transfer.value], transfer)
 
     # ---- what the engine calls ----------------------------------------------------------------
-    def recv_forward(self, micro: int) -> list[torch.Tensor]:
-        tensors = self.inbox.pop((FORWARD, micro), [None] * len(self.inputs))
-        for value, tensor in zip(self.inputs, tensors):
+    def recv_forward(self, chunk: int, micro: int) -> list[torch.Tensor]:
+        boundary = self.chunk_stage[chunk] - 1
+        values = self.values[boundary]
+        tensors = self.inbox.pop((FORWARD, boundary, micro), [None] * len(values))
+        for value, tensor in zip(values, tensors):
             if tensor is not None and value.needs_grad:
                 tensor.requires_grad_(True)
         return tensors
 
-    def send_forward(self, outputs: list[torch.Tensor], micro: int) -> None:
-        self.outbox[(FORWARD, micro)] = list(outputs)
+    def send_forward(self, chunk: int, outputs: list[torch.Tensor], micro: int) -> None:
+        boundary = self.chunk_stage[chunk]
+        if self._local(boundary):
+            self.inbox[(FORWARD, boundary, micro)] = [t.detach() for t in outputs]
+        else:
+            self.outbox[(FORWARD, boundary, micro)] = list(outputs)
 
-    def recv_backward(self, micro: int) -> list[torch.Tensor | None]:
-        return self.inbox.pop((BACKWARD, micro), [None] * len(self.outputs))
+    def recv_backward(self, chunk: int, micro: int) -> list[torch.Tensor | None]:
+        boundary = self.chunk_stage[chunk]
+        return self.inbox.pop((BACKWARD, boundary, micro), [None] * len(self.values[boundary]))
 
-    def send_backward(self, grads: list[torch.Tensor | None], micro: int) -> None:
-        self.outbox[(BACKWARD, micro)] = [g if value.needs_grad else None for value, g in zip(self.inputs, grads)]
+    def send_backward(self, chunk: int, grads: list[torch.Tensor | None], micro: int) -> None:
+        boundary = self.chunk_stage[chunk] - 1
+        kept = [g if value.needs_grad else None for value, g in zip(self.values[boundary], grads)]
+        (self.inbox if self._local(boundary) else self.outbox)[(BACKWARD, boundary, micro)] = kept
 
     def reset(self) -> None:
         """Forget the buffers of an iteration that was abandoned (after a failure)."""
         self.inbox.clear()
         self.outbox.clear()
         self.sending.clear()
+        self.receiving.clear()

@@ -12,6 +12,11 @@ parameters into one flat bucket (``zero.UnitBucket``) and installs hooks on the 
 - post-accumulate-grad hooks: when all of a unit's gradients are complete, its bucket is scaled
   and reduced asynchronously (overlapping the rest of the backward), and its weights are freed.
 
+A unit whose backward is split (``lowering/split_backward.py``) and defers its weight half holds
+its weights through the input half only (released when its autograd node has run) and produces
+no gradient there; ``weight_backward(unit, run)`` later makes its weights resident again, opens
+its gradient buffers and runs the weight half, whose gradients arrive through the same hooks.
+
 Typical use by the pipeline engine, per training step::
 
     runtime.begin_iteration()
@@ -49,6 +54,7 @@ from torch import nn
 
 from ..ir.plan import Offload
 from ..passes.offload_insertion import unit_offload_table
+from ..lowering.split_backward import SplitBackward
 from .dist_compat import all_gather_flat, group_rank, group_size
 from .offload import ActivationOffloader, HostMemory
 from .optimizer import AdamWConfig, FlatAdamW
@@ -104,6 +110,10 @@ class StageRuntime:
         }
         self._last = True
         self._handles: list = []
+        self._splits = [split if isinstance(split := getattr(m, "split", None), SplitBackward) else None
+                        for m in self.modules]
+        self._input_only = [0] * len(self.modules)  # input halves running without their weight half
+        self._in_weight_half: int | None = None
         self._install_hooks()
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -218,17 +228,25 @@ class StageRuntime:
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads: self._backward_begin(index), mode="any")
+                node = next((t.grad_fn for t in tensors if t.grad_fn is not None), None)
+                if self._splits[index] is not None and node is not None:  # the split unit's one autograd node
+                    node.register_hook(lambda grad_inputs, grad_outputs: self._input_half_done(index))
             return output
         return hook
 
     def _backward_begin(self, index: int) -> None:
+        split = self._splits[index]
+        deferring = split is not None and split.deferring  # the input half only: no gradient for now
         for bucket in self._need_buckets[index]:
             bucket.fetch_weights()
         self.activations[self.unit_names[index]].prefetch(self.unit_names[index])
         for bucket in self._need_buckets[index]:
             bucket.wait_weights()
             bucket.bwd_holds += 1
-            bucket.begin_grads()
+            if not deferring:
+                bucket.begin_grads()
+        if deferring:
+            self._input_only[index] += 1
         self.ctx.record("backward", self.unit_names[index])
         if index > 0:
             for bucket in self._need_buckets[index - 1]:
@@ -236,9 +254,41 @@ class StageRuntime:
             previous = self.unit_names[index - 1]
             self.activations[previous].prefetch(previous)
 
+    def _input_half_done(self, index: int) -> None:
+        """A split unit's input half has run: its weights and activation records are let go (its
+        weight half holds what it needs)."""
+        if self._input_only[index] == 0:
+            return  # a whole backward: the gradients release the weights
+        self._input_only[index] -= 1
+        for needed in self._need_buckets[index]:
+            needed.bwd_holds = max(0, needed.bwd_holds - 1)
+            needed.maybe_release_weights()
+        self.activations[self.unit_names[index]].backward_done(self.unit_names[index])
+
+    def weight_backward(self, unit: str, run: Callable[[], None]) -> None:
+        """Run a split unit's deferred weight half (``run``): its weights resident, its gradient
+        buffers open; its gradients are reduced as any unit's (ZeRO 0/1 on ``set_last_microbatch``)."""
+        index = self.unit_names.index(unit)
+        for bucket in self._need_buckets[index]:
+            bucket.fetch_weights()
+        for bucket in self._need_buckets[index]:
+            bucket.wait_weights()
+            bucket.bwd_holds += 1
+            bucket.begin_grads()
+        self.ctx.record("weight_backward", unit)
+        self._in_weight_half = index
+        try:
+            run()
+            if self.buckets[index].in_backward:  # a parameter without a gradient: reduce what there is
+                self._unit_backward_done(index)
+        finally:
+            self._in_weight_half = None
+
     def _make_grad_ready(self, index: int, param_index: int):
         def hook(param):
             bucket = self.buckets[index]
+            if not bucket.in_backward and param.grad is bucket.grad_views[param_index]:
+                return  # no gradient arrived: autograd runs the hook for a split unit's input half too
             if bucket.note_grad_ready(param_index):
                 self._unit_backward_done(index)
         return hook
@@ -256,7 +306,8 @@ class StageRuntime:
         for needed in self._need_buckets[index]:
             needed.bwd_holds = max(0, needed.bwd_holds - 1)
             needed.maybe_release_weights()
-        self.activations[self.unit_names[index]].backward_done(self.unit_names[index])
+        if self._in_weight_half != index:  # a weight half's records went with its input half
+            self.activations[self.unit_names[index]].backward_done(self.unit_names[index])
         bucket.drain(block=False)
 
     def _flush_incomplete(self) -> None:

@@ -49,7 +49,7 @@ class TiedWeights:
 
     @classmethod
     def create(cls, engine: Any) -> "TiedWeights | None":
-        if engine.coord.stage not in (0, engine.plan.pp - 1):
+        if not engine.topology.ends_apart or engine.coord.stage not in engine.topology.end_stages:
             return None
         local = {name for name, _ in _unit_parameters(engine.program.units)}
         names = sorted(local & engine.tied_names, key=lambda name: (engine.program.fqn[name], name))

@@ -2,10 +2,13 @@
 
 The search: gradient-accumulation counts G in order of a cheap bound; first evenly split plans for
 every G (an incumbent that prunes everything after), then per G each stage cell's Pareto frontier
-(intra_stage) and the stage partition (inter_stage: a DP over layer counts, exact up to a
-certified gap). A G whose bound cannot beat the best plan is skipped. The result carries the plan,
-its predicted time, per-stage estimates, the breakdown and search statistics with the lower bound
-and gap (and the frontiers it chose from, for ``mistc explain``).
+(intra_stage) and the stage partition (inter_stage: a DP over layer counts by 1F1B's closed form,
+exact up to a certified gap). A G whose bound cannot beat the best plan is skipped. Then the
+schedules (``schedules``): every G's best layout and the even layouts become plans of each schedule
+the space allows, all priced by simulating their action lists (``cost/schedule.py``), the 1F1B
+plans included; the fastest that fits wins. The result carries the plan, its simulated time,
+per-stage estimates, the breakdown and search statistics with the lower bound and gap of the
+1F1B partition (and the frontiers it chose from, for ``mistc explain``).
 """
 from __future__ import annotations
 
@@ -17,13 +20,15 @@ from typing import Callable
 
 import numpy as np
 
-from ..cost.stage_api import LOSS_CHOOSE, StageCandidates, StageCostModel, pipeline_iteration_time
+from ..cost.schedule import PlanPrice, choose_fused_loss, price_plan
+from ..cost.stage_api import LOSS_CHOOSE, StageCandidates, StageCostModel
 from ..ir.plan import Offload, Plan, StagePlan
 from ..ir.vocabulary import COMPILED_DEFAULT
 from .inter_stage import StageSolution, solve_partition, uniform_solution
 from .intra_stage import FrontierTable, build_frontiers
-from .stage_configs import PP_BOTH, PP_NONE, PP_POST, PP_PRE
+from .schedules import StagePool, even_layouts, layout_of, schedule_candidates, stash_ratio_of
 from .space import Cluster, SearchSpace, TuneError, Workload
+from .stage_configs import PP_BOTH, PP_NONE, PP_POST, PP_PRE
 
 Progress = Callable[[str], None]
 
@@ -189,8 +194,9 @@ def tune(cost_model: StageCostModel, work: Workload, cluster: Cluster, *, space:
     best, best_table = search.run()
     if best is None:
         raise TuneError(_memory_diagnosis(cost_model, work, cluster, space))
-    result = _result(cost_model, work, space, best_table, best, search.stats)
-    result.plan = replace(result.plan, compiled=getattr(cost_model, "compiled", COMPILED_DEFAULT))
+    plan, price = search.choose_schedule()
+    plan = replace(plan, compiled=getattr(cost_model, "compiled", COMPILED_DEFAULT))  # what it was priced as
+    result = _result(cost_model, plan, price, search.stats, _frontier_summary(best_table, best))
     result.model_config = model_config
     result.peak_flops = profile.peak_flops.get(work.dtype) if profile is not None else None
     per_sequence = getattr(cost_model, "model_flops_per_sequence", None)
@@ -229,8 +235,11 @@ class _Search:
         self.best_table: FrontierTable | None = None
         self.stats: dict = {"space": space.describe(), "grad_accum_tried": 0, "partitions": 0,
                             "grad_accum_skipped": 0, "evaluated": 0, "frontier_points": 0, "dp_passes": 0}
+        self.per_g: dict[int, list[tuple[FrontierTable, StageSolution]]] = {}  # each G's 1F1B plans found
 
     def consider(self, solution: StageSolution | None, table: FrontierTable) -> None:
+        if solution is not None:
+            self.per_g.setdefault(table.grad_accum, []).append((table, solution))
         if solution is not None and solution.objective < self.incumbent:
             self.incumbent, self.best, self.best_table = solution.objective, solution, table
             self.say(f"S={len(solution.rows)} G={table.grad_accum}: {solution.objective * 1e3:.1f} ms per iteration "
@@ -286,16 +295,52 @@ class _Search:
         return self.best, self.best_table
 
 
-def _result(cost_model: StageCostModel, work: Workload, space: SearchSpace, table: FrontierTable, solution,
-            stats: dict) -> TuneResult:
+    def choose_schedule(self) -> tuple[Plan, PlanPrice]:
+        """The fastest plan by simulation: every G's best 1F1B layout as 1F1B, then (when the space has
+        other schedules) those layouts and the even ones under each schedule (``tuner/schedules.py``)."""
+        work, space = self.work, self.space
+        grad_dtype = getattr(self.cost_model, "grad_dtype", "float32")
+        compiled = getattr(self.cost_model, "compiled", COMPILED_DEFAULT)
+        priced = []
+        for g, found in self.per_g.items():
+            found.sort(key=lambda item: item[1].objective)
+            for table, solution in found[:ONE_F_ONE_B_PLANS]:  # the closed form's best few, simulated
+                plan = choose_fused_loss(self.cost_model, plan_of(table, solution, work, grad_dtype, compiled))
+                priced.append((price_plan(self.cost_model, plan), plan, g))
+        priced.sort(key=lambda item: item[0].time_s)
+        best_price, best_plan = priced[0][0], priced[0][1]
+        self.stats["one_f_one_b_s"] = best_price.time_s  # the best 1F1B plan, simulated
+        self.stats["closed_form_s"] = self.incumbent  # the partition DP's optimum by 1F1B's closed form
+        if len(space.schedules) > 1:
+            started = time.perf_counter()
+            stash = stash_ratio_of(self.cost_model)
+            for g in list(dict.fromkeys(g for _, _, g in priced))[:SCHEDULE_G_VALUES]:
+                table, solution = self.per_g[g][0]
+                pool = StagePool(table)
+                layouts = [layout_of(table, solution.rows)] + even_layouts(table, work, self.cluster.world,
+                                                                            self.stage_options)
+                for layout in dict.fromkeys(layouts):
+                    for candidate in schedule_candidates(self.cost_model, pool, work, layout, space, best_price.time_s,
+                                                         stash, self.stats):
+                        if candidate.price.time_s < best_price.time_s:
+                            best_price, best_plan = candidate.price, candidate.plan
+            self.stats["schedule_search_s"] = time.perf_counter() - started
+            self.say(f"schedule {best_plan.schedule}" + (f" (v={best_plan.virtual_stages})" if best_plan.virtual_stages > 1
+                                                         else "") + f": {best_price.time_s * 1e3:.1f} ms per iteration")
+        return best_plan, best_price
+
+
+SCHEDULE_G_VALUES = 4  # G values whose layouts are tried under the other schedules (the fastest by 1F1B)
+ONE_F_ONE_B_PLANS = 3  # per G, the 1F1B plans of the search (DP and even splits) priced by simulation
+
+
+def plan_of(table: FrontierTable, solution: StageSolution, work: Workload, grad_dtype: str,
+            compiled: bool = COMPILED_DEFAULT) -> Plan:
+    """A 1F1B plan from a partition solution (frontier-table rows in pipeline order)."""
     configs = table.configs
-    rows = np.array(solution.rows)
-    chosen = configs.select(rows)
-    chosen.inflight = np.array(solution.inflight)
-    estimates = cost_model.evaluate(chosen)
     start = 0
     stages = []
-    for i, row in enumerate(rows):
+    for row in solution.rows:
         layers = int(configs.num_layers[row])
         stages.append(StagePlan(
             layers=(start, start + layers), nodes=int(configs.nodes[row]), gpus_per_node=int(configs.gpus_per_node[row]),
@@ -305,23 +350,26 @@ def _result(cost_model: StageCostModel, work: Workload, space: SearchSpace, tabl
                             float(configs.offload_opt[row]), float(configs.offload_acts[row])),
         ))
         start += layers
-    # the last stage's head + loss as the cost model chose it: plain where it fits and is faster (cost.loss_kernel)
-    fused_loss = bool(np.asarray(estimates.breakdown.get("fused_loss", np.ones(len(rows))))[-1] > 0.5)
-    plan = Plan(model=work.model_name, seq_len=work.seq_len, global_batch=work.global_batch, dtype=work.dtype,
-                grad_accum=table.grad_accum, stages=tuple(stages), grad_dtype=getattr(cost_model, "grad_dtype", "float32"),
-                fused_loss=fused_loss)
-    predicted = pipeline_iteration_time(estimates.stable_s, estimates.delta_s, table.grad_accum)
-    reports = [
-        StageReport(i, float(estimates.stable_s[i]), float(estimates.delta_s[i]), float(estimates.peak_memory_bytes[i]),
-                    int(solution.inflight[i]), {k: float(np.asarray(v)[i]) for k, v in estimates.breakdown.items()})
-        for i in range(len(rows))
-    ]
-    g = table.grad_accum
-    stable = estimates.stable_s
+    return Plan(model=work.model_name, seq_len=work.seq_len, global_batch=work.global_batch, dtype=work.dtype,
+                grad_accum=table.grad_accum, stages=tuple(stages), grad_dtype=grad_dtype, compiled=compiled)
+
+
+def _result(cost_model: StageCostModel, plan: Plan, price: PlanPrice, stats: dict, frontiers: dict) -> TuneResult:
+    predicted = price.time_s
+    chunks, groups = price.chunks, price.groups
+    reports = []
+    for i in range(len(plan.stages)):
+        group = plan.placement[i]
+        breakdown = {k: float(np.asarray(v)[i]) for k, v in chunks.breakdown.items()}
+        reports.append(StageReport(i, float(chunks.stable_s[i]), float(price.delta_s[group]),
+                                   float(price.peak_memory_bytes[group]),
+                                   int(math.ceil(float(price.simulation.inflight[group, 0]) - 1e-9)), breakdown))
+    simulation = price.simulation
+    busiest = int(np.argmax(simulation.busy_s[:, 0]))
     breakdown = {
-        "steady_s": float((g - 1) * stable.max()),
-        "fill_drain_s": float(stable.sum()),
-        "exposed_delta_s": float(predicted - (g - 1) * stable.max() - stable.sum()),
+        "compute_s": float(simulation.busy_s[busiest, 0]),  # the busiest group of devices' actions
+        "bubble_s": float(simulation.bubble_s(price.delta_s[:, None])[busiest, 0]),
+        "delta_s": float(price.delta_s[busiest]),
     }
     limit = float(cost_model.device_memory_bytes)
     over = [i for i, report in enumerate(reports) if report.peak_memory_bytes > limit * (1 + 1e-9)]
@@ -330,7 +378,7 @@ def _result(cost_model: StageCostModel, work: Workload, space: SearchSpace, tabl
     gap = stats.get("gap", 0.0)
     stats["final_status"] = "OPTIMAL" if gap <= 1e-9 else f"within {gap:.2%} of optimal"
     return TuneResult(plan, predicted, reports, breakdown, stats, float(cost_model.device_memory_bytes),
-                      frontiers=_frontier_summary(table, solution))
+                      frontiers=frontiers)
 
 
 def _frontier_summary(table: FrontierTable, solution) -> dict:

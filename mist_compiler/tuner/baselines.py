@@ -7,6 +7,8 @@
 - ``mist-paper``: the Mist paper's own space: micro-batch 1/2/4, one TP degree and equal devices
   for all stages, layers within +-2 of an even split; ZeRO, checkpointing and offloading tuned.
 
+Every baseline pipelines with 1F1B only (the full space also tries the other schedules).
+
 A baseline is a list of spaces (a "uniform" choice such as one TP degree for every stage is one
 space per value); its result is the best over them. Every space is a subset of
 ``SearchSpace()``, which is why the full search is never worse than a baseline (tested).
@@ -19,23 +21,24 @@ from .api import TuneResult, tune
 from .space import Cluster, SearchSpace, TuneError, Workload
 
 NO_OFFLOAD = dict(offload_weights=False, offload_grads=False, offload_opt=False, offload_acts=False)
+ONE_F_ONE_B = ("1f1b",)
 TP_DEGREES = (1, 2, 4, 8, 16)
 
 
 def megatron_spaces() -> list[SearchSpace]:
     return [SearchSpace(name=f"megatron tp{tp} ckpt-{ckpt}", tp_degrees=(tp,), zero_levels=(1,), ckpt=ckpt,
-                        uniform_devices=True, layer_slack=0, **NO_OFFLOAD)
+                        uniform_devices=True, layer_slack=0, schedules=ONE_F_ONE_B, **NO_OFFLOAD)
             for tp in TP_DEGREES for ckpt in ("none", "all")]
 
 
 def zero3_spaces() -> list[SearchSpace]:
     return [SearchSpace(name=f"zero3 ckpt-{ckpt}", stage_counts=(1,), tp_degrees=(1,), zero_levels=(3,), ckpt=ckpt,
-                        **NO_OFFLOAD) for ckpt in ("none", "all")]
+                        schedules=ONE_F_ONE_B, **NO_OFFLOAD) for ckpt in ("none", "all")]
 
 
 def mist_paper_spaces() -> list[SearchSpace]:
     return [SearchSpace(name=f"mist-paper tp{tp}", micro_batches=(1, 2, 4), tp_degrees=(tp,), uniform_devices=True,
-                        layer_slack=2) for tp in TP_DEGREES]
+                        layer_slack=2, schedules=ONE_F_ONE_B) for tp in TP_DEGREES]
 
 
 BASELINE_SPACES: dict[str, Callable[[], list[SearchSpace]]] = {

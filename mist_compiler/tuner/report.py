@@ -29,8 +29,10 @@ def format_result(result: TuneResult, config=None, peak_flops: float | None = No
         f"seq {plan.seq_len}, {plan.world_size} devices",
         f"predicted iteration {result.predicted_time_s:.4f} s, {result.tokens_per_s:,.0f} tokens/s"
         + (f", MFU {utilisation:.1%}" if utilisation is not None else ""),
-        f"  steady {result.breakdown['steady_s']:.4f} s + fill/drain {result.breakdown['fill_drain_s']:.4f} s + "
-        f"exposed per-iteration work {result.breakdown['exposed_delta_s']:.4f} s",
+        f"  schedule {plan.schedule}" + (f" with {plan.virtual_stages} virtual stages per device group"
+                                         if plan.virtual_stages > 1 else "")
+        + f" (simulated): busiest stage computes {result.breakdown['compute_s']:.4f} s, idles "
+        f"{result.breakdown['bubble_s']:.4f} s, per-iteration work {result.breakdown['delta_s']:.4f} s",
         "",
         f"{'stage':>5} {'layers':>9} {'devices':>8} {'dp':>3} {'tp':>3} {'mb':>4} {'zero':>4} {'ckpt':>4} "
         f"{'offload w/g/o/a':>17} {'stable s':>9} {'delta s':>9} {'peak GB':>8} {'limit GB':>8}",
@@ -48,7 +50,8 @@ def format_result(result: TuneResult, config=None, peak_flops: float | None = No
         f"search: {stats.get('search_s', 0):.1f} s, {stats.get('grad_accum_tried', 0)} G values, "
         f"{stats.get('evaluated', 0):,} stage configs evaluated, {stats.get('frontier_points', 0):,} Pareto points, "
         f"{stats.get('grad_accum_skipped', 0)} skipped by bound, {stats.get('dp_passes', 0)} partition DP passes, "
-        f"{stats.get('final_status')} (lower bound {stats.get('bound_s', 0):.4f} s, gap {stats.get('gap', 0):.2%})",
+        f"1F1B partition {stats.get('final_status')} (lower bound {stats.get('bound_s', 0):.4f} s by 1F1B's closed form, "
+        f"gap {stats.get('gap', 0):.2%}), {stats.get('schedule_plans_priced', 0)} other-schedule plans simulated",
         f"space: {stats.get('space')}",
     ]
     if stats.get("warning"):

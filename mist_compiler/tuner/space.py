@@ -8,7 +8,9 @@ whole number), the ZeRO level 0-3, the number of checkpointed layers (0..layers)
 ratios of weights, gradients and activations on a grid (default 0, 0.5, 1); the optimizer-state
 ratio is continuous up to the grid's largest value (the least that fits is found in closed form,
 ``knobs``).
-Globally: the number of pipeline stages ``S`` and gradient-accumulation steps ``G``.
+Globally: the number of pipeline stages ``S``, gradient-accumulation steps ``G`` and the pipeline
+schedule (1F1B, interleaved with ``v`` virtual stages per group of devices, zero-bubble ZB-H1
+and ZB-V; ``tuner/schedules.py``).
 
 A :class:`SearchSpace` turns families off or restricts them; the baselines are such restrictions,
 which makes "the full search is never worse than a baseline" hold by construction.
@@ -22,6 +24,7 @@ from itertools import product
 
 import numpy as np
 
+from ..ir.schedule import SCHEDULES
 from ..ir.vocabulary import DEFAULT_DTYPE, OFFLOAD_KINDS
 
 CKPT_MODES = ("tune", "all_or_none", "none", "all")
@@ -60,6 +63,8 @@ class SearchSpace:
     - ``partial_node_stages``: allow stages smaller than a node.
     - ``max_frontier_points``: cap on Pareto points kept per stage cell and in-flight count.
     - ``gap``: relative optimality gap the stage-partition search must certify (0: exact).
+    - ``schedules`` / ``virtual_stages``: pipeline schedules tried (``ir.schedule.SCHEDULES``) and the
+      chunks per group of devices the interleaved schedule may use.
     """
 
     micro_batches: tuple[int, ...] | None = None
@@ -79,6 +84,8 @@ class SearchSpace:
     partial_node_stages: bool = True
     max_frontier_points: int = 32
     gap: float = 1e-4
+    schedules: tuple[str, ...] = ("1f1b", "zb-h1", "zbv", "interleaved")
+    virtual_stages: tuple[int, ...] = (2, 4)
     name: str = "full"
 
     def __post_init__(self) -> None:
@@ -99,6 +106,11 @@ class SearchSpace:
             raise ValueError(f"SearchSpace.max_frontier_points must be >= 1, got {self.max_frontier_points}")
         if not 0.0 <= self.gap < 1.0:
             raise ValueError(f"SearchSpace.gap must be in [0, 1), got {self.gap}")
+        if "1f1b" not in self.schedules or any(name not in SCHEDULES for name in self.schedules):
+            raise ValueError(f"SearchSpace.schedules must include '1f1b' and name only {sorted(SCHEDULES)}, "
+                             f"got {self.schedules}")
+        if not self.virtual_stages or any(int(v) < 2 for v in self.virtual_stages):
+            raise ValueError(f"SearchSpace.virtual_stages must be integers >= 2, got {self.virtual_stages}")
 
     def restrict(self, **changes) -> "SearchSpace":
         return replace(self, **changes)
@@ -166,7 +178,9 @@ class SearchSpace:
             f"on {list(self.offload_grid)}, tp {list(self.tp_degrees) if self.tp_degrees else 'any'}, "
             f"micro-batch {list(self.micro_batches) if self.micro_batches else 'any'}, "
             f"devices {'uniform' if self.uniform_devices else 'any'}, "
-            f"layers {'any split' if self.layer_slack is None else f'uniform +-{self.layer_slack}'}"
+            f"layers {'any split' if self.layer_slack is None else f'uniform +-{self.layer_slack}'}, "
+            f"schedules {list(self.schedules)}"
+            + (f" (v {list(self.virtual_stages)})" if "interleaved" in self.schedules else "")
         )
 
 

@@ -1,71 +1,50 @@
-"""A predicted timeline of one training iteration under 1F1B, as events, Chrome trace and PNG.
+"""A predicted timeline of one training iteration under the plan's schedule, as events, Chrome trace and PNG.
 
-Each stage runs ``G`` forward and ``G`` backward slots (its predicted forward / backward time per
-micro-batch) in the 1F1B order: ``min(S - i - 1, G)`` warm-up forwards, then one forward / one
-backward alternately, then the remaining backwards. A forward waits for the previous stage's
-forward of the same micro-batch, a backward for the next stage's backward. After its last
-backward each stage does its per-iteration ``delta`` work (gradient sync, optimizer step).
+The slots come from the schedule simulation of the cost model (``cost/schedule.py``): every
+action of every stage (``F`` forward, ``B`` whole backward, ``I`` / ``W`` its input and weight
+halves; a chunk's virtual stage is named when stages share devices) with its predicted start and
+end, then each stage's per-iteration ``delta`` work (gradient sync, optimizer step) after its last
+action.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
+import numpy as np
+
+from ..cost.schedule import Simulation
+
 
 @dataclass(frozen=True)
 class Slot:
     stage: int
-    kind: str  # "F", "B" or "step"
+    kind: str  # "F", "B", "I", "W" or "step"
     micro_batch: int  # -1 for the step
     start_s: float
     end_s: float
+    chunk: int = 0  # which of the stage's virtual stages
 
 
-def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    warmup = min(stages - stage - 1, micro_batches)
-    order = [("F", m) for m in range(warmup)]
-    for m in range(micro_batches - warmup):
-        order += [("F", warmup + m), ("B", m)]
-    order += [("B", m) for m in range(micro_batches - warmup, micro_batches)]
-    return order
-
-
-def simulate(forward_s: list[float], backward_s: list[float], delta_s: list[float], micro_batches: int) -> list[Slot]:
-    """Start and end of every slot, stage by stage, honouring the pipeline dependencies."""
-    stages = len(forward_s)
-    orders = [one_f_one_b_order(i, stages, micro_batches) for i in range(stages)]
-    done: dict[tuple[str, int, int], float] = {}
-    position = [0] * stages
-    free = [0.0] * stages
-    slots: list[Slot] = []
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for i in range(stages):
-            while position[i] < len(orders[i]):
-                kind, m = orders[i][position[i]]
-                dependency = ("F", i - 1, m) if kind == "F" and i > 0 else ("B", i + 1, m) if kind == "B" and i < stages - 1 else None
-                if kind == "B" and i == stages - 1:
-                    dependency = ("F", i, m)
-                if dependency is not None and dependency not in done:
-                    break
-                start = max(free[i], done.get(dependency, 0.0))
-                end = start + (forward_s[i] if kind == "F" else backward_s[i])
-                done[(kind, i, m)] = end
-                free[i] = end
-                slots.append(Slot(i, kind, m, start, end))
-                position[i] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("1F1B simulation deadlocked (inconsistent schedule)")
-    for i in range(stages):
-        slots.append(Slot(i, "step", -1, free[i], free[i] + delta_s[i]))
+def timeline_slots(simulation: Simulation, delta_s: np.ndarray, column: int = 0) -> list[Slot]:
+    """The simulated actions of candidate ``column`` as slots, then each stage's step."""
+    schedule = simulation.schedule
+    slots = []
+    for stage, spans in enumerate(simulation.spans):
+        for action, (kind, start, end) in zip(schedule.compute(stage), spans):
+            slots.append(Slot(stage, kind, action.micro, float(start[column]), float(end[column]), action.chunk))
+        finish = float(simulation.finish_s[stage, column])
+        slots.append(Slot(stage, "step", -1, finish, finish + float(np.asarray(delta_s)[stage]), 0))
     return slots
 
 
 def iteration_time(slots: list[Slot]) -> float:
     return max(slot.end_s for slot in slots)
+
+
+CATEGORIES = {"F": "forward", "B": "backward", "I": "backward (input half)", "W": "backward (weight half)",
+              "step": "step"}
+COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#8172b3", "step": "#55a868"}
 
 
 def chrome_trace(slots: list[Slot], stage_names: list[str] | None = None) -> dict:
@@ -75,11 +54,12 @@ def chrome_trace(slots: list[Slot], stage_names: list[str] | None = None) -> dic
         name = stage_names[i] if stage_names else f"stage {i}"
         events.append({"name": "process_name", "ph": "M", "pid": i, "tid": 0, "args": {"name": name}})
     for slot in slots:
-        label = "optimizer step + grad sync" if slot.kind == "step" else f"{slot.kind}{slot.micro_batch}"
+        label = ("optimizer step + grad sync" if slot.kind == "step"
+                 else f"{slot.kind}{slot.micro_batch}" + (f".{slot.chunk}" if slot.chunk else ""))
         events.append({
-            "name": label, "cat": {"F": "forward", "B": "backward", "step": "step"}[slot.kind], "ph": "X",
+            "name": label, "cat": CATEGORIES[slot.kind], "ph": "X",
             "ts": slot.start_s * 1e6, "dur": (slot.end_s - slot.start_s) * 1e6, "pid": slot.stage, "tid": 0,
-            "args": {"micro_batch": slot.micro_batch},
+            "args": {"micro_batch": slot.micro_batch, "chunk": slot.chunk},
         })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -93,20 +73,23 @@ def plot_timeline(slots: list[Slot], path: str, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.patches
     import matplotlib.pyplot as plt
 
     stages = max(slot.stage for slot in slots) + 1
     fig, ax = plt.subplots(figsize=(12, 0.6 * stages + 1.5))
-    colours = {"F": "#4c72b0", "B": "#dd8452", "step": "#55a868"}
-    for kind in ("F", "B", "step"):
+    for kind in COLOURS:
         for slot in (s for s in slots if s.kind == kind):
+            shade = 0.8 if slot.chunk % 2 == 0 else 0.55  # a stage's chunks told apart
             ax.broken_barh([(slot.start_s, slot.end_s - slot.start_s)], (slot.stage - 0.4, 0.8),
-                           facecolors=colours[kind], edgecolor="white", linewidth=0.3)
+                           facecolors=COLOURS[kind], alpha=shade, edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(stages))
     ax.set_yticklabels([f"stage {i}" for i in range(stages)])
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
-    ax.set_title(title or "predicted 1F1B iteration (blue forward, orange backward, green step)")
+    ax.set_title(title or "predicted iteration")
+    ax.legend(handles=[matplotlib.patches.Patch(color=COLOURS[k], label=CATEGORIES[k]) for k in COLOURS
+                       if any(s.kind == k for s in slots)], fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
