@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch import nn
 
 from .materialize import StageProgram
+from .split_backward import SplitBackward
 
 EAGER_MODULE_PREFIX = "tp."  # call_module targets that run eagerly between compiled segments
 
@@ -58,6 +59,7 @@ class CompileStats:
 
     enabled: bool = True
     units: int = 0  # unit modules given a compiled forward
+    eager_units: int = 0  # unit modules kept eager (compilation off, or split backward halves)
     programs: int = 0  # distinct unit programs (identical layers share one)
     graphs: int = 0  # compiled regions (a forward and its backward), one per program segment and input metadata
     compiled: int = 0  # of those, compiled from scratch (the others came from inductor's on-disk caches or
@@ -76,13 +78,14 @@ class CompileStats:
     def describe(self) -> str:
         """One line for logs: how long compilation took and whether it came from the cache."""
         if not self.enabled:
-            return f"{self.units} units run eagerly (compilation off)"
+            return f"{self.eager_units} units run eagerly (compilation off)"
         if not self.graphs:
             return f"{self.units} units ({self.programs} programs) not compiled yet"
         source = "all from the cache" if self.from_cache else \
             ("compiled, none cached" if not self.cached else f"{self.cached} of them from the cache")
+        eager = f"; {self.eager_units} split-backward units eager" if self.eager_units else ""
         return (f"compiled {self.units} units ({self.programs} programs, {self.graphs} graphs) in "
-                f"{self.seconds:.1f} s ({source})")
+                f"{self.seconds:.1f} s ({source}{eager})")
 
 
 @dataclass
@@ -293,11 +296,16 @@ def compile_stage(program: StageProgram, *, enabled: bool | None = None) -> Comp
     not ``enabled`` (None: :func:`default_enabled`). Returns the statistics the compiled forwards
     fill in as they compile."""
     enabled = default_enabled() if enabled is None else bool(enabled)
-    stats = CompileStats(enabled=enabled, units=len(program.units))
+    # a unit whose backward is split (zero-bubble schedules) runs its halves as fx graphs: its custom
+    # autograd function queues the weight half, which a compiled region cannot hold
+    units = [(name, module) for name, module in program.units
+             if not any(isinstance(child, SplitBackward) for child in module.children())]
+    stats = CompileStats(enabled=enabled, units=len(units), eager_units=len(program.units) - len(units))
     if not enabled:
+        stats.units, stats.eager_units = 0, len(program.units)
         return stats
     programs: dict[str, UnitProgram] = {}
-    for _name, module in program.units:
+    for _name, module in units:
         graph = module.graph
         key = program_key(graph)
         if key not in programs:

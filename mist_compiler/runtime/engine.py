@@ -96,7 +96,7 @@ class Engine:
         self.labels = stage.labels  # how the model reads its labels (frontend.labels): loss weights by label count
         self.tied_names = stage.tied
         # lowering.compile: what compiling the units cost so far (eager when the stage was lowered without it)
-        self.compile_stats = stage.compile_stats or CompileStats(enabled=False, units=len(stage.units))
+        self.compile_stats = stage.compile_stats or CompileStats(enabled=False, eager_units=len(stage.units))
         self.tied = TiedWeights.create(self) if self.tied_names else None
         if self.tied is not None:
             for param in self.tied.params.values():
