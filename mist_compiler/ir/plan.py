@@ -52,6 +52,11 @@ def _int(value: Any, where: str, minimum: int = 0) -> int:
     return value
 
 
+def _bool(value: Any, where: str) -> bool:
+    _require(isinstance(value, bool), where, f"expected true or false, got {value!r}")
+    return value
+
+
 def _ratio(value: Any, where: str) -> float:
     _require(isinstance(value, (int, float)) and not isinstance(value, bool), where, f"expected a number, got {value!r}")
     _require(0.0 <= float(value) <= 1.0, where, f"must be in [0, 1], got {value}")
@@ -94,6 +99,7 @@ class StagePlan:
     zero: int = 0
     ckpt_layers: int = 0
     offload: Offload = field(default_factory=Offload)
+    sp: bool = False  # sequence parallelism with the stage's tensor parallelism (module docstring)
 
     @property
     def num_layers(self) -> int:
@@ -124,7 +130,10 @@ class StagePlan:
             zero=_int(data.get("zero", 0), f"{where}.zero", 0),
             ckpt_layers=_int(data.get("ckpt_layers", 0), f"{where}.ckpt_layers", 0),
             offload=Offload.from_dict(data.get("offload", {}), f"{where}.offload"),
+            sp=_bool(data.get("sp", False), f"{where}.sp"),
         )
+        _require(not stage.sp or stage.tp > 1, f"{where}.sp",
+                 f"sequence parallelism splits the sequence over the tensor-parallel ranks: it needs tp > 1, got tp = {stage.tp}")
         _require(stage.zero <= 3, f"{where}.zero", f"ZeRO level must be 0..3, got {stage.zero}")
         _require(
             stage.dp * stage.tp == stage.devices, f"{where}.dp",
@@ -140,6 +149,8 @@ class StagePlan:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["layers"] = list(self.layers)
+        if not self.sp:  # optional keys at their defaults are left out: older plans keep their schema
+            del data["sp"]
         return data
 
 
@@ -202,6 +213,8 @@ class Plan:
                 f"stages must cover the layers contiguously: expected start {expected_start}, got {stage.layers[0]}",
             )
             expected_start = stage.layers[1]
+            _require(not stage.sp or self.seq_len % stage.tp == 0, f"{where}.sp",
+                     f"sequence parallelism needs seq_len {self.seq_len} divisible by tp = {stage.tp}")
             samples = stage.micro_batch * stage.dp * self.grad_accum
             _require(
                 samples == self.global_batch, f"{where}.micro_batch",

@@ -2,8 +2,8 @@
 
 The lowering is one list of passes run by the :class:`PassManager` (read it in
 :func:`lowering_passes`): cut the pipeline stage out of the captured torch-level program, shard
-it over the tensor-parallel group, checkpoint the first layers, set the units' offload
-fractions. Then :func:`~.materialize.build_stage` instantiates the stage's modules with this
+it over the tensor-parallel group (with sequence-parallel edges where the plan says ``sp``),
+checkpoint the first layers, set the units' offload fractions. Then :func:`~.materialize.build_stage` instantiates the stage's modules with this
 rank's weights only.
 """
 from __future__ import annotations
@@ -22,10 +22,11 @@ from ..passes.checkpoint import ActivationCheckpoint
 from ..passes.manager import PassManager
 from ..passes.offload_insertion import OffloadInsertion
 from ..passes.partition import Partition, PartitionError
+from ..passes.sequence_parallel import SequenceParallel, check_sequence_parallel
 from ..passes.tp_sharding import TensorParallel, check_degree
 from .materialize import StageProgram, TensorSource, build_stage
 
-LOWERING_PASSES = ("partition", "tp_sharding", "checkpoint", "offload_insertion")
+LOWERING_PASSES = ("partition", "tp_sharding", "sequence_parallel", "checkpoint", "offload_insertion")
 
 
 def check_plan_against_program(plan: Plan, program: MistProgram) -> None:
@@ -39,6 +40,7 @@ def check_plan_against_program(plan: Plan, program: MistProgram) -> None:
     plan.check_against_model(graph.num_layers, program.max_positions)
     for index, stage in enumerate(plan.stages):
         check_degree(graph.tp, stage.tp, where=f"plan field stages[{index}].tp")
+    check_sequence_parallel(graph, plan)
 
 
 def lowering_passes(program: MistProgram, plan: Plan, coord: RankCoord) -> list[Callable]:
@@ -47,6 +49,7 @@ def lowering_passes(program: MistProgram, plan: Plan, coord: RankCoord) -> list[
     return [
         Partition(plan, coord.stage),  # ModelGraph -> StageGraph: this stage's units and boundary
         TensorParallel(program.model_graph, coord.tp_index, stage.tp),  # apply the recognised split
+        SequenceParallel(program.model_graph, plan, coord.stage),  # TP region edges as sequence collectives
         ActivationCheckpoint(stage.ckpt_layers),  # recompute the first layers in backward
         OffloadInsertion(stage.offload),  # each unit's host fractions
     ]
@@ -91,7 +94,7 @@ def dump_lowered(program: MistProgram, plan: Plan, after: str) -> str:
                     on_dump=lambda name, stage: dumps.append(describe(stage)))
         stage = plan.stages[stage_index]
         out.write(f"# stage {stage_index}: layers [{stage.layers[0]}, {stage.layers[1]}), dp={stage.dp} tp={stage.tp} "
-                  f"zero={stage.zero} ckpt_layers={stage.ckpt_layers} (after {after})\n")
+                  f"zero={stage.zero} ckpt_layers={stage.ckpt_layers}{' sp' if stage.sp else ''} (after {after})\n")
         out.write("".join(dumps))
     return out.getvalue()
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .groups import Group
+from .sequence_parallel import SP_CHILDREN
 from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
 
@@ -130,7 +131,8 @@ class VocabLinearCrossEntropy(_GroupModule):
         return vocab_parallel_linear_cross_entropy(hidden, weight, labels, self.group, ignore_index, reduction), None
 
 
-TP_CHILDREN = ("copy", "reduce", "embedding", "cross_entropy", "linear_cross_entropy")  # what a graph may call
+TP_CHILDREN = ("copy", "reduce", "embedding", "cross_entropy", "linear_cross_entropy",
+               *SP_CHILDREN)  # what a graph may call (sequence parallelism: ops.sequence_parallel)
 
 
 class TensorParallelOps(nn.Module):
@@ -143,3 +145,5 @@ class TensorParallelOps(nn.Module):
         self.embedding = VocabEmbedding(group)
         self.cross_entropy = VocabCrossEntropy(group)
         self.linear_cross_entropy = VocabLinearCrossEntropy(group)
+        for name, op in SP_CHILDREN.items():
+            setattr(self, name, op(group))
