@@ -15,6 +15,7 @@ import torch.fx as fx
 from ..passes.cost_annotation import ATTENTION_FORWARD, T, cost_annotation, op_name, tensor_shape
 from ..passes.manager import PassManager
 from ..passes.memory_analysis import memory_analysis
+from ..passes.sp_pricing import sequence_parallel_pricing
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 
 
@@ -64,6 +65,7 @@ def _tp_granularity(forward: fx.GraphModule, names: set[str], states: dict[str, 
 ANALYSIS_PASSES = (
     cost_annotation,  # FLOPs, bytes, op class and tensor-parallel state per node; TP collectives
     memory_analysis,  # saved activations and peaks per block class, by liveness
+    sequence_parallel_pricing,  # the same with sequence parallelism (sequence-split states, its collectives)
 )
 
 
@@ -101,4 +103,9 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
         units = _unit_elements(classes[kind], forward, names, params, costs.param_states)
         result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total, granularity,
                                      tp_optional=kind != "layer", units=units)
+        sequence = analysed.analysis.sequence
+        if kind == "layer" and sequence is not None:
+            result[kind].sequence = BlockAnalysis(kind, sequence.costs.restrict(names),
+                                                  sequence.memory[classes[kind].class_id], per_device, total,
+                                                  granularity, units=units)
     return result, sum(1 for block in program.blocks if block.kind == "layer")

@@ -91,6 +91,7 @@ def plan_candidates(plan: Plan) -> StageCandidates:
         inflight=np.minimum(count - np.arange(count), plan.grad_accum),
         grad_accum=plan.grad_accum,
         low_precision_grads=plan.low_precision_grads,
+        sp=column(lambda st: st.sp),
     )
 
 
@@ -109,6 +110,8 @@ def _check_plan(plan: Plan, cost_model: StageCostModel, profile: HardwareProfile
         if stage.tp > 1 and not cost_model.tp_supported:
             raise PlanError(f"plan field stages[{index}].tp: tensor parallelism ({stage.tp}) is not available for "
                             f"this model: {cost_model.tp_message}; use tp = 1")
+        if stage.sp and not getattr(cost_model, "sp_supported", False):
+            raise PlanError(f"plan field stages[{index}].sp: sequence parallelism is not available for this model")
         granularity = cost_model.tp_granularity
         if stage.tp > 1 and granularity and granularity % stage.tp:
             raise PlanError(f"plan field stages[{index}].tp: {stage.tp} does not divide the model's attention heads "

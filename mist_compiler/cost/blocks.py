@@ -33,6 +33,7 @@ class BlockAnalysis:
     # per-device parameter elements of the backend's units in the block (modules owning parameters), forward
     # order; None: one unit
     units: list[sympy.Expr] | None = None
+    sequence: "BlockAnalysis | None" = None  # the layer priced with sequence parallelism (None: not possible)
 
     @property
     def tp_supported(self) -> bool:

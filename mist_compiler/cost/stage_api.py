@@ -35,6 +35,7 @@ class StageCandidates:
     inflight: np.ndarray  # micro-batches whose activations are alive at once (1F1B: stages from here to the end)
     grad_accum: np.ndarray = 1  # micro-batches per iteration (gradient accumulators live between them)
     low_precision_grads: np.ndarray = False  # bool: ZeRO 0/1 keep gradients in the param dtype (plan grad_dtype)
+    sp: np.ndarray = False  # bool: sequence parallelism with the stage's tensor parallelism (plan ``sp``)
 
     def __post_init__(self) -> None:
         lengths = {f.name: len(np.atleast_1d(getattr(self, f.name))) for f in fields(self)}

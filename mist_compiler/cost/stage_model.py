@@ -77,7 +77,7 @@ class _BlockFunctions:
 
     flops: dict[str, dict[str, Callable]]  # phase -> op class -> f(b, s, t)
     nbytes: dict[str, dict[str, Callable]]
-    collectives: dict[str, list[Callable]]  # phase -> all-reduce payloads
+    collectives: dict[str, list[tuple[str, Callable]]]  # phase -> (collective kind, payload) of the TP edges
     saved: Callable
     input: Callable
     output: Callable
@@ -95,6 +95,8 @@ class _BlockFunctions:
     tp_optional: bool = False
     gemms: dict[str, list[tuple[Callable, Callable]]] = field(default_factory=dict)  # phase -> (flops, bytes) per matmul
 
+
+SEQUENCE_LAYER = "layer_sp"  # the layer's functions as sequence parallelism runs it
 
 # The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
 # reads and writes them, probs @ v reads them (4 passes); backward reads the probabilities twice
@@ -115,7 +117,7 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
     return _BlockFunctions(
         flops={p: {c: _lambdify(e) for c, e in g.flops_by_class().items()} for p, g in phases.items()},
         nbytes={p: {c: _lambdify(e) for c, e in _class_bytes(block, p, g, attention).items()} for p, g in phases.items()},
-        collectives={p: [_lambdify(c.bytes) for c in g.collectives] for p, g in phases.items()},
+        collectives={p: [(c.kind, _lambdify(c.bytes)) for c in g.collectives] for p, g in phases.items()},
         saved=_lambdify(block.memory.saved[attention]),
         input=_lambdify(block.memory.input),
         output=_lambdify(block.memory.output),
@@ -213,6 +215,8 @@ class StageCostModel:
         if missing:
             raise StageModelError(f"model analysis lacks block kind(s) {missing}")
         self._functions = {kind: _block_functions(block, self.attention) for kind, block in self.blocks.items()}
+        if self.blocks["layer"].sequence is not None:  # the layer as sequence parallelism runs it
+            self._functions[SEQUENCE_LAYER] = _block_functions(self.blocks["layer"].sequence, self.attention)
         self.evaluate(_warm_up_candidate())  # first-call costs of numpy/lambdify paid here, not by the tuner
 
     @property
@@ -243,6 +247,10 @@ class StageCostModel:
 
     # ---- per distinct (b, t, nodes, gpus) quantities -------------------------------------------
 
+    @property
+    def sp_supported(self) -> bool:
+        return SEQUENCE_LAYER in self._functions
+
     def _block_terms(self, kind: str, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, np.ndarray]:
         functions = self._functions[kind]
         if functions.tp_optional and functions.tp_granularity:  # the lowering keeps it whole then
@@ -262,8 +270,8 @@ class StageCostModel:
                     time = time + matmul_time(self.hardware, self.dtype, flops(b, s, t), nbytes(b, s, t))
             terms[f"{phase}_compute"] = time + functions.op_count[phase] * self.hardware.op_overhead
             comm = np.zeros(b.shape)
-            for payload in functions.collectives[phase]:
-                comm = comm + collective_time(self.hardware, "all_reduce", np.maximum(payload(b, s, t), 0.0), *tp_shape)
+            for collective, payload in functions.collectives[phase]:
+                comm = comm + collective_time(self.hardware, collective, np.maximum(payload(b, s, t), 0.0), *tp_shape)
             terms[f"{phase}_tp"] = np.where(t > 1, comm, 0.0)
         terms["saved"] = functions.saved(b, s, t)
         terms["input"] = functions.input(b, s, t)
@@ -276,8 +284,20 @@ class StageCostModel:
                            else np.zeros(b.shape))
         terms["params"] = functions.params_per_device(b, s, t)
         terms["unit_0"], terms["unit_1"] = (unit(b, s, t) for unit in functions.units)
-        for index, size in enumerate(functions.saved_sequence):
+        for index, (size, movable) in enumerate(zip(functions.saved_sequence, functions.saved_offloadable)):
             terms[f"saved_{index}"] = size(b, s, t)
+            terms[f"movable_{index}"] = np.full(b.shape, float(movable))
+        return terms
+
+    def _sequence_terms(self, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, dict[str, np.ndarray]]:
+        """Per block terms of sequence-parallel stages: the layer as ``sp_pricing`` priced it, the hidden
+        state gathered before the head (forward) and after the embedding (its gradient, backward)."""
+        terms = {kind: self._block_terms(kind, b, t, tp_shape) for kind in ("pre", "post")}
+        terms["layer"] = self._block_terms(SEQUENCE_LAYER, b, t, tp_shape)
+        whole = self._block_terms("layer", b, t, tp_shape)["output"]
+        gather = np.where(t > 1, collective_time(self.hardware, "all_gather", whole, *tp_shape), 0.0)
+        terms["post"]["forward_tp"] = terms["post"]["forward_tp"] + gather
+        terms["pre"]["backward_tp"] = terms["pre"]["backward_tp"] + gather
         return terms
 
     def _candidate_terms(self, c: StageCandidates):
@@ -285,25 +305,31 @@ class StageCostModel:
         and the data-parallel group shape."""
         b = np.asarray(c.micro_batch, dtype=np.int64)
         tp = np.asarray(c.tp, dtype=np.int64)
+        sp = (np.asarray(c.sp, dtype=bool) & (tp > 1) & self.sp_supported).astype(np.int64)
         (tp_nodes, tp_gpus), dp_shape = _group_shapes(tp, np.asarray(c.dp, dtype=np.int64),
                                                       np.asarray(c.nodes, dtype=np.int64),
                                                       np.asarray(c.gpus_per_node, dtype=np.int64))
-        if len(c) and (b.max() >= 1 << 20 or tp.max() >= 1 << 14 or tp_nodes.max() >= 1 << 14 or tp_gpus.max() >= 1 << 14):
-            raise StageModelError("micro_batch must be < 2^20 and tp, nodes, gpus_per_node < 2^14")
-        keys = ((b << 42) | (tp << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
+        if len(c) and (b.max() >= 1 << 20 or tp.max() >= 1 << 13 or tp_nodes.max() >= 1 << 14 or tp_gpus.max() >= 1 << 14):
+            raise StageModelError("micro_batch must be < 2^20, tp < 2^13 and nodes, gpus_per_node < 2^14")
+        keys = ((b << 42) | (((tp << 1) | sp) << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
         unique_keys, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
         missing = np.array([int(key) not in self._terms_cache for key in unique_keys], dtype=bool)
         if missing.any():  # block terms depend only on the key: computed once per model, then reused
-            pick = first[missing]
-            shape = (tp_nodes[pick], tp_gpus[pick])
-            fresh = {kind: self._block_terms(kind, b[pick].astype(float), tp[pick].astype(float), shape)
-                     for kind in BLOCK_KINDS}
-            for i, key in enumerate(unique_keys[missing]):
-                self._terms_cache[int(key)] = {kind: {name: value[i] for name, value in terms.items()}
-                                               for kind, terms in fresh.items()}
+            for with_sp in (0, 1):
+                pick = first[missing & (sp[first] == with_sp)]
+                if not len(pick):
+                    continue
+                shape = (tp_nodes[pick], tp_gpus[pick])
+                batch, degree = b[pick].astype(float), tp[pick].astype(float)
+                fresh = self._sequence_terms(batch, degree, shape) if with_sp else \
+                    {kind: self._block_terms(kind, batch, degree, shape) for kind in BLOCK_KINDS}
+                for i, key in enumerate(keys[pick]):
+                    self._terms_cache[int(key)] = {kind: {name: value[i] for name, value in terms.items()}
+                                                   for kind, terms in fresh.items()}
         cached = [self._terms_cache[int(key)] for key in unique_keys]
-        per_kind = {kind: {name: np.array([entry[kind][name] for entry in cached])[inverse] for name in cached[0][kind]}
+        per_kind = {kind: {name: np.array([entry[kind].get(name, 0.0) for entry in cached])[inverse]
+                           for name in set().union(*(entry[kind] for entry in cached))}
                     for kind in BLOCK_KINDS} if len(cached) else \
             {kind: {name: np.zeros(0) for name in self._block_terms(kind, np.zeros(0), np.zeros(0),
                                                                     (np.zeros(0, int), np.zeros(0, int)))}
@@ -314,7 +340,8 @@ class StageCostModel:
         """Tensor parallelism on a structure the sharding rules do not know, or a degree that
         does not divide the heads / sharded dimensions."""
         infeasible = np.zeros(len(tp), dtype=bool)
-        for kind, functions in self._functions.items():
+        for kind in BLOCK_KINDS:
+            functions = self._functions[kind]
             if not functions.tp_supported:
                 infeasible |= present[kind] & (tp > 1)
             elif functions.tp_granularity and not functions.tp_optional:
@@ -354,9 +381,10 @@ class StageCostModel:
                                             v["forward_peaks_weights_free"], v["backward_peaks_weights_free"],
                                             v["output"])
                  for kind, v in per_kind.items()}
-        layer_functions = self._functions["layer"]
-        layer_offloaded = greedy_offload([layer[f"saved_{i}"] for i in range(len(layer_functions.saved_sequence))],
-                                         layer_functions.saved_offloadable, np.asarray(c.offload_acts, dtype=float))
+        saved_count = sum(1 for name in layer if name.startswith("saved_"))  # (the two layer variants differ)
+        layer_offloaded = greedy_offload([layer[f"saved_{i}"] for i in range(saved_count)],
+                                         [layer[f"movable_{i}"] > 0 for i in range(saved_count)],
+                                         np.asarray(c.offload_acts, dtype=float))
         memory = stage_memory(layout, config, terms["pre"], terms["layer"], terms["post"], layer_offloaded)
         acts_per_mb, peak = memory.acts_per_microbatch, memory.peak
 
@@ -410,6 +438,8 @@ class StageCostModel:
 
         present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}
         unsupported = self._infeasible(np.asarray(c.tp, dtype=np.int64), present)
+        asked_sp = np.asarray(c.sp, dtype=bool)  # sequence parallelism needs tp > 1 and the sequence split evenly
+        unsupported |= asked_sp & ((np.asarray(c.tp) <= 1) | (self.seq_len % np.asarray(c.tp) != 0) | (not self.sp_supported))
         stable = np.where(unsupported, np.inf, stable)
         peak = np.where(unsupported, np.inf, peak)
 

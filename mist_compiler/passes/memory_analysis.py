@@ -76,7 +76,7 @@ def _base(node: fx.Node) -> fx.Node:
 
 
 def _scaled(size: sympy.Expr, state: str | None) -> sympy.Expr:
-    return size / T if state == "S" else size
+    return size / T if state in ("S", "Q") else size  # Q: a sequence chunk (sequence parallelism)
 
 
 def _coefficients_nonnegative(expr: sympy.Expr) -> bool:
@@ -410,9 +410,17 @@ class _Point:
 
 
 def _workspace(node: fx.Node, states: dict[str, str], symbols) -> list[sympy.Expr]:
-    """Extra candidates at an op's point for the transient it holds inside (none for most ops)."""
+    """Extra candidates at an op's point for the transient it holds inside (none for most ops): the
+    fused loss's chunk, and with sequence parallelism the whole sequence gathered for an op that is not
+    on a chunk (a column-parallel matmul reading the gathered norm output)."""
     phase = WORKSPACE_OPS.get(op_name(node))
-    return _fused_loss_workspace(node, states, phase, symbols) if phase is not None else []
+    if phase is not None:
+        return _fused_loss_workspace(node, states, phase, symbols)
+    if states.get(node.name) not in ("Q", "P"):
+        gathered = {_base(a) for a in node.all_input_nodes if states.get(a.name) == "Q"}
+        if gathered:
+            return [sympy.expand(sympy.Add(*(value_bytes(base, symbols) for base in gathered)))]
+    return []
 
 
 def _is_contiguous(value: torch.Tensor) -> bool:

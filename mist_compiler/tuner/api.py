@@ -290,6 +290,7 @@ def _result(cost_model: StageCostModel, work: Workload, space: SearchSpace, tabl
             zero=int(configs.zero[row]), ckpt_layers=int(configs.ckpt_layers[row]),
             offload=Offload(float(configs.offload_weights[row]), float(configs.offload_grads[row]),
                             float(configs.offload_opt[row]), float(configs.offload_acts[row])),
+            sp=bool(configs.sp[row]),
         ))
         start += layers
     plan = Plan(model=work.model_name, seq_len=work.seq_len, global_batch=work.global_batch, dtype=work.dtype,
@@ -330,7 +331,8 @@ def _frontier_summary(table: FrontierTable, solution) -> dict:
             "stage": i, "layers": int(configs.num_layers[row]), "devices": int(configs.nodes[row] * configs.gpus_per_node[row]),
             "inflight": int(solution.inflight[i]),
             "points": [{"stable_s": float(table.stable[m]), "delta_s": float(table.delta[m]),
-                        "tp": int(configs.tp[m]), "zero": int(configs.zero[m]), "ckpt_layers": int(configs.ckpt_layers[m]),
+                        "tp": int(configs.tp[m]), "sp": bool(configs.sp[m]), "zero": int(configs.zero[m]),
+                        "ckpt_layers": int(configs.ckpt_layers[m]),
                         "offload": [float(configs.offload_weights[m]), float(configs.offload_grads[m]),
                                     float(configs.offload_opt[m]), float(configs.offload_acts[m])]}
                        for m in members],

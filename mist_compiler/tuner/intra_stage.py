@@ -111,7 +111,8 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     options = tuple(space.stage_count_options(work.num_layers, cluster.world))
     bound = IncumbentBound(grad_accum, incumbent, work.num_layers, cluster.world, cluster, options)
     limit = float(model.device_memory_bytes)
-    bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
+    sequence_parallel = space.sequence_parallel and bool(getattr(model.model, "sp_supported", False))
+    bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages, sequence_parallel)
     rows, ckpt, offload = _candidate_knobs(model, bases, shapes, space, limit, stats, bound, trade) if len(bases) else (
         np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros((0, 4)))
     table_bases = bases.take(rows)
@@ -156,6 +157,7 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
         micro_batch=kept.micro_batch, dp=kept.dp, tp=kept.tp, zero=kept.zero, ckpt_layers=ckpt[keep],
         offload_weights=offload[keep, 0], offload_grads=offload[keep, 1], offload_opt=offload[keep, 2],
         offload_acts=offload[keep, 3], inflight=np.ones(len(keep), dtype=int), grad_accum=kept.grad_accum,
+        sp=kept.sp.astype(bool),
     ) if len(keep) else None
     stats["frontier_points"] = len(keep)
     stats["evaluated"] = model.rows

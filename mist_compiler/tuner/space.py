@@ -58,6 +58,8 @@ class SearchSpace:
     - ``partial_node_stages``: allow stages smaller than a node.
     - ``max_frontier_points``: cap on Pareto points kept per stage cell and in-flight count.
     - ``gap``: relative optimality gap the stage-partition search must certify (0: exact).
+    - ``sequence_parallel``: offer sequence parallelism with every tensor-parallel degree > 1 (when the
+      model's layers can run it).
     """
 
     micro_batches: tuple[int, ...] | None = None
@@ -77,6 +79,7 @@ class SearchSpace:
     partial_node_stages: bool = True
     max_frontier_points: int = 32
     gap: float = 1e-4
+    sequence_parallel: bool = True
     name: str = "full"
 
     def __post_init__(self) -> None:
@@ -164,7 +167,8 @@ class SearchSpace:
             f"on {list(self.offload_grid)}, tp {list(self.tp_degrees) if self.tp_degrees else 'any'}, "
             f"micro-batch {list(self.micro_batches) if self.micro_batches else 'any'}, "
             f"devices {'uniform' if self.uniform_devices else 'any'}, "
-            f"layers {'any split' if self.layer_slack is None else f'uniform +-{self.layer_slack}'}"
+            f"layers {'any split' if self.layer_slack is None else f'uniform +-{self.layer_slack}'}, "
+            f"sp {'tuned' if self.sequence_parallel else 'off'}"
         )
 
 
