@@ -15,6 +15,7 @@ import torch.fx as fx
 from ..passes.cost_annotation import ATTENTION_FORWARD, T, cost_annotation, op_name, tensor_shape
 from ..passes.manager import PassManager
 from ..passes.memory_analysis import memory_analysis
+from ..passes.saved_tensors import saved_tensor_table
 from ..passes.sp_pricing import sequence_parallel_pricing
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 
@@ -66,6 +67,7 @@ ANALYSIS_PASSES = (
     cost_annotation,  # FLOPs, bytes, op class and tensor-parallel state per node; TP collectives
     memory_analysis,  # saved activations and peaks per block class, by liveness
     sequence_parallel_pricing,  # the same with sequence parallelism (sequence-split states, its collectives)
+    saved_tensor_table,  # per node of the layer: bytes kept for the backward, cost to recompute (the activation MILP)
 )
 
 
@@ -103,9 +105,11 @@ def analyse_program(program) -> tuple[dict[str, BlockAnalysis], int]:
         units = _unit_elements(classes[kind], forward, names, params, costs.param_states)
         result[kind] = BlockAnalysis(kind, costs.restrict(names), memory[kind], per_device, total, granularity,
                                      tp_optional=kind != "layer", units=units)
-        sequence = analysed.analysis.sequence
+        sequence, tables = analysed.analysis.sequence, analysed.analysis.tensors or {}
+        if kind == "layer":
+            result[kind].tensors = tables.get("tp")
         if kind == "layer" and sequence is not None:
             result[kind].sequence = BlockAnalysis(kind, sequence.costs.restrict(names),
                                                   sequence.memory[classes[kind].class_id], per_device, total,
-                                                  granularity, units=units)
+                                                  granularity, units=units, tensors=tables.get("sp"))
     return result, sum(1 for block in program.blocks if block.kind == "layer")

@@ -34,6 +34,7 @@ class BlockAnalysis:
     # order; None: one unit
     units: list[sympy.Expr] | None = None
     sequence: "BlockAnalysis | None" = None  # the layer priced with sequence parallelism (None: not possible)
+    tensors: object = None  # the layer's saved-tensor table (``passes.saved_tensors.LayerTensors``), if made
 
     @property
     def tp_supported(self) -> bool:

@@ -14,6 +14,19 @@ that memory: autograd accumulates each micro-batch into the param-dtype buffer (
 one rounding per micro-batch), the data-parallel reduction still runs in fp32. ZeRO 2-3 keep
 their ``1/dp`` accumulator shard in fp32 either way, and so does a ZeRO 0-1 stage that offloads
 gradients (its fp32 accumulator is split with the host).
+
+``sp`` (optional per stage, default ``false``): sequence parallelism with the stage's tensor
+parallelism (``tp > 1``, the sequence length divisible by ``tp``): the values between the
+tensor-parallel regions of each layer (norms, residual adds, dropout) are split along the sequence
+over the ``tp`` ranks, and the stage's pipeline boundaries carry sequence chunks where the
+neighbouring stage uses the same ``tp`` with ``sp``.
+
+``activations`` (optional per stage, default: none): per-tensor choices for the stage's layers that
+are not checkpointed, ``{"recompute": [node, ...], "offload": {node: fraction}}``: the nodes of the
+layer's program (names as ``mistc ir`` prints them) whose saved tensors are dropped in the forward
+and recomputed in the backward by running the node again, and the fraction of each node's saved
+bytes kept in host memory. It replaces ``offload.acts`` (which must then be 0); the names are checked
+against the model before anything runs.
 """
 from __future__ import annotations
 
@@ -87,6 +100,43 @@ class Offload:
 
 
 @dataclass(frozen=True)
+class ActivationPolicy:
+    """Per-tensor keep / recompute / offload for a stage's layers (see the module docstring)."""
+
+    recompute: tuple[str, ...] = ()
+    offload: tuple[tuple[str, float], ...] = ()  # (node, fraction of its saved bytes on the host), by node
+
+    def __post_init__(self) -> None:
+        for node, fraction in self.offload:
+            _ratio(fraction, f"activations.offload.{node}")
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "ActivationPolicy":
+        _check_keys(data, cls, where)
+        recompute = data.get("recompute", [])
+        _require(isinstance(recompute, list) and all(isinstance(n, str) and n for n in recompute),
+                 f"{where}.recompute", f"expected a list of node names, got {recompute!r}")
+        _require(len(set(recompute)) == len(recompute), f"{where}.recompute", "names a node twice")
+        offload = data.get("offload", {})
+        _require(isinstance(offload, dict), f"{where}.offload", f"expected an object node -> fraction, got {offload!r}")
+        fractions = tuple(sorted((str(node), _ratio(value, f"{where}.offload.{node}")) for node, value in offload.items()))
+        both = sorted(set(recompute) & {node for node, _ in fractions})
+        _require(not both, f"{where}.offload", f"{both} are recomputed: their saved tensors are not kept to offload")
+        return cls(tuple(recompute), tuple((node, value) for node, value in fractions if value > 0))
+
+    def to_dict(self) -> dict:
+        return {"recompute": list(self.recompute), "offload": dict(self.offload)}
+
+    @property
+    def offload_fractions(self) -> dict[str, float]:
+        return dict(self.offload)
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return self.recompute + tuple(node for node, _ in self.offload)
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage: its layer range, devices and memory/parallelism choices."""
 
@@ -100,6 +150,7 @@ class StagePlan:
     ckpt_layers: int = 0
     offload: Offload = field(default_factory=Offload)
     sp: bool = False  # sequence parallelism with the stage's tensor parallelism (module docstring)
+    activations: ActivationPolicy | None = None  # per-tensor choices for the layers not checkpointed
 
     @property
     def num_layers(self) -> int:
@@ -131,7 +182,11 @@ class StagePlan:
             ckpt_layers=_int(data.get("ckpt_layers", 0), f"{where}.ckpt_layers", 0),
             offload=Offload.from_dict(data.get("offload", {}), f"{where}.offload"),
             sp=_bool(data.get("sp", False), f"{where}.sp"),
+            activations=ActivationPolicy.from_dict(data["activations"], f"{where}.activations")
+            if data.get("activations") is not None else None,
         )
+        _require(stage.activations is None or stage.offload.acts == 0, f"{where}.activations",
+                 f"per-tensor offload replaces offload.acts; set offload.acts to 0 (got {stage.offload.acts})")
         _require(not stage.sp or stage.tp > 1, f"{where}.sp",
                  f"sequence parallelism splits the sequence over the tensor-parallel ranks: it needs tp > 1, got tp = {stage.tp}")
         _require(stage.zero <= 3, f"{where}.zero", f"ZeRO level must be 0..3, got {stage.zero}")
@@ -151,6 +206,10 @@ class StagePlan:
         data["layers"] = list(self.layers)
         if not self.sp:  # optional keys at their defaults are left out: older plans keep their schema
             del data["sp"]
+        if self.activations is None:
+            del data["activations"]
+        else:
+            data["activations"] = self.activations.to_dict()
         return data
 
 

@@ -3,7 +3,8 @@
 The lowering is one list of passes run by the :class:`PassManager` (read it in
 :func:`lowering_passes`): cut the pipeline stage out of the captured torch-level program, shard
 it over the tensor-parallel group (with sequence-parallel edges where the plan says ``sp``),
-checkpoint the first layers, set the units' offload fractions. Then :func:`~.materialize.build_stage` instantiates the stage's modules with this
+checkpoint the first layers, apply the per-tensor keep / recompute / offload choices to the others,
+set the units' offload fractions. Then :func:`~.materialize.build_stage` instantiates the stage's modules with this
 rank's weights only.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..ir.plan import Plan, PlanError
 from ..ir.program import MistProgram
 from ..ir.stage import StageGraph
 from ..ir.topology import RankCoord
+from ..passes.activation_policy import ActivationPolicyInsertion, check_activation_policy
 from ..passes.checkpoint import ActivationCheckpoint
 from ..passes.manager import PassManager
 from ..passes.offload_insertion import OffloadInsertion
@@ -26,7 +28,8 @@ from ..passes.sequence_parallel import SequenceParallel, check_sequence_parallel
 from ..passes.tp_sharding import TensorParallel, check_degree
 from .materialize import StageProgram, TensorSource, build_stage
 
-LOWERING_PASSES = ("partition", "tp_sharding", "sequence_parallel", "checkpoint", "offload_insertion")
+LOWERING_PASSES = ("partition", "tp_sharding", "sequence_parallel", "checkpoint", "activation_policy",
+                   "offload_insertion")
 
 
 def check_plan_against_program(plan: Plan, program: MistProgram) -> None:
@@ -41,6 +44,7 @@ def check_plan_against_program(plan: Plan, program: MistProgram) -> None:
     for index, stage in enumerate(plan.stages):
         check_degree(graph.tp, stage.tp, where=f"plan field stages[{index}].tp")
     check_sequence_parallel(graph, plan)
+    check_activation_policy(graph, plan)
 
 
 def lowering_passes(program: MistProgram, plan: Plan, coord: RankCoord) -> list[Callable]:
@@ -51,6 +55,7 @@ def lowering_passes(program: MistProgram, plan: Plan, coord: RankCoord) -> list[
         TensorParallel(program.model_graph, coord.tp_index, stage.tp),  # apply the recognised split
         SequenceParallel(program.model_graph, plan, coord.stage),  # TP region edges as sequence collectives
         ActivationCheckpoint(stage.ckpt_layers),  # recompute the first layers in backward
+        ActivationPolicyInsertion(stage.activations, stage.sp),  # the other layers: keep / recompute / offload per tensor
         OffloadInsertion(stage.offload),  # each unit's host fractions
     ]
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..ir.model_graph import BUFFER, CONSTANT, PARAMETER, ModelGraph, ShardSpec
 from ..ir.plan import Offload
-from ..ir.stage import StageGraph, StageInterface
+from ..ir.stage import SavedPolicy, StageGraph, StageInterface
 from ..ops.tensor_parallel import TP_CHILDREN, TensorParallelOps
 
 
@@ -77,6 +77,8 @@ class StageProgram:
     shards: dict[str, ShardSpec] = field(default_factory=dict)  # runtime parameter name -> its TP split
     deferred: dict[int, "DeferredParameter"] = field(default_factory=dict, repr=False)  # id(param) -> how to make it
     tied: set[str] = field(default_factory=set)  # runtime names of weights the model ties across pre and post
+    # unit -> its per-tensor policy and the replay module recomputing its chosen nodes (on the unit's own weights)
+    saved: dict[str, tuple[SavedPolicy, fx.GraphModule | None]] = field(default_factory=dict)
 
     def initial_value(self, param: nn.Parameter) -> torch.Tensor | None:
         """The initial fp32 value of a deferred parameter (made now, on the stage's device; read it,
@@ -146,6 +148,7 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
     ops = TensorParallelOps(group) if world > 1 else None
     root: dict[str, Any] = {}
     units, fqn, shards = [], {}, {}
+    saved: dict[str, tuple[SavedPolicy, fx.GraphModule | None]] = {}
     for unit in stage.units:
         parts: dict[str, Any] = {attr: tensor(kind, name, unit.shards.get(attr)) for attr, (kind, name) in unit.tensors.items()}
         if unit.needs_tp:
@@ -153,6 +156,9 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
         module = fx.GraphModule(parts, unit.graph, class_name=f"Unit_{unit.kind}")
         root[unit.name] = module
         units.append((unit.name, module))
+        if unit.saved is not None:
+            replay = unit.saved.replay
+            saved[unit.name] = (unit.saved, fx.GraphModule(module, replay, class_name="Replay") if replay else None)
         for attr, (kind, name) in unit.tensors.items():
             if kind == PARAMETER:
                 fqn[f"{unit.name}.{attr}"] = name
@@ -167,7 +173,7 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
     checkpointed = {unit.name for unit in stage.units if unit.checkpointed}
     tied_fqns = model.tied_parameters()
     tied = {name for name, full_name in fqn.items() if full_name in tied_fqns}
-    return StageProgram(module, stage.interface, units, offload, checkpointed, fqn, shards, pending, tied)
+    return StageProgram(module, stage.interface, units, offload, checkpointed, fqn, shards, pending, tied, saved)
 
 
 def tensor_source(model: nn.Module | str, seq_len: int | None) -> TensorSource:

@@ -484,6 +484,7 @@ class PricedGraphs:
     costs: ProgramCosts
     memory: dict[int, Any] = field(default_factory=dict)  # block class id -> memory_analysis.BlockMemory
     sequence: Any = None  # the same priced with sequence parallelism (``sp_pricing.SequencePriced``), if it applies
+    tensors: Any = None  # the layer's saved-tensor tables (``saved_tensors``: {"tp": ..., "sp": ...})
 
 
 def program_graphs(program) -> ProgramGraphs:

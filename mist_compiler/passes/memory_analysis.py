@@ -118,6 +118,7 @@ class BlockMemory:
     input: sympy.Expr
     output: sympy.Expr
     saved_names: list[str] = field(default_factory=list)
+    saved_sizes: dict[str, sympy.Expr] = field(default_factory=dict)  # saved storage (its forward base) -> bytes
     attention_probs: sympy.Expr = sympy.Integer(0)  # bytes of the b*h*s*s probabilities (math kernel)
     # sizes of the saved storages in the order the forward saves them (activation offload takes them greedily)
     saved_sequence: list[sympy.Expr] = field(default_factory=list)
@@ -391,6 +392,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
             forward_peaks=by_kernel(fw), backward_peaks=by_kernel(bw),
             input=input_bytes, output=sympy.expand(output_bytes[label]),
             saved_names=[b.name for b in saved_of[label]],
+            saved_sizes={b.name: sympy.expand(saved.size[b]) for b in saved_of[label]},
             saved_sequence=[sympy.expand(saved.size[b]) for b in save_order],
             saved_offloadable=[saved.contiguous[b] for b in save_order],
             attention_probs=sympy.expand(sympy.Add(*(attention.probs for attention in attentions[label]))),
