@@ -36,6 +36,7 @@ class StageCandidates:
     grad_accum: np.ndarray = 1  # micro-batches per iteration (gradient accumulators live between them)
     low_precision_grads: np.ndarray = False  # bool: ZeRO 0/1 keep gradients in the param dtype (plan grad_dtype)
     sp: np.ndarray = False  # bool: sequence parallelism with the stage's tensor parallelism (plan ``sp``)
+    act_policy: np.ndarray = -1  # index of the per-tensor activation policy (cost model's ``policies``); -1: none
 
     def __post_init__(self) -> None:
         lengths = {f.name: len(np.atleast_1d(getattr(self, f.name))) for f in fields(self)}

@@ -47,6 +47,7 @@ from ..passes.cost_annotation import B, BlockCosts, S, T
 from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
 from ..ir.program import MistProgram
 from ..ir.vocabulary import DEFAULT_DTYPE
+from .activation_policy import CopyRates, PolicyPrice, rows_at
 from .analysis import analyse_program
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, p2p_time
@@ -204,6 +205,10 @@ class StageCostModel:
     grad_dtype: str = "float32"  # the plan's grad_dtype: the dtype ZeRO 0/1 keep gradients in, for every candidate
     _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
     _terms_cache: dict[int, dict] = field(default_factory=dict, repr=False)  # (b, t, TP group) key -> block terms
+    # per-tensor activation policies candidates may use (``act_policy`` indexes it), priced on the layer's table
+    policies: list = field(default_factory=list, repr=False)
+    _policy_prices: dict = field(default_factory=dict, repr=False)  # (index, sp) -> PolicyPrice
+    _policy_cache: dict = field(default_factory=dict, repr=False)  # (index, b, t, sp) -> terms
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -250,6 +255,57 @@ class StageCostModel:
     @property
     def sp_supported(self) -> bool:
         return SEQUENCE_LAYER in self._functions
+
+    # ---- per-tensor activation policies ----------------------------------------------------------
+    def layer_table(self, sp: bool):
+        """The layer's saved-tensor table (``passes.saved_tensors``) as priced with or without sequence
+        parallelism; None when the analysis made none."""
+        block = self.blocks["layer"].sequence if sp else self.blocks["layer"]
+        return block.tensors if block is not None else None
+
+    def add_policy(self, policy) -> int:
+        """Register a per-tensor policy (``ir.plan.ActivationPolicy``); its index for ``act_policy``."""
+        if policy in self.policies:
+            return self.policies.index(policy)
+        self.policies.append(policy)
+        return len(self.policies) - 1
+
+    def layer_rows(self, tp: int, sp: bool, micro_batch: int = 1) -> tuple[list, CopyRates] | None:
+        """The layer's table priced at ``(micro_batch, seq_len, tp)`` and the copy rates of one layer there:
+        what the activation MILP reads (None without a table)."""
+        table = self.layer_table(sp)
+        if table is None:
+            return None
+        one = np.ones(1)
+        terms = self._block_terms(SEQUENCE_LAYER if sp else "layer", micro_batch * one, tp * one,
+                                  (np.ones(1, int), np.full(1, tp)))
+        rates = CopyRates(self.hardware.d2h_bandwidth, self.hardware.h2d_bandwidth,
+                          float(terms["forward_compute"][0]), float(terms["backward_compute"][0]))
+        return rows_at(table, self.hardware, self.dtype, micro_batch, self.seq_len, tp), rates
+
+    def _policy_terms(self, policy: np.ndarray, b: np.ndarray, t: np.ndarray, sp: np.ndarray) -> dict[str, np.ndarray]:
+        """kept / offloaded bytes and recompute seconds of each candidate's policy (zeros without one)."""
+        out = {name: np.zeros(len(policy)) for name in ("kept", "offloaded", "recompute")}
+        chosen = np.flatnonzero(policy >= 0)
+        if not len(chosen):
+            return out
+        keys = np.stack([policy[chosen], b[chosen], t[chosen], sp[chosen]], axis=1).astype(np.int64)
+        unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+        for row, (index, batch, degree, with_sp) in enumerate(unique.tolist()):
+            key = (index, batch, degree, with_sp)
+            if key not in self._policy_cache:
+                if (index, with_sp) not in self._policy_prices:
+                    table = self.layer_table(bool(with_sp))
+                    if table is None:
+                        raise StageModelError("per-tensor activation policies need the layer's saved-tensor table")
+                    self._policy_prices[(index, with_sp)] = PolicyPrice.of(table, self.policies[index])
+                price = self._policy_prices[(index, with_sp)]
+                one = np.ones(1)
+                self._policy_cache[key] = {name: float(value[0]) for name, value in price.terms(
+                    self.hardware, self.dtype, batch * one, self.seq_len * one, degree * one).items()}
+            for name in out:
+                out[name][chosen[inverse.reshape(-1) == row]] = self._policy_cache[key][name]
+        return out
 
     def _block_terms(self, kind: str, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, np.ndarray]:
         functions = self._functions[kind]
@@ -385,6 +441,13 @@ class StageCostModel:
         layer_offloaded = greedy_offload([layer[f"saved_{i}"] for i in range(saved_count)],
                                          [layer[f"movable_{i}"] > 0 for i in range(saved_count)],
                                          np.asarray(c.offload_acts, dtype=float))
+        # a per-tensor policy: what its layers keep and offload replaces the layer's saved bytes and the plain rule
+        act = np.asarray(c.act_policy, dtype=np.int64)
+        policy = self._policy_terms(act, np.asarray(c.micro_batch, dtype=np.int64), np.asarray(c.tp, dtype=np.int64),
+                                    (np.asarray(c.sp, dtype=bool) & self.sp_supported).astype(np.int64))
+        with_policy = act >= 0
+        terms["layer"].saved = np.where(with_policy, policy["kept"] + policy["offloaded"], terms["layer"].saved)
+        layer_offloaded = np.where(with_policy, policy["offloaded"], layer_offloaded)
         memory = stage_memory(layout, config, terms["pre"], terms["layer"], terms["post"], layer_offloaded)
         acts_per_mb, peak = memory.acts_per_microbatch, memory.peak
 
@@ -392,7 +455,7 @@ class StageCostModel:
         weight_bytes = stage_params * weight_b
         grad_bytes = stage_params * grad_b
         forward_compute = stage_sum("forward_compute")
-        recompute = ckpt * layer["forward_compute"]
+        recompute = ckpt * layer["forward_compute"] + (n - ckpt) * policy["recompute"]
         grad_buffer_s = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
                                       np.where(low_grads, 0.0, grad_buffer_bytes_moved(grad_bytes, dp)))
         backward_compute = stage_sum("backward_compute") + recompute + grad_buffer_s
@@ -409,8 +472,10 @@ class StageCostModel:
         offload_o = np.asarray(c.offload_opt, dtype=float)
         weights_in = copy_time(self.hardware, offload_w * weight_bytes * weight_share, "h2d")
         grads_out = copy_time(self.hardware, offload_g * grad_bytes * np.where(zero >= 2, 1.0 / dp, 1.0), "d2h")
-        acts_out = copy_time(self.hardware, offload_a * acts_per_mb, "d2h")
-        acts_in = copy_time(self.hardware, offload_a * acts_per_mb, "h2d")
+        ckpt_moved = np.where(offload_a >= 1.0, ckpt * layer["input"], 0.0)  # with a policy: the checkpointed inputs
+        acts_moved = np.where(with_policy, (n - ckpt) * policy["offloaded"] + ckpt_moved, offload_a * acts_per_mb)
+        acts_out = copy_time(self.hardware, acts_moved, "d2h")
+        acts_in = copy_time(self.hardware, acts_moved, "h2d")
         inter_node = nodes > 1
         p2p_bytes = (1.0 - has_post) * layer["output"] + (1.0 - has_pre) * layer["input"]
         p2p = p2p_time(self.hardware, p2p_bytes, inter_node)

@@ -25,8 +25,8 @@ neighbouring stage uses the same ``tp`` with ``sp``.
 are not checkpointed, ``{"recompute": [node, ...], "offload": {node: fraction}}``: the nodes of the
 layer's program (names as ``mistc ir`` prints them) whose saved tensors are dropped in the forward
 and recomputed in the backward by running the node again, and the fraction of each node's saved
-bytes kept in host memory. It replaces ``offload.acts`` (which must then be 0); the names are checked
-against the model before anything runs.
+bytes kept in host memory. ``offload.acts`` then applies to the checkpointed layers only (their
+inputs); the names are checked against the model before anything runs.
 """
 from __future__ import annotations
 
@@ -185,8 +185,6 @@ class StagePlan:
             activations=ActivationPolicy.from_dict(data["activations"], f"{where}.activations")
             if data.get("activations") is not None else None,
         )
-        _require(stage.activations is None or stage.offload.acts == 0, f"{where}.activations",
-                 f"per-tensor offload replaces offload.acts; set offload.acts to 0 (got {stage.offload.acts})")
         _require(not stage.sp or stage.tp > 1, f"{where}.sp",
                  f"sequence parallelism splits the sequence over the tensor-parallel ranks: it needs tp > 1, got tp = {stage.tp}")
         _require(stage.zero <= 3, f"{where}.zero", f"ZeRO level must be 0..3, got {stage.zero}")

@@ -81,6 +81,7 @@ class SavedPolicy:
     replay: torch.fx.Graph | None = None  # held values (placeholders, in ``held`` order) -> the recomputed nodes' values
     replayed: tuple[str, ...] = ()  # the nodes ``replay`` returns, in order
     inputs: tuple[str, ...] = ()  # the unit graph's placeholders, in order (the unit's arguments)
+    plain_offload: bool = True  # the stage's ``offload.acts`` applies to the nodes it does not name (no plan policy)
 
 
 @dataclass

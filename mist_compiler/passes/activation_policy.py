@@ -160,7 +160,8 @@ class ActivationPolicyInsertion:
                 marked.lint()
                 inputs = tuple(n.name for n in unit.graph.nodes if n.op == "placeholder")
                 policy = SavedPolicy(frozenset(recompute), {k: v for k, v in offload.items() if k in names},
-                                     held, replay if replayed else None, replayed, inputs)
+                                     held, replay if replayed else None, replayed, inputs,
+                                     plain_offload=self.policy is None)
                 done[id(unit.graph)] = (marked, policy)
             graph, policy = done[id(unit.graph)]
             if policy.recompute or policy.offload:

@@ -18,9 +18,8 @@ running node (a norm's statistics, an op saving its own result), the running nod
   views of it are saved: the first elements stay on the device, the rest is copied out on the d2h
   stream) and comes back one unit ahead in the backward (``prefetch``), like
   :class:`.offload.ActivationOffloader`;
-- tensors of nodes the policy does not name follow the unit's plain ``acts`` fraction (the greedy
-  rule of ``ActivationOffloader``), so a sequence-parallel stage's gathers can be recomputed while
-  the plan offloads activations.
+- without a plan policy (a sequence-parallel stage recomputing its gathers), the other tensors follow
+  the unit's plain ``acts`` fraction (the greedy rule of ``ActivationOffloader``).
 Weights (tensors in the runtime's weight buffers) are never touched.
 """
 from __future__ import annotations
@@ -303,8 +302,9 @@ def install_saved_activations(runtime: Any, units: list[tuple[str, nn.Module]],
         if name not in policies:
             continue
         policy, replay = policies[name]
-        saved = SavedActivations(policy, replay, runtime.activations[name].fraction, runtime.streams,
-                                 runtime.host_memory, runtime._weight_storage_ptrs)
+        fraction = runtime.activations[name].fraction if policy.plain_offload else 0.0
+        saved = SavedActivations(policy, replay, fraction, runtime.streams, runtime.host_memory,
+                                 runtime._weight_storage_ptrs)
         runtime.activations[name] = saved
         active: list[Any] = []
 

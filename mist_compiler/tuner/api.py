@@ -20,6 +20,7 @@ import numpy as np
 from ..cost.stage_api import StageCandidates, StageCostModel, pipeline_iteration_time
 from ..ir.plan import Offload, Plan, StagePlan
 from .inter_stage import StageSolution, solve_partition, uniform_solution
+from .activation_milp import ActivationFrontiers
 from .intra_stage import FrontierTable, build_frontiers
 from .stage_configs import PP_BOTH, PP_NONE, PP_POST, PP_PRE
 from .space import Cluster, SearchSpace, TuneError, Workload
@@ -214,6 +215,7 @@ class _Search:
         self.trade: list[int] | None = None
         self.best = None
         self.best_table: FrontierTable | None = None
+        self.activations = ActivationFrontiers(cost_model, work, space)  # per-tensor policies per (tp, sp), made once
         self.stats: dict = {"space": space.describe(), "grad_accum_tried": 0, "partitions": 0,
                             "grad_accum_skipped": 0, "evaluated": 0, "frontier_points": 0, "dp_passes": 0}
 
@@ -225,7 +227,7 @@ class _Search:
 
     def frontiers(self, g: int, space: SearchSpace) -> FrontierTable:
         table = build_frontiers(self.cost_model, self.work, self.cluster, space, g, self.max_stages, self.incumbent,
-                                self.trade)
+                                self.trade, self.activations if space.per_tensor and self.activations.available else None)
         if self.trade is None and "trade_families" in table.stats:
             self.trade = table.stats["trade_families"]  # a property of the cost model: probed once
         self.stats["evaluated"] += table.stats.get("evaluated", 0)
@@ -267,6 +269,7 @@ class _Search:
             lower = min(lower, outcome.bound)
             self.consider(outcome.solution, table)
         self.stats["search_s"] = time.perf_counter() - self.started
+        self.stats["activation_milp"] = self.activations.summary()
         if self.best is not None:
             self.stats["bound_s"] = min(lower, self.incumbent)
             self.stats["gap"] = max(0.0, 1.0 - self.stats["bound_s"] / self.incumbent)
@@ -291,6 +294,7 @@ def _result(cost_model: StageCostModel, work: Workload, space: SearchSpace, tabl
             offload=Offload(float(configs.offload_weights[row]), float(configs.offload_grads[row]),
                             float(configs.offload_opt[row]), float(configs.offload_acts[row])),
             sp=bool(configs.sp[row]),
+            activations=cost_model.policies[int(configs.act_policy[row])] if int(configs.act_policy[row]) >= 0 else None,
         ))
         start += layers
     plan = Plan(model=work.model_name, seq_len=work.seq_len, global_batch=work.global_batch, dtype=work.dtype,
@@ -332,6 +336,7 @@ def _frontier_summary(table: FrontierTable, solution) -> dict:
             "inflight": int(solution.inflight[i]),
             "points": [{"stable_s": float(table.stable[m]), "delta_s": float(table.delta[m]),
                         "tp": int(configs.tp[m]), "sp": bool(configs.sp[m]), "zero": int(configs.zero[m]),
+                        "act_policy": int(configs.act_policy[m]),
                         "ckpt_layers": int(configs.ckpt_layers[m]),
                         "offload": [float(configs.offload_weights[m]), float(configs.offload_grads[m]),
                                     float(configs.offload_opt[m]), float(configs.offload_acts[m])]}

@@ -60,6 +60,8 @@ class SearchSpace:
     - ``gap``: relative optimality gap the stage-partition search must certify (0: exact).
     - ``sequence_parallel``: offer sequence parallelism with every tensor-parallel degree > 1 (when the
       model's layers can run it).
+    - ``per_tensor``: offer the layer's per-tensor keep / recompute / offload policies (its activation
+      frontier, ``activation_milp``: ``activation_points`` budgets) to stages that need to save memory.
     """
 
     micro_batches: tuple[int, ...] | None = None
@@ -80,6 +82,8 @@ class SearchSpace:
     max_frontier_points: int = 32
     gap: float = 1e-4
     sequence_parallel: bool = True
+    per_tensor: bool = True
+    activation_points: int = 5
     name: str = "full"
 
     def __post_init__(self) -> None:
@@ -168,7 +172,8 @@ class SearchSpace:
             f"micro-batch {list(self.micro_batches) if self.micro_batches else 'any'}, "
             f"devices {'uniform' if self.uniform_devices else 'any'}, "
             f"layers {'any split' if self.layer_slack is None else f'uniform +-{self.layer_slack}'}, "
-            f"sp {'tuned' if self.sequence_parallel else 'off'}"
+            f"sp {'tuned' if self.sequence_parallel else 'off'}, "
+            f"per-tensor activations {'tuned' if self.per_tensor else 'off'}"
         )
 
 

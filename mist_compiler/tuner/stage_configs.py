@@ -34,6 +34,11 @@ class Bases:
     max_inflight: np.ndarray
     grad_accum: np.ndarray  # micro-batches per iteration (accumulators live between them)
     sp: np.ndarray  # 0/1: sequence parallelism with the stage's tensor parallelism
+    policy: np.ndarray  # per-tensor activation policy of its layers (the cost model's index), -1: none
+
+    @staticmethod
+    def concat(parts: list["Bases"]) -> "Bases":
+        return Bases(**{name: np.concatenate([getattr(p, name) for p in parts]) for name in Bases.__dataclass_fields__})
 
     def take(self, index: np.ndarray) -> "Bases":
         return Bases(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
@@ -62,7 +67,7 @@ def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckp
             zero=bases.zero[window], ckpt_layers=ckpt[window],
             offload_weights=offload[window, 0], offload_grads=offload[window, 1],
             offload_opt=offload[window, 2], offload_acts=offload[window, 3], inflight=inflight_arr[window],
-            grad_accum=bases.grad_accum[window], sp=bases.sp[window].astype(bool),
+            grad_accum=bases.grad_accum[window], sp=bases.sp[window].astype(bool), act_policy=bases.policy[window],
         )
         parts.append(model.evaluate(candidates))
     if len(parts) == 1:
@@ -113,6 +118,7 @@ def enumerate_bases(work: Workload, cluster: Cluster, space: SearchSpace, grad_a
                 columns["max_inflight"].append(np.full(count, inflight_cap))
                 columns["grad_accum"].append(np.full(count, grad_accum))
                 columns["sp"].append(np.full(count, sp))
+                columns["policy"].append(np.full(count, -1))
     if not columns["layers"]:
         empty = np.zeros(0, dtype=int)
         return Bases(*(empty for _ in Bases.__dataclass_fields__)), shapes
