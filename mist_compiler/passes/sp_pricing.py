@@ -37,6 +37,8 @@ from .memory_analysis import analyse_memory
 
 def _has_sequence(node: fx.Node, symbols) -> bool:
     value = node.meta.get("val")
+    if isinstance(value, (tuple, list)):  # a norm's (output, mean, rstd): as its output
+        value = next((v for v in value if hasattr(v, "shape")), None)
     if not hasattr(value, "shape"):
         return False
     return any(S in sympy.sympify(d).free_symbols for d in tensor_shape(value, symbols))
@@ -96,11 +98,15 @@ def sequence_pricing(program: MistProgram, graphs) -> SequencePricing | None:
     if sp is None or not sp.supported:
         return None
     torch_split = {name for region in sp.regions.values() for name in region.split_values}
+    entering = {region.carried_in for region in model.regions}  # the hidden state a layer receives: a chunk
     layer_ids = {block.class_id for block in program.blocks if block.kind == "layer"}
     layers = set().union(*(graphs.blocks[c] for c in layer_ids if c in graphs.blocks))
     split, sequence_numbers = set(), set()
     for node in graphs.forward.graph.nodes:
         sources = node.meta.get("from_node") or []
+        if node.name not in layers and sources and sources[0].name in entering:
+            split.add(node.name)  # (made whole before the first layer, split there: priced as the chunk it becomes)
+            layers.add(node.name)
         if node.name in layers and sources and sources[0].name in torch_split:
             split.add(node.name)
             if node.meta.get("seq_nr") is not None and not is_view(node):
