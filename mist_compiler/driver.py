@@ -119,8 +119,8 @@ def check_plan(program: MistProgram, plan: Plan, *, model_name: str | None = Non
         raise PlanError(f"plan field model: the plan was made for {plan.model!r}, not for {model_name!r}")
     check_plan_against_program(plan, program)
     if prove:
-        for degree in sorted({stage.tp for stage in plan.stages} - {1}):
-            prove_tensor_parallel(program, degree)
+        for degree, sp in sorted({(stage.tp, stage.sp) for stage in plan.stages if stage.tp > 1}):
+            prove_tensor_parallel(program, degree, sp=sp)
 
 
 def lower(program: MistProgram, plan: Plan, world, model=None, source=None, compile_units: bool | None = None):

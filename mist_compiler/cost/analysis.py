@@ -15,6 +15,8 @@ import torch.fx as fx
 from ..passes.cost_annotation import ATTENTION_FORWARD, T, cost_annotation, op_name, tensor_shape
 from ..passes.manager import PassManager
 from ..passes.memory_analysis import memory_analysis
+from ..passes.saved_tensors import saved_tensor_table
+from ..passes.sp_pricing import sequence_parallel_pricing
 from ..passes.weight_gradients import weight_gradients
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .compiled import compiled_cost_annotation
@@ -68,11 +70,15 @@ ANALYSIS_PASSES = (
     cost_annotation,  # FLOPs, bytes, op class and tensor-parallel state per node; TP collectives
     memory_analysis,  # saved activations and peaks per block class, by liveness
     weight_gradients,  # each block's backward cut into input and weight halves, and what the weight half keeps
+    sequence_parallel_pricing,  # the same with sequence parallelism (sequence-split states, its collectives)
+    saved_tensor_table,  # per node of the layer: bytes kept for the backward, cost to recompute (the activation MILP)
 )
 COMPILED_ANALYSIS_PASSES = (
     compiled_cost_annotation,  # the partition inductor makes, elementwise chains priced as fused kernels
     memory_analysis,  # what that partition saves, by liveness (fused intermediates never stored)
     weight_gradients,  # as above, on the compiled partition
+    sequence_parallel_pricing,
+    saved_tensor_table,
 )
 
 
@@ -118,4 +124,13 @@ def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAna
                                      tp_optional=block_kind != "layer", units=units,
                                      loss=loss_shape(forward, names, symbols, costs.forward.states),
                                      weight_costs=costs.backward.restrict(set(split.names)), weight_stash=split.stash)
+        sequence, tables = analysed.analysis.sequence, analysed.analysis.tensors or {}
+        if kind == "layer":
+            result[kind].tensors = tables.get("tp")
+        if kind == "layer" and sequence is not None:
+            result[kind].sequence = BlockAnalysis(block_kind, sequence.costs.restrict(names),
+                                                  sequence.memory[classes[kind].class_id], per_device, total,
+                                                  granularity, units=units, tensors=tables.get("sp"),
+                                                  weight_costs=result[kind].weight_costs,
+                                                  weight_stash=result[kind].weight_stash)
     return result, sum(1 for block in program.blocks if block.kind == "layer")

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..ir.program import MistProgram
 from ..ir.plan import Plan, PlanError, load_plan
+from ..ir.program import MistProgram
 from .hardware import HardwareProfile, load_profile
 from .schedule import price_plan
 from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates
@@ -98,6 +98,7 @@ def plan_candidates(plan: Plan) -> StageCandidates:
         grad_accum=plan.grad_accum,
         low_precision_grads=plan.low_precision_grads,
         fused_loss=LOSS_FUSED if plan.fused_loss else LOSS_PLAIN,  # the plan's head + loss, as it will run
+        sp=column(lambda st: st.sp),
     )
 
 
@@ -116,6 +117,8 @@ def _check_plan(plan: Plan, cost_model: StageCostModel, profile: HardwareProfile
         if stage.tp > 1 and not cost_model.tp_supported:
             raise PlanError(f"plan field stages[{index}].tp: tensor parallelism ({stage.tp}) is not available for "
                             f"this model: {cost_model.tp_message}; use tp = 1")
+        if stage.sp and not getattr(cost_model, "sp_supported", False):
+            raise PlanError(f"plan field stages[{index}].sp: sequence parallelism is not available for this model")
         granularity = cost_model.tp_granularity
         if stage.tp > 1 and granularity and granularity % stage.tp:
             raise PlanError(f"plan field stages[{index}].tp: {stage.tp} does not divide the model's attention heads "

@@ -38,6 +38,8 @@ class BlockAnalysis:
     # the backward's weight half (``passes/weight_gradients``): its ops and the bytes it keeps from I to W
     weight_costs: GraphCosts | None = None
     weight_stash: sympy.Expr = sympy.Integer(0)
+    sequence: "BlockAnalysis | None" = None  # the layer priced with sequence parallelism (None: not possible)
+    tensors: object = None  # the layer's saved-tensor table (``passes.saved_tensors.LayerTensors``), if made
 
     @property
     def tp_supported(self) -> bool:

@@ -193,9 +193,15 @@ def _rows(estimates: StageEstimates, rows: np.ndarray) -> StageEstimates:
                           {name: np.asarray(values)[rows] for name, values in estimates.breakdown.items()})
 
 
-def _candidates(plan: Plan, stages: list[StagePlan], pre: list[bool], post: list[bool]) -> StageCandidates:
+def _candidates(plan: Plan, stages: list[StagePlan], pre: list[bool], post: list[bool],
+                cost_model: StageCostModel | None = None) -> StageCandidates:
     def column(get) -> np.ndarray:
         return np.array([get(stage) for stage in stages])
+
+    def policy(stage: StagePlan) -> int:  # the stage model's index of its per-tensor activation policy
+        if stage.activations is None or not hasattr(cost_model, "add_policy"):
+            return -1
+        return cost_model.add_policy(stage.activations)
 
     return StageCandidates(
         num_layers=column(lambda st: st.num_layers), has_pre=np.array(pre), has_post=np.array(post),
@@ -206,6 +212,7 @@ def _candidates(plan: Plan, stages: list[StagePlan], pre: list[bool], post: list
         offload_opt=column(lambda st: st.offload.opt), offload_acts=column(lambda st: st.offload.acts),
         inflight=1, grad_accum=plan.grad_accum, low_precision_grads=plan.low_precision_grads,
         fused_loss=LOSS_FUSED if plan.fused_loss else LOSS_PLAIN,  # the plan's head + loss, as it will run
+        sp=column(lambda st: st.sp), act_policy=column(policy),
     )
 
 
@@ -214,8 +221,8 @@ def choose_fused_loss(cost_model: StageCostModel, plan: Plan) -> Plan:
     plain one where it fits and is faster, else the fused, chunked one), priced at one micro-batch
     in flight as 1F1B's last stage holds."""
     last = len(plan.stages) - 1
-    candidates = _candidates(plan, [plan.stages[last]], [last == 0], [True])
-    candidates.fused_loss = LOSS_CHOOSE
+    candidates = _candidates(plan, [plan.stages[last]], [last == 0], [True], cost_model)
+    candidates.fused_loss = np.full(len(candidates), LOSS_CHOOSE)
     choice = cost_model.evaluate(candidates).breakdown.get("fused_loss")
     fused = True if choice is None else bool(np.asarray(choice).reshape(-1)[0] > 0.5)
     return plan if fused == plan.fused_loss else replace(plan, fused_loss=fused)
@@ -231,7 +238,8 @@ def group_stages(plan: Plan) -> tuple[list[StagePlan], list[bool], list[bool]]:
         first = plan.stages[chunks[0]]
         layers = sum(plan.stages[j].num_layers for j in chunks)
         groups.append(StagePlan((0, layers), first.nodes, first.gpus_per_node, first.micro_batch, first.dp, first.tp,
-                                first.zero, sum(plan.stages[j].ckpt_layers for j in chunks), first.offload))
+                                first.zero, sum(plan.stages[j].ckpt_layers for j in chunks), first.offload,
+                                sp=first.sp, activations=first.activations))
         pre.append(0 in chunks)
         post.append(last in chunks)
     return groups, pre, post
@@ -277,7 +285,7 @@ def price_plan(cost_model: StageCostModel, plan: Plan, spans: bool = False) -> P
     groups, pre, post = group_stages(plan)
     entries = list(plan.stages) + groups + groups  # the virtual stages, then every group at 1 and 2 in flight
     candidates = _candidates(plan, entries, [j == 0 for j in range(last + 1)] + pre + pre,
-                             [j == last for j in range(last + 1)] + post + post)
+                             [j == last for j in range(last + 1)] + post + post, cost_model)
     count, pp = last + 1, plan.pp
     candidates.inflight = np.array([1] * (count + pp) + [2] * pp)
     every = cost_model.evaluate(candidates)  # one call: the model's per-call work is paid once

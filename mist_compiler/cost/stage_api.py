@@ -13,7 +13,6 @@ from typing import Protocol
 
 import numpy as np
 
-
 # the last stage's head + loss (Plan.fused_loss, priced by cost.loss_kernel): as a candidate's ``fused_loss``
 LOSS_PLAIN, LOSS_FUSED, LOSS_CHOOSE = 0, 1, -1  # plain, fused and chunked, the faster that fits (the tuner)
 
@@ -42,6 +41,8 @@ class StageCandidates:
     # the last stage's head + loss (Plan.fused_loss): LOSS_FUSED (old plans' meaning), LOSS_PLAIN, or
     # LOSS_CHOOSE: the faster that fits in memory (the choice is breakdown["fused_loss"], 1.0 fused)
     fused_loss: np.ndarray = LOSS_FUSED
+    sp: np.ndarray = False  # bool: sequence parallelism with the stage's tensor parallelism (plan ``sp``)
+    act_policy: np.ndarray = -1  # index of the per-tensor activation policy (cost model's ``policies``); -1: none
 
     def __post_init__(self) -> None:
         lengths = {f.name: len(np.atleast_1d(getattr(self, f.name))) for f in fields(self)}

@@ -43,10 +43,11 @@ from typing import Callable
 import numpy as np
 import sympy
 
-from ..passes.cost_annotation import B, BlockCosts, S, T
-from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
 from ..ir.program import MistProgram
 from ..ir.vocabulary import COMPILED_DEFAULT, DEFAULT_DTYPE
+from ..passes.cost_annotation import B, BlockCosts, S, T
+from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
+from .activation_policy import CopyRates, PolicyPrice, rows_at
 from .analysis import analyse_program
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, p2p_time
@@ -81,7 +82,7 @@ class _BlockFunctions:
 
     flops: dict[str, dict[str, Callable]]  # phase -> op class -> f(b, s, t)
     nbytes: dict[str, dict[str, Callable]]
-    collectives: dict[str, list[Callable]]  # phase -> all-reduce payloads
+    collectives: dict[str, list[tuple[str, Callable]]]  # phase -> (collective kind, payload) of the TP edges
     saved: Callable
     input: Callable
     output: Callable
@@ -102,6 +103,8 @@ class _BlockFunctions:
     loss_dtype_bytes: int = 4
     stash: Callable | None = None  # bytes the backward's weight half keeps from the input half
 
+
+SEQUENCE_LAYER = "layer_sp"  # the layer's functions as sequence parallelism runs it
 
 # The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
 # reads and writes them, probs @ v reads them (4 passes); backward reads the probabilities twice
@@ -124,7 +127,7 @@ def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
     return _BlockFunctions(
         flops={p: {c: _lambdify(e) for c, e in g.flops_by_class().items()} for p, g in phases.items()},
         nbytes={p: {c: _lambdify(e) for c, e in _class_bytes(block, p, g, attention).items()} for p, g in phases.items()},
-        collectives={p: [_lambdify(c.bytes) for c in g.collectives] for p, g in phases.items()},
+        collectives={p: [(c.kind, _lambdify(c.bytes)) for c in g.collectives] for p, g in phases.items()},
         saved=_lambdify(block.memory.saved[attention]),
         input=_lambdify(block.memory.input),
         output=_lambdify(block.memory.output),
@@ -226,6 +229,10 @@ class StageCostModel:
     compiled: bool = COMPILED_DEFAULT  # prices the units as compiled code (``cost.compiled``), else the eager program
     _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
     _terms_cache: dict[int, dict] = field(default_factory=dict, repr=False)  # (b, t, TP group) key -> block terms
+    # per-tensor activation policies candidates may use (``act_policy`` indexes it), priced on the layer's table
+    policies: list = field(default_factory=list, repr=False)
+    _policy_prices: dict = field(default_factory=dict, repr=False)  # (index, sp) -> PolicyPrice
+    _policy_cache: dict = field(default_factory=dict, repr=False)  # (index, b, t, sp) -> terms
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -237,6 +244,8 @@ class StageCostModel:
         if missing:
             raise StageModelError(f"model analysis lacks block kind(s) {missing}")
         self._functions = {kind: _block_functions(block, self.attention) for kind, block in self.blocks.items()}
+        if self.blocks["layer"].sequence is not None:  # the layer as sequence parallelism runs it
+            self._functions[SEQUENCE_LAYER] = _block_functions(self.blocks["layer"].sequence, self.attention)
         self.evaluate(_warm_up_candidate())  # first-call costs of numpy/lambdify paid here, not by the tuner
 
     @property
@@ -278,6 +287,61 @@ class StageCostModel:
 
     # ---- per distinct (b, t, nodes, gpus) quantities -------------------------------------------
 
+    @property
+    def sp_supported(self) -> bool:
+        return SEQUENCE_LAYER in self._functions
+
+    # ---- per-tensor activation policies ----------------------------------------------------------
+    def layer_table(self, sp: bool):
+        """The layer's saved-tensor table (``passes.saved_tensors``) as priced with or without sequence
+        parallelism; None when the analysis made none."""
+        block = self.blocks["layer"].sequence if sp else self.blocks["layer"]
+        return block.tensors if block is not None else None
+
+    def add_policy(self, policy) -> int:
+        """Register a per-tensor policy (``ir.plan.ActivationPolicy``); its index for ``act_policy``."""
+        if policy in self.policies:
+            return self.policies.index(policy)
+        self.policies.append(policy)
+        return len(self.policies) - 1
+
+    def layer_rows(self, tp: int, sp: bool, micro_batch: int = 1) -> tuple[list, CopyRates] | None:
+        """The layer's table priced at ``(micro_batch, seq_len, tp)`` and the copy rates of one layer there:
+        what the activation MILP reads (None without a table)."""
+        table = self.layer_table(sp)
+        if table is None:
+            return None
+        one = np.ones(1)
+        terms = self._block_terms(SEQUENCE_LAYER if sp else "layer", micro_batch * one, tp * one,
+                                  (np.ones(1, int), np.full(1, tp)))
+        rates = CopyRates(self.hardware.d2h_bandwidth, self.hardware.h2d_bandwidth,
+                          float(terms["forward_compute"][0]), float(terms["backward_compute"][0]))
+        return rows_at(table, self.hardware, self.dtype, micro_batch, self.seq_len, tp), rates
+
+    def _policy_terms(self, policy: np.ndarray, b: np.ndarray, t: np.ndarray, sp: np.ndarray) -> dict[str, np.ndarray]:
+        """kept / offloaded bytes and recompute seconds of each candidate's policy (zeros without one)."""
+        out = {name: np.zeros(len(policy)) for name in ("kept", "offloaded", "recompute")}
+        chosen = np.flatnonzero(policy >= 0)
+        if not len(chosen):
+            return out
+        keys = np.stack([policy[chosen], b[chosen], t[chosen], sp[chosen]], axis=1).astype(np.int64)
+        unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+        for row, (index, batch, degree, with_sp) in enumerate(unique.tolist()):
+            key = (index, batch, degree, with_sp)
+            if key not in self._policy_cache:
+                if (index, with_sp) not in self._policy_prices:
+                    table = self.layer_table(bool(with_sp))
+                    if table is None:
+                        raise StageModelError("per-tensor activation policies need the layer's saved-tensor table")
+                    self._policy_prices[(index, with_sp)] = PolicyPrice.of(table, self.policies[index])
+                price = self._policy_prices[(index, with_sp)]
+                one = np.ones(1)
+                self._policy_cache[key] = {name: float(value[0]) for name, value in price.terms(
+                    self.hardware, self.dtype, batch * one, self.seq_len * one, degree * one).items()}
+            for name in out:
+                out[name][chosen[inverse.reshape(-1) == row]] = self._policy_cache[key][name]
+        return out
+
     def _block_terms(self, kind: str, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, np.ndarray]:
         functions = self._functions[kind]
         if functions.tp_optional and functions.tp_granularity:  # the lowering keeps it whole then
@@ -297,8 +361,8 @@ class StageCostModel:
                     time = time + matmul_time(self.hardware, self.dtype, flops(b, s, t), nbytes(b, s, t))
             terms[f"{phase}_compute"] = time + functions.op_count[phase] * self.hardware.op_overhead
             comm = np.zeros(b.shape)
-            for payload in functions.collectives[phase]:
-                comm = comm + collective_time(self.hardware, "all_reduce", np.maximum(payload(b, s, t), 0.0), *tp_shape)
+            for collective, payload in functions.collectives[phase]:
+                comm = comm + collective_time(self.hardware, collective, np.maximum(payload(b, s, t), 0.0), *tp_shape)
             terms[f"{phase}_tp"] = np.where(t > 1, comm, 0.0)
         terms["stash"] = functions.stash(b, s, t)
         terms["saved"] = functions.saved(b, s, t)
@@ -312,8 +376,9 @@ class StageCostModel:
                            else np.zeros(b.shape))
         terms["params"] = functions.params_per_device(b, s, t)
         terms["unit_0"], terms["unit_1"] = (unit(b, s, t) for unit in functions.units)
-        for index, size in enumerate(functions.saved_sequence):
+        for index, (size, movable) in enumerate(zip(functions.saved_sequence, functions.saved_offloadable)):
             terms[f"saved_{index}"] = size(b, s, t)
+            terms[f"movable_{index}"] = np.full(b.shape, float(movable))
         if functions.loss is not None:
             deltas = plain_loss_deltas(*(f(b, s, t) for f in functions.loss), functions.loss_dtype_bytes,
                                        self.hardware, self.dtype)
@@ -321,33 +386,53 @@ class StageCostModel:
                 terms[f"plain_loss_{name}"] = value
         return terms
 
+    def _sequence_terms(self, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, dict[str, np.ndarray]]:
+        """Per block terms of sequence-parallel stages: the layer as ``sp_pricing`` priced it, the hidden
+        state gathered before the head (forward) and after the embedding (its gradient, backward)."""
+        terms = {kind: self._block_terms(kind, b, t, tp_shape) for kind in ("pre", "post")}
+        terms["layer"] = self._block_terms(SEQUENCE_LAYER, b, t, tp_shape)
+        whole = self._block_terms("layer", b, t, tp_shape)["output"]
+        gather = np.where(t > 1, collective_time(self.hardware, "all_gather", whole, *tp_shape), 0.0)
+        terms["post"]["forward_tp"] = terms["post"]["forward_tp"] + gather
+        terms["pre"]["backward_tp"] = terms["pre"]["backward_tp"] + gather
+        return terms
+
     def _candidate_terms(self, c: StageCandidates):
         """Per-block terms for every candidate (computed once per distinct (b, tp, TP group shape)),
         and the data-parallel group shape."""
         b = np.asarray(c.micro_batch, dtype=np.int64)
         tp = np.asarray(c.tp, dtype=np.int64)
+        sp = (np.asarray(c.sp, dtype=bool) & (tp > 1) & self.sp_supported).astype(np.int64)
         (tp_nodes, tp_gpus), dp_shape = _group_shapes(tp, np.asarray(c.dp, dtype=np.int64),
                                                       np.asarray(c.nodes, dtype=np.int64),
                                                       np.asarray(c.gpus_per_node, dtype=np.int64))
-        if len(c) and (b.max() >= MAX_MICRO_BATCH or tp.max() >= MAX_GROUP or tp_nodes.max() >= MAX_GROUP
-                       or tp_gpus.max() >= MAX_GROUP):
-            raise StageModelError(f"micro_batch must be < {MAX_MICRO_BATCH} and tp, nodes, gpus_per_node < {MAX_GROUP} "
-                                  f"(the cost model's range)")
-        keys = ((b << 42) | (tp << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
+        if len(c) and (b.max() >= MAX_MICRO_BATCH or tp.max() >= MAX_GROUP // 2 or tp_nodes.max() >= MAX_GROUP
+                       or tp_gpus.max() >= MAX_GROUP):  # (tp shares its bits with the sp flag)
+            raise StageModelError(f"micro_batch must be < {MAX_MICRO_BATCH}, tp < {MAX_GROUP // 2} and nodes, "
+                                  f"gpus_per_node < {MAX_GROUP} (the cost model's range)")
+        keys = ((b << 42) | (((tp << 1) | sp) << 28) | (tp_nodes << 14) | tp_gpus).astype(np.int64)
         unique_keys, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         inverse = inverse.reshape(-1)
         missing = np.array([int(key) not in self._terms_cache for key in unique_keys], dtype=bool)
         if missing.any():  # block terms depend only on the key: computed once per model, then reused
-            pick = first[missing]
-            shape = (tp_nodes[pick], tp_gpus[pick])
-            fresh = {kind: self._block_terms(kind, b[pick].astype(float), tp[pick].astype(float), shape)
-                     for kind in self._functions}
-            fresh["layer"] = _costliest_layer([terms for kind, terms in fresh.items() if kind.startswith("layer")])
-            for i, key in enumerate(unique_keys[missing]):
-                self._terms_cache[int(key)] = {kind: {name: value[i] for name, value in terms.items()}
-                                               for kind, terms in fresh.items()}
+            for with_sp in (0, 1):
+                pick = first[missing & (sp[first] == with_sp)]
+                if not len(pick):
+                    continue
+                shape = (tp_nodes[pick], tp_gpus[pick])
+                batch, degree = b[pick].astype(float), tp[pick].astype(float)
+                if with_sp:
+                    fresh = self._sequence_terms(batch, degree, shape)
+                else:
+                    fresh = {kind: self._block_terms(kind, batch, degree, shape)
+                             for kind in self._functions if kind != SEQUENCE_LAYER}
+                    fresh["layer"] = _costliest_layer([terms for kind, terms in fresh.items() if kind.startswith("layer")])
+                for i, key in enumerate(keys[pick]):
+                    self._terms_cache[int(key)] = {kind: {name: value[i] for name, value in terms.items()}
+                                                   for kind, terms in fresh.items()}
         cached = [self._terms_cache[int(key)] for key in unique_keys]
-        per_kind = {kind: {name: np.array([entry[kind][name] for entry in cached])[inverse] for name in cached[0][kind]}
+        per_kind = {kind: {name: np.array([entry[kind].get(name, 0.0) for entry in cached])[inverse]
+                           for name in set().union(*(entry[kind] for entry in cached))}
                     for kind in BLOCK_KINDS} if len(cached) else \
             {kind: {name: np.zeros(0) for name in self._block_terms(kind, np.zeros(0), np.zeros(0),
                                                                     (np.zeros(0, int), np.zeros(0, int)))}
@@ -359,6 +444,8 @@ class StageCostModel:
         does not divide the heads / sharded dimensions."""
         infeasible = np.zeros(len(tp), dtype=bool)
         for kind, functions in self._functions.items():
+            if kind == SEQUENCE_LAYER:  # priced apart; its feasibility is the layer's
+                continue
             here = present[kind.partition("#")[0]]  # every layer class counts wherever layers are
             if not functions.tp_supported:
                 infeasible |= here & (tp > 1)
@@ -428,9 +515,17 @@ class StageCostModel:
                                             v["forward_peaks_weights_free"], v["backward_peaks_weights_free"],
                                             v["output"])
                  for kind, v in per_kind.items()}
-        layer_functions = self._functions["layer"]
-        layer_offloaded = greedy_offload([layer[f"saved_{i}"] for i in range(len(layer_functions.saved_sequence))],
-                                         layer_functions.saved_offloadable, np.asarray(c.offload_acts, dtype=float))
+        saved_count = sum(1 for name in layer if name.startswith("saved_"))  # (the two layer variants differ)
+        layer_offloaded = greedy_offload([layer[f"saved_{i}"] for i in range(saved_count)],
+                                         [layer[f"movable_{i}"] > 0 for i in range(saved_count)],
+                                         np.asarray(c.offload_acts, dtype=float))
+        # a per-tensor policy: what its layers keep and offload replaces the layer's saved bytes and the plain rule
+        act = np.asarray(c.act_policy, dtype=np.int64)
+        policy = self._policy_terms(act, np.asarray(c.micro_batch, dtype=np.int64), np.asarray(c.tp, dtype=np.int64),
+                                    (np.asarray(c.sp, dtype=bool) & self.sp_supported).astype(np.int64))
+        with_policy = act >= 0
+        terms["layer"].saved = np.where(with_policy, policy["kept"] + policy["offloaded"], terms["layer"].saved)
+        layer_offloaded = np.where(with_policy, policy["offloaded"], layer_offloaded)
         memory = stage_memory(layout, config, terms["pre"], terms["layer"], terms["post"], layer_offloaded)
         acts_per_mb, peak = memory.acts_per_microbatch, memory.peak
 
@@ -438,7 +533,7 @@ class StageCostModel:
         weight_bytes = stage_params * weight_b
         grad_bytes = stage_params * grad_b
         forward_compute = stage_sum("forward_compute")
-        recompute = ckpt * layer["forward_compute"]
+        recompute = ckpt * layer["forward_compute"] + (n - ckpt) * policy["recompute"]
         grad_buffer_s = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
                                       np.where(low_grads, 0.0, grad_buffer_bytes_moved(grad_bytes, dp)))
         backward_compute = stage_sum("backward_compute") + recompute + grad_buffer_s
@@ -455,8 +550,10 @@ class StageCostModel:
         offload_o = np.asarray(c.offload_opt, dtype=float)
         weights_in = copy_time(self.hardware, offload_w * weight_bytes * weight_share, "h2d")
         grads_out = copy_time(self.hardware, offload_g * grad_bytes * np.where(zero >= 2, 1.0 / dp, 1.0), "d2h")
-        acts_out = copy_time(self.hardware, offload_a * acts_per_mb, "d2h")
-        acts_in = copy_time(self.hardware, offload_a * acts_per_mb, "h2d")
+        ckpt_moved = np.where(offload_a >= 1.0, ckpt * layer["input"], 0.0)  # with a policy: the checkpointed inputs
+        acts_moved = np.where(with_policy, (n - ckpt) * policy["offloaded"] + ckpt_moved, offload_a * acts_per_mb)
+        acts_out = copy_time(self.hardware, acts_moved, "d2h")
+        acts_in = copy_time(self.hardware, acts_moved, "h2d")
         inter_node = nodes > 1
         p2p_bytes = (1.0 - has_post) * layer["output"] + (1.0 - has_pre) * layer["input"]
         p2p = p2p_time(self.hardware, p2p_bytes, inter_node)
@@ -484,6 +581,8 @@ class StageCostModel:
 
         present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}
         unsupported = self._infeasible(np.asarray(c.tp, dtype=np.int64), present)
+        asked_sp = np.asarray(c.sp, dtype=bool)  # sequence parallelism needs tp > 1 and the sequence split evenly
+        unsupported |= asked_sp & ((np.asarray(c.tp) <= 1) | (self.seq_len % np.asarray(c.tp) != 0) | (not self.sp_supported))
         stable = np.where(unsupported, np.inf, stable)
         peak = np.where(unsupported, np.inf, peak)
 

@@ -30,6 +30,7 @@ from ..models import resolve_model
 from ..passes.block_discovery import BlockPartition, block_discovery, wl_hash
 from ..passes.manager import PassManager, PassResult, transforms
 from ..passes.shape_prop import shape_prop
+from ..passes.sp_recognition import recognise_sequence_parallel as recognise_sequence
 from ..passes.tp_model import recognise
 from .boundaries import install_boundary_hooks
 from .dropout_sites import seed_dropout
@@ -84,6 +85,7 @@ def capture(
         find_model_graph,  # the torch-level graph of the same trace, cut into pre / layers / post
         seed_dropout_sites,  # dropout masks a function of (sample, layer, site, position): every plan draws the same
         recognise_tensor_parallel,  # the one tensor-parallel recogniser: how each tensor splits, or why not
+        recognise_sequence_parallel,  # which layer code runs on a chunk of the sequence, or why not
         shape_prop,  # every node's shape as sympy in b, s
         block_discovery,  # pre / layers / post, Weisfeiler-Lehman class hash per layer
         lower_to_ir,  # IR nodes, attention op, saved tensors per block class
@@ -369,6 +371,15 @@ def recognise_tensor_parallel(state: CaptureState) -> CaptureState:
     if state.model_graph is None:
         return state
     return replace(state, model_graph=replace(state.model_graph, tp=recognise(state.model_graph)))
+
+
+@transforms(CaptureState)
+def recognise_sequence_parallel(state: CaptureState) -> CaptureState:
+    """Pass: decide whether the layers' code between their tensor-parallel regions can run on a chunk
+    of the sequence (sequence parallelism), and where its edges are."""
+    if state.model_graph is None:
+        return state
+    return replace(state, model_graph=replace(state.model_graph, sp=recognise_sequence(state.model_graph)))
 
 
 @transforms(CaptureState)

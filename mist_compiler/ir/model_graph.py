@@ -86,6 +86,28 @@ class TensorParallelPlan:
         return {name for region in self.regions.values() for name in region.shards}
 
 
+@dataclass
+class SequenceRegion:
+    """Sequence parallelism in one layer region: where its tensor-parallel edges become sequence
+    collectives, and the sequence dimension of each value there."""
+
+    hidden_dim: int  # the sequence dimension of the hidden state entering and leaving the layer
+    gathers: dict[str, int] = field(default_factory=dict)  # copy_in value -> its sequence dim (all-gather)
+    scatters: dict[str, int] = field(default_factory=dict)  # reduce_out value -> its sequence dim (reduce-scatter)
+    split_values: tuple[str, ...] = ()  # nodes whose values are split along the sequence (for pricing and display)
+
+
+@dataclass
+class SequenceParallelPlan:
+    """Outcome of the sequence-parallel recognition (``passes/sp_recognition``): whether the layers'
+    code between their tensor-parallel regions works token by token, so it can run on a chunk of the
+    sequence, and the edges to rewrite; or why not, naming the layer, the op and the source line."""
+
+    supported: bool
+    reason: str = ""
+    regions: dict[str, SequenceRegion] = field(default_factory=dict)  # "layer:<traced>" -> its edges
+
+
 @dataclass(frozen=True)
 class LayerRegion:
     """One traced layer: its nodes and the values crossing its edges."""
@@ -118,6 +140,7 @@ class ModelGraph:
     batch_inputs: dict[str, str]  # placeholder -> "input_ids" | "labels"
     sizes: dict[str, tuple[str, int]]  # SymInt placeholder -> (batch input, dimension)
     tp: TensorParallelPlan | None = None  # set by the tensor-parallel recognition pass
+    sp: SequenceParallelPlan | None = None  # set by the sequence-parallel recognition pass
     primals: dict[str, str] = field(default_factory=dict)  # ATen joint placeholder -> this graph's placeholder
     layer_index: str | None = None  # placeholder of the running layer's index (read by its dropout sites)
 

@@ -35,6 +35,19 @@ virtual stage ``j`` runs on the devices of stage ``placement[j]`` (round-robin `
 ``zbv``: a V, the last stage back on the first devices); the first ``pp`` entries are the device
 groups, and a later entry repeats its group's ``nodes``, ``gpus_per_node``, ``dp``, ``tp``,
 ``micro_batch`` and ``zero`` (its layers, checkpointing and offload are its own).
+
+``sp`` (optional per stage, default ``false``): sequence parallelism with the stage's tensor
+parallelism (``tp > 1``, the sequence length divisible by ``tp``): the values between the
+tensor-parallel regions of each layer (norms, residual adds, dropout) are split along the sequence
+over the ``tp`` ranks, and the stage's pipeline boundaries carry sequence chunks where the
+neighbouring stage uses the same ``tp`` with ``sp``.
+
+``activations`` (optional per stage, default: none): per-tensor choices for the stage's layers that
+are not checkpointed, ``{"recompute": [node, ...], "offload": {node: fraction}}``: the nodes of the
+layer's program (names as ``mistc ir`` prints them) whose saved tensors are dropped in the forward
+and recomputed in the backward by running the node again, and the fraction of each node's saved
+bytes kept in host memory. ``offload.acts`` then applies to the checkpointed layers only (their
+inputs); the names are checked against the model before anything runs.
 """
 from __future__ import annotations
 
@@ -45,8 +58,7 @@ from typing import Any
 
 from .files import write_atomic
 from .schedule import DEFAULT_SCHEDULE, SCHEDULES, placement, schedule_problem
-from .vocabulary import COMPILED_DEFAULT, OFFLOAD_KINDS
-from .vocabulary import TRAINING_DTYPES
+from .vocabulary import COMPILED_DEFAULT, OFFLOAD_KINDS, TRAINING_DTYPES
 
 
 class PlanError(ValueError):
@@ -75,6 +87,11 @@ def _int(value: Any, where: str, minimum: int = 0) -> int:
     _require(isinstance(value, int) and not isinstance(value, bool), where, f"expected an integer, got {value!r}")
     _require(value >= minimum, where, f"must be >= {minimum}, got {value}")
     _require(value <= MAX_INT, where, f"must be at most {MAX_INT}, got {value}")
+    return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    _require(isinstance(value, bool), where, f"expected true or false, got {value!r}")
     return value
 
 
@@ -108,6 +125,43 @@ class Offload:
 
 
 @dataclass(frozen=True)
+class ActivationPolicy:
+    """Per-tensor keep / recompute / offload for a stage's layers (see the module docstring)."""
+
+    recompute: tuple[str, ...] = ()
+    offload: tuple[tuple[str, float], ...] = ()  # (node, fraction of its saved bytes on the host), by node
+
+    def __post_init__(self) -> None:
+        for node, fraction in self.offload:
+            _ratio(fraction, f"activations.offload.{node}")
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "ActivationPolicy":
+        _check_keys(data, cls, where)
+        recompute = data.get("recompute", [])
+        _require(isinstance(recompute, list) and all(isinstance(n, str) and n for n in recompute),
+                 f"{where}.recompute", f"expected a list of node names, got {recompute!r}")
+        _require(len(set(recompute)) == len(recompute), f"{where}.recompute", "names a node twice")
+        offload = data.get("offload", {})
+        _require(isinstance(offload, dict), f"{where}.offload", f"expected an object node -> fraction, got {offload!r}")
+        fractions = tuple(sorted((str(node), _ratio(value, f"{where}.offload.{node}")) for node, value in offload.items()))
+        both = sorted(set(recompute) & {node for node, _ in fractions})
+        _require(not both, f"{where}.offload", f"{both} are recomputed: their saved tensors are not kept to offload")
+        return cls(tuple(recompute), tuple((node, value) for node, value in fractions if value > 0))
+
+    def to_dict(self) -> dict:
+        return {"recompute": list(self.recompute), "offload": dict(self.offload)}
+
+    @property
+    def offload_fractions(self) -> dict[str, float]:
+        return dict(self.offload)
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return self.recompute + tuple(node for node, _ in self.offload)
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage: its layer range, devices and memory/parallelism choices."""
 
@@ -120,6 +174,8 @@ class StagePlan:
     zero: int = 0
     ckpt_layers: int = 0
     offload: Offload = field(default_factory=Offload)
+    sp: bool = False  # sequence parallelism with the stage's tensor parallelism (module docstring)
+    activations: ActivationPolicy | None = None  # per-tensor choices for the layers not checkpointed
 
     @property
     def num_layers(self) -> int:
@@ -150,7 +206,12 @@ class StagePlan:
             zero=_int(data.get("zero", 0), f"{where}.zero", 0),
             ckpt_layers=_int(data.get("ckpt_layers", 0), f"{where}.ckpt_layers", 0),
             offload=Offload.from_dict(data.get("offload", {}), f"{where}.offload"),
+            sp=_bool(data.get("sp", False), f"{where}.sp"),
+            activations=ActivationPolicy.from_dict(data["activations"], f"{where}.activations")
+            if data.get("activations") is not None else None,
         )
+        _require(not stage.sp or stage.tp > 1, f"{where}.sp",
+                 f"sequence parallelism splits the sequence over the tensor-parallel ranks: it needs tp > 1, got tp = {stage.tp}")
         _require(stage.zero <= 3, f"{where}.zero", f"ZeRO level must be 0..3, got {stage.zero}")
         _require(
             stage.dp * stage.tp == stage.devices, f"{where}.dp",
@@ -166,6 +227,12 @@ class StagePlan:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["layers"] = list(self.layers)
+        if not self.sp:  # optional keys at their defaults are left out: older plans keep their schema
+            del data["sp"]
+        if self.activations is None:
+            del data["activations"]
+        else:
+            data["activations"] = self.activations.to_dict()
         return data
 
 
@@ -254,6 +321,8 @@ class Plan:
                 f"stages must cover the layers contiguously: expected start {expected_start}, got {stage.layers[0]}",
             )
             expected_start = stage.layers[1]
+            _require(not stage.sp or self.seq_len % stage.tp == 0, f"{where}.sp",
+                     f"sequence parallelism needs seq_len {self.seq_len} divisible by tp = {stage.tp}")
             samples = stage.micro_batch * stage.dp * self.grad_accum
             _require(
                 samples == self.global_batch, f"{where}.micro_batch",

@@ -8,8 +8,8 @@ reads parameters, each layer, each such module of the post part) in execution or
 built: its fx graph (shared by every layer of one class), the model tensors its attributes
 stand for, how each is split over tensor-parallel ranks, whether it is checkpointed, how much
 of it is offloaded. The later passes (``tp_sharding``, ``checkpoint``, ``offload_insertion``)
-(and ``split_backward``, for zero-bubble schedules) fill those fields; the runtime then builds
-the modules, with only this rank's weights.
+(``split_backward``, for zero-bubble schedules; ``activation_policy``, a layer's per-tensor choices)
+fill those fields; the runtime then builds the modules, with only this rank's weights.
 """
 from __future__ import annotations
 
@@ -69,6 +69,21 @@ def split_boundary(numel: int, host_fraction: float) -> int:
     return numel - int(round(host_fraction * numel))
 
 
+@dataclass(frozen=True)
+class SavedPolicy:
+    """What the runtime does with the tensors one unit's forward saves for its backward (made by the
+    ``activation_policy`` lowering pass from the plan's per-tensor choices). Each saved tensor
+    belongs to the node of the unit graph that made it; that node's choice applies."""
+
+    recompute: frozenset[str]  # nodes run again in the backward (their saved tensors dropped in the forward)
+    offload: dict[str, float]  # node -> fraction of its saved bytes kept in host memory
+    held: tuple[str, ...]  # values (nodes, unit inputs) the recomputation starts from, referenced from the forward
+    replay: torch.fx.Graph | None = None  # held values (placeholders, in ``held`` order) -> the recomputed nodes' values
+    replayed: tuple[str, ...] = ()  # the nodes ``replay`` returns, in order
+    inputs: tuple[str, ...] = ()  # the unit graph's placeholders, in order (the unit's arguments)
+    plain_offload: bool = True  # the stage's ``offload.acts`` applies to the nodes it does not name (no plan policy)
+
+
 @dataclass
 class Unit:
     """One parameter-holding piece of a stage: the ``pre`` part, a layer or the ``post`` part."""
@@ -85,6 +100,7 @@ class Unit:
     offload: Offload = field(default_factory=Offload)  # fractions of this unit's state kept on the host
     needs_tp: bool = False  # its graph calls the tensor-parallel collectives (module ``tp``)
     split_backward: bool = False  # its backward runs as an input-gradient and a weight-gradient half
+    saved: SavedPolicy | None = None  # per-tensor keep / recompute / offload of what it saves (None: autograd's)
 
 
 @dataclass

@@ -2,12 +2,13 @@
 
 The lowering is one list of passes run by the :class:`PassManager` (read it in
 :func:`lowering_passes`): cut the pipeline stage out of the captured torch-level program, shard
-it over the tensor-parallel group, keep or undo the fused head + loss, checkpoint the first layers,
-set the units' offload fractions, mark the units whose backward is split (zero-bubble schedules).
-Then :func:`~.materialize.build_stage` instantiates the stage's modules with this rank's weights only
-(the split units as the two halves of their joint graph, :mod:`.split_backward`). A rank whose
-devices run several virtual stages (interleaved and V schedules) lowers each of them and holds
-them as the chunks of one :class:`~.materialize.StageProgram`.
+it over the tensor-parallel group (with sequence-parallel edges where the plan says ``sp``), keep or
+undo the fused head + loss, checkpoint the first layers, apply the per-tensor keep / recompute /
+offload choices to the others, set the units' offload fractions, mark the units whose backward is
+split (zero-bubble schedules). Then :func:`~.materialize.build_stage` instantiates the stage's
+modules with this rank's weights only (the split units as the two halves of their joint graph,
+:mod:`.split_backward`). A rank whose devices run several virtual stages (interleaved and V
+schedules) lowers each of them and holds them as the chunks of one :class:`~.materialize.StageProgram`.
 """
 from __future__ import annotations
 
@@ -20,20 +21,23 @@ import torch.fx as fx
 from ..frontend.labels import label_convention
 from ..ir.plan import Plan, PlanError
 from ..ir.program import MistProgram
+from ..ir.schedule import SCHEDULES
 from ..ir.stage import StageGraph
 from ..ir.topology import RankCoord
+from ..passes.activation_policy import ActivationPolicyInsertion, check_activation_policy
 from ..passes.checkpoint import ActivationCheckpoint
 from ..passes.loss_kernel import LossKernel
 from ..passes.manager import PassManager
 from ..passes.offload_insertion import OffloadInsertion
-from ..ir.schedule import SCHEDULES
 from ..passes.partition import Partition, PartitionError
+from ..passes.sequence_parallel import SequenceParallel, check_sequence_parallel
 from ..passes.split_backward import SplitBackward
 from ..passes.tp_sharding import TensorParallel, check_degree
 from .materialize import StageProgram, TensorSource, build_stage, merge_chunks
 from .split_backward import WeightGradQueue
 
-LOWERING_PASSES = ("partition", "tp_sharding", "loss_kernel", "checkpoint", "offload_insertion", "split_backward")
+LOWERING_PASSES = ("partition", "tp_sharding", "sequence_parallel", "loss_kernel", "checkpoint", "activation_policy",
+                   "offload_insertion", "split_backward")
 
 
 def check_plan_against_program(plan: Plan, program: MistProgram) -> None:
@@ -47,6 +51,8 @@ def check_plan_against_program(plan: Plan, program: MistProgram) -> None:
     plan.check_against_model(graph.num_layers, program.max_positions)
     for index, stage in enumerate(plan.stages):
         check_degree(graph.tp, stage.tp, where=f"plan field stages[{index}].tp")
+    check_sequence_parallel(graph, plan)
+    check_activation_policy(graph, plan)
     if graph.tied_parameters() and len(plan.stages) > 1 and plan.placement[0] == plan.placement[-1]:
         raise PlanError(f"plan field schedule: {program.model_name} ties its embedding and head, and "
                         f"{plan.schedule!r} with {plan.virtual_stages} virtual stages puts both on the same devices in "
@@ -61,8 +67,10 @@ def lowering_passes(program: MistProgram, plan: Plan, coord: RankCoord, virtual:
     return [
         Partition(plan, index),  # ModelGraph -> StageGraph: this stage's units and boundary
         TensorParallel(program.model_graph, coord.tp_index, stage.tp),  # apply the recognised split
+        SequenceParallel(program.model_graph, plan, index),  # TP region edges as sequence collectives
         LossKernel(plan.fused_loss),  # the fused, chunked head + loss, or the plain one
         ActivationCheckpoint(stage.ckpt_layers),  # recompute the first layers in backward
+        ActivationPolicyInsertion(stage.activations, stage.sp),  # the other layers: keep / recompute / offload per tensor
         OffloadInsertion(stage.offload),  # each unit's host fractions
         SplitBackward(SCHEDULES[plan.schedule].split_backward),  # input- and weight-gradient halves
     ]
@@ -118,7 +126,8 @@ def dump_lowered(program: MistProgram, plan: Plan, after: str) -> str:
         stage = plan.stages[stage_index]
         runs_on = f" on the devices of stage {where}" if plan.virtual_stages > 1 else ""
         out.write(f"# stage {stage_index}{runs_on}: layers [{stage.layers[0]}, {stage.layers[1]}), dp={stage.dp} "
-                  f"tp={stage.tp} zero={stage.zero} ckpt_layers={stage.ckpt_layers} (after {after})\n")
+                  f"tp={stage.tp} zero={stage.zero} ckpt_layers={stage.ckpt_layers}{' sp' if stage.sp else ''} "
+                  f"(after {after})\n")
         out.write("".join(dumps))
     return out.getvalue()
 

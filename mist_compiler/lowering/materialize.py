@@ -27,7 +27,7 @@ from torch import nn
 
 from ..ir.model_graph import BUFFER, CONSTANT, PARAMETER, ModelGraph, ShardSpec
 from ..ir.plan import Offload
-from ..ir.stage import StageGraph, StageInterface
+from ..ir.stage import SavedPolicy, StageGraph, StageInterface
 from ..ops.tensor_parallel import TP_CHILDREN, TensorParallelOps
 from .split_backward import CompileGraph, SplitBackward, WeightGradQueue, eager_graph, lift_parameters, split_unit_graph
 
@@ -104,6 +104,8 @@ class StageProgram:
     def chunk_programs(self) -> list["StageProgram"]:
         """The virtual stages this rank runs, in pipeline order (itself when there is one)."""
         return self.chunks or [self]
+    # unit -> its per-tensor policy and the replay module recomputing its chosen nodes (on the unit's own weights)
+    saved: dict[str, tuple[SavedPolicy, fx.GraphModule | None]] = field(default_factory=dict)
 
     def initial_value(self, param: nn.Parameter) -> torch.Tensor | None:
         """The initial fp32 value of a deferred parameter (made now, on the stage's device; read it,
@@ -178,6 +180,7 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
     ops = TensorParallelOps(group) if world > 1 else None
     root: dict[str, Any] = {}
     units, fqn, shards = [], {}, {}
+    saved: dict[str, tuple[SavedPolicy, fx.GraphModule | None]] = {}
     for unit in stage.units:
         parts: dict[str, Any] = {attr: tensor(kind, name, unit.shards.get(attr)) for attr, (kind, name) in unit.tensors.items()}
         if unit.needs_tp:
@@ -188,6 +191,9 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
             module = fx.GraphModule(parts, unit.graph, class_name=f"Unit_{unit.kind}")
         root[unit.name] = module
         units.append((unit.name, module))
+        if unit.saved is not None:
+            replay = unit.saved.replay
+            saved[unit.name] = (unit.saved, fx.GraphModule(module, replay, class_name="Replay") if replay else None)
         for attr, (kind, name) in unit.tensors.items():
             if kind == PARAMETER:
                 fqn[f"{unit.name}.{attr}"] = name
@@ -203,7 +209,7 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
     tied_fqns = model.tied_parameters()
     tied = {name for name, full_name in fqn.items() if full_name in tied_fqns}
     return StageProgram(module, stage.interface, units, offload, checkpointed, fqn, shards, pending, tied,
-                        weight_grads=weight_grads)
+                        weight_grads=weight_grads, saved=saved)
 
 
 def _split_unit(unit, parts: dict[str, Any], queue: WeightGradQueue, compile_graph: CompileGraph) -> fx.GraphModule:
@@ -229,6 +235,7 @@ def merge_chunks(chunks: list[StageProgram]) -> StageProgram:
         merged.shards.update(chunk.shards)
         merged.deferred.update(chunk.deferred)
         merged.tied |= chunk.tied
+        merged.saved.update(chunk.saved)
     return merged
 
 

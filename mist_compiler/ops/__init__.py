@@ -8,6 +8,8 @@ numpy only, nothing else of ours).
 - :mod:`.chunk_kernels`: the per-chunk softmax / loss / gradient math (Triton, torch twins);
 - :mod:`.vocab_parallel`: the same loss over a vocabulary shard of the head (tensor parallelism);
 - :mod:`.groups`: what tensor-parallel ops reduce over (a process group, or threads as ranks);
+- :mod:`.sequence_parallel`: sequence parallelism's all-gather / reduce-scatter pair as modules;
+- :mod:`.saved_tags`: markers naming the running node for the per-tensor activation policy's hooks;
 - :mod:`.fuse`: ``fuse_linear_cross_entropy(gm)``, the rewrite of a dynamo torch-level graph that
   puts the op in place of head-linear -> [float] -> [view/reshape] -> cross_entropy.
 """

@@ -16,12 +16,12 @@ not by module-level placement.
 """
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
 from .dropout import counter_attention, counter_dropout
 from .groups import Group
+from .sequence_parallel import SP_CHILDREN
 from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
 
@@ -237,7 +237,8 @@ class SplitRMSNorm(_SplitNorm):
 
 
 TP_CHILDREN = ("copy", "reduce", "embedding", "cross_entropy", "linear_cross_entropy", "scatter", "layer_norm",
-               "rms_norm", "dropout", "attention")  # what a graph may call
+               "rms_norm", "dropout", "attention",
+               *SP_CHILDREN)  # what a graph may call (sequence parallelism: ops.sequence_parallel)
 
 
 class TensorParallelOps(nn.Module):
@@ -255,3 +256,5 @@ class TensorParallelOps(nn.Module):
         self.rms_norm = SplitRMSNorm(group)
         self.dropout = SplitDropout(group)
         self.attention = SplitAttention(group)
+        for name, op in SP_CHILDREN.items():
+            setattr(self, name, op(group))

@@ -10,7 +10,8 @@ For every node of a block's captured forward and backward ATen graphs this pass 
 - ``op_class``: ``matmul``, ``attention``, ``norm``, ``softmax`` (log-softmax / loss),
   ``embedding``, ``elementwise`` or ``view``, the key of the hardware profile's efficiency table;
 - ``tp``: the node's tensor-parallel state, ``R`` replicated, ``S`` sharded by ``t``, ``P``
-  partial sum (needs an all-reduce before any consumer but an add).
+  partial sum (needs an all-reduce before any consumer but an add); priced with sequence
+  parallelism (``sp_pricing``), ``Q``: split along the sequence by ``t``.
 
 Tensor parallelism is *priced* here, not decided: ``tp_recognition`` (one recogniser, on the
 torch-level graph that runs) says which parameters are split, and those are seeded ``S`` here.
@@ -285,9 +286,11 @@ class GraphCosts:
 def _scaled_bytes(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
     if node.op != "call_function" or is_view(node):
         return sympy.Integer(0)
+    on_chunks = states.get(node.name) in ("Q", "P")  # a sequence chunk's op reads chunks; others the gathered value
     def part(value_node: fx.Node) -> sympy.Expr:
         size = value_bytes(value_node, symbols)
-        return size / T if states.get(value_node.name) == "S" else size
+        state = states.get(value_node.name)
+        return size / T if state == "S" or (state == "Q" and (on_chunks or value_node is node)) else size
     total = part(node)
     for arg in set(node.all_input_nodes):
         total += part(arg)
@@ -295,25 +298,28 @@ def _scaled_bytes(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
 
 
 def propagate_costs(graph: fx.Graph, initial: dict[str, str], symbols: dict[str, sympy.Symbol] | None,
-                    phase: str) -> GraphCosts:
-    """Walk a graph in order, assigning tensor-parallel states, costs and collectives."""
+                    phase: str, sequence: Any = None) -> GraphCosts:
+    """Walk a graph in order, assigning tensor-parallel states, costs and collectives. ``sequence``
+    (``sp_pricing.SequencePricing``): price sequence parallelism (state ``Q``: split along the sequence)."""
     states: dict[str, str] = {}
     costs: list[NodeCost] = []
     collectives: list[Collective] = []
 
-    def reduce_partial(producer: fx.Node, reason: str) -> None:
-        collectives.append(Collective("all_reduce", value_bytes(producer, symbols), producer.name, reason))
-        # the all-reduce runs in place: the storage and every view of it hold the full value from here on
-        base = producer
-        while is_view(base) and base.all_input_nodes:
-            base = base.all_input_nodes[0]
-        pending = [base]
-        while pending:
-            node = pending.pop()
-            if states.get(node.name) == "P":
-                states[node.name] = "R"
-            pending.extend(user for user in node.users if is_view(user) and user.name in states)
-        states[producer.name] = "R"
+    def reduce_partial(producer: fx.Node, reason: str, consumer: fx.Node | None = None) -> None:
+        kind, state = ("all_reduce", "R") if sequence is None else sequence.reduction(producer, consumer, symbols)
+        collectives.append(Collective(kind, value_bytes(producer, symbols), producer.name, reason))
+        if state == "R":
+            # the all-reduce runs in place: the storage and every view of it hold the full value from here on
+            base = producer
+            while is_view(base) and base.all_input_nodes:
+                base = base.all_input_nodes[0]
+            pending = [base]
+            while pending:
+                node = pending.pop()
+                if states.get(node.name) == "P":
+                    states[node.name] = "R"
+                pending.extend(user for user in node.users if is_view(user) and user.name in states)
+        states[producer.name] = state
 
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -335,7 +341,7 @@ def propagate_costs(graph: fx.Graph, initial: dict[str, str], symbols: dict[str,
         if not keeps_partial:
             for arg, state in zip(inputs, in_states):
                 if state == "P":
-                    reduce_partial(arg, f"{phase}: {node.name} ({name}) needs the full value of {arg.name}")
+                    reduce_partial(arg, f"{phase}: {node.name} ({name}) needs the full value of {arg.name}", node)
             in_states = [states.get(arg.name, "R") for arg in inputs]
         if keeps_partial and "P" in in_states:
             state = "P"
@@ -362,9 +368,11 @@ def propagate_costs(graph: fx.Graph, initial: dict[str, str], symbols: dict[str,
             state = "S"
         else:
             state = "R"
+        if sequence is not None:
+            state = sequence.state(node, state, inputs, in_states, collectives, symbols, phase)
         states[node.name] = state
         flops = node_flops(node, symbols)
-        if state in ("S", "P") or "S" in in_states:
+        if state in ("S", "P", "Q") or "S" in in_states:
             flops = flops / T
         costs.append(NodeCost(node.name, name, op_class(node), sympy.expand(flops),
                               sympy.expand(_scaled_bytes(node, states | {node.name: state}, symbols)), state))
@@ -403,11 +411,13 @@ def _check_sharded_consumers(graph: fx.Graph, states: dict[str, str]) -> str:
 
 def annotate_graphs(forward: fx.GraphModule, backward: fx.GraphModule, params: set[str],
                     symbols: dict[str, sympy.Symbol] | None = None,
-                    backward_inputs: dict[str, str] | None = None, sharding: Sharding | None = None) -> ProgramCosts:
+                    backward_inputs: dict[str, str] | None = None, sharding: Sharding | None = None,
+                    sequence: Any = None) -> ProgramCosts:
     """Annotate a captured forward/backward graph pair (a whole model or one block).
 
     ``params``: names of the forward graph's parameter placeholders. ``sharding``: which of them
     the tensor-parallel plan splits (default: none, tensor parallelism unsupported).
+    ``sequence`` prices sequence parallelism (``sp_pricing``).
     ``backward_inputs`` maps backward placeholder names to the forward node they receive (default:
     same name, which is what AOTAutograd's partitioners produce); tangents are replicated.
     """
@@ -415,7 +425,7 @@ def annotate_graphs(forward: fx.GraphModule, backward: fx.GraphModule, params: s
         sharding = Sharding(set(), False, "no tensor-parallel plan was given")
     sharding = Sharding(set(sharding.sharded_params), sharding.supported, sharding.message)
     seeds = {name: "S" for name in sharding.sharded_params} if sharding.supported else {}
-    forward_costs = propagate_costs(forward.graph, seeds, symbols, "forward")
+    forward_costs = propagate_costs(forward.graph, seeds, symbols, "forward", sequence)
     if sharding.supported:
         problem = _check_sharded_consumers(forward.graph, forward_costs.states)
         if problem:
@@ -429,7 +439,7 @@ def annotate_graphs(forward: fx.GraphModule, backward: fx.GraphModule, params: s
         if node.op == "placeholder":
             source = mapping.get(node.name, node.name)
             initial[node.name] = "R" if node.name.startswith("tangents") else forward_costs.states.get(source, "R")
-    backward_costs = propagate_costs(backward.graph, initial, symbols, "backward")
+    backward_costs = propagate_costs(backward.graph, initial, symbols, "backward", sequence)
     param_states = {name: ("S" if name in sharding.sharded_params and sharding.supported else "R") for name in params}
     return ProgramCosts(forward_costs, backward_costs, sharding, param_states)
 
@@ -509,6 +519,8 @@ class PricedGraphs:
     memory: dict[int, Any] = field(default_factory=dict)  # block class id -> memory_analysis.BlockMemory
     transient: frozenset = frozenset()  # values no kernel stores (intermediates of fused kernels, cost.compiled)
     weight_split: dict[int, Any] = field(default_factory=dict)  # block class id -> weight_gradients.WeightSplit
+    sequence: Any = None  # the same priced with sequence parallelism (``sp_pricing.SequencePriced``), if it applies
+    tensors: Any = None  # the layer's saved-tensor tables (``saved_tensors``: {"tp": ..., "sp": ...})
 
 
 def program_graphs(program, partition=None) -> ProgramGraphs:

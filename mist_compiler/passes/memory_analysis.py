@@ -76,7 +76,7 @@ def _base(node: fx.Node) -> fx.Node:
 
 
 def _scaled(size: sympy.Expr, state: str | None) -> sympy.Expr:
-    return size / T if state == "S" else size
+    return size / T if state in ("S", "Q") else size  # Q: a sequence chunk (sequence parallelism)
 
 
 def _coefficients_nonnegative(expr: sympy.Expr) -> bool:
@@ -118,6 +118,7 @@ class BlockMemory:
     input: sympy.Expr
     output: sympy.Expr
     saved_names: list[str] = field(default_factory=list)
+    saved_sizes: dict[str, sympy.Expr] = field(default_factory=dict)  # saved storage (its forward base) -> bytes
     attention_probs: sympy.Expr = sympy.Integer(0)  # bytes of the b*h*s*s probabilities (math kernel)
     # sizes of the saved storages in the order the forward saves them (activation offload takes them greedily)
     saved_sequence: list[sympy.Expr] = field(default_factory=list)
@@ -396,6 +397,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
             forward_peaks=by_kernel(fw), backward_peaks=by_kernel(bw),
             input=input_bytes, output=sympy.expand(output_bytes[label]),
             saved_names=[b.name for b in saved_of[label]],
+            saved_sizes={b.name: sympy.expand(saved.size[b]) for b in saved_of[label]},
             saved_sequence=[sympy.expand(saved.size[b]) for b in save_order],
             saved_offloadable=[saved.contiguous[b] for b in save_order],
             attention_probs=sympy.expand(sympy.Add(*(attention.probs for attention in attentions[label]))),
@@ -415,9 +417,17 @@ class _Point:
 
 
 def _workspace(node: fx.Node, states: dict[str, str], symbols) -> list[sympy.Expr]:
-    """Extra candidates at an op's point for the transient it holds inside (none for most ops)."""
+    """Extra candidates at an op's point for the transient it holds inside (none for most ops): the
+    fused loss's chunk, and with sequence parallelism the whole sequence gathered for an op that is not
+    on a chunk (a column-parallel matmul reading the gathered norm output)."""
     phase = WORKSPACE_OPS.get(op_name(node))
-    return _fused_loss_workspace(node, states, phase, symbols) if phase is not None else []
+    if phase is not None:
+        return _fused_loss_workspace(node, states, phase, symbols)
+    if states.get(node.name) not in ("Q", "P"):
+        gathered = {_base(a) for a in node.all_input_nodes if states.get(a.name) == "Q"}
+        if gathered:
+            return [sympy.expand(sympy.Add(*(value_bytes(base, symbols) for base in gathered)))]
+    return []
 
 
 def _is_contiguous(value: torch.Tensor) -> bool:

@@ -48,6 +48,7 @@ from .host_allocator import keep_freed_host_memory
 from .loss_scaling import loss_scaler_for
 from .optimizer import AdamWConfig
 from .pipeline import P2P
+from .saved_activations import install_saved_activations
 from .stage_runtime import StageRuntime
 from .tied_weights import TiedWeights
 from .world import DEFAULT_TIMEOUT_S, RankWorld
@@ -111,7 +112,8 @@ class Engine:
             initial=stage.initial_value,
         )
         self._offload_hooks = install_activation_offload(self.runtime, units, self.offload_table,
-                                                         checkpointed=stage.checkpointed)
+                                                         checkpointed=stage.checkpointed | set(stage.saved))
+        self._offload_hooks += install_saved_activations(self.runtime, units, stage.saved)  # per-tensor choices
         if self.tied is not None:
             self.tied.attach(self.runtime)
         self.interface = stage.interface

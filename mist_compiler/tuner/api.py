@@ -24,6 +24,7 @@ from ..cost.schedule import PlanPrice, choose_fused_loss, price_plan
 from ..cost.stage_api import LOSS_CHOOSE, StageCandidates, StageCostModel
 from ..ir.plan import Offload, Plan, StagePlan
 from ..ir.vocabulary import COMPILED_DEFAULT
+from .activation_milp import ActivationFrontiers
 from .inter_stage import StageSolution, solve_partition, uniform_solution
 from .intra_stage import FrontierTable, build_frontiers
 from .schedules import StagePool, even_layouts, layout_of, schedule_candidates, stash_ratio_of
@@ -233,6 +234,7 @@ class _Search:
         self.trade: list[int] | None = None
         self.best = None
         self.best_table: FrontierTable | None = None
+        self.activations = ActivationFrontiers(cost_model, work, space)  # per-tensor policies per (tp, sp), made once
         self.stats: dict = {"space": space.describe(), "grad_accum_tried": 0, "partitions": 0,
                             "grad_accum_skipped": 0, "evaluated": 0, "frontier_points": 0, "dp_passes": 0}
         self.per_g: dict[int, list[tuple[FrontierTable, StageSolution]]] = {}  # each G's 1F1B plans found
@@ -247,7 +249,7 @@ class _Search:
 
     def frontiers(self, g: int, space: SearchSpace) -> FrontierTable:
         table = build_frontiers(self.cost_model, self.work, self.cluster, space, g, self.max_stages, self.incumbent,
-                                self.trade)
+                                self.trade, self.activations if space.per_tensor and self.activations.available else None)
         if self.trade is None and "trade_families" in table.stats:
             self.trade = table.stats["trade_families"]  # a property of the cost model: probed once
         self.stats["evaluated"] += table.stats.get("evaluated", 0)
@@ -289,6 +291,7 @@ class _Search:
             lower = min(lower, outcome.bound)
             self.consider(outcome.solution, table)
         self.stats["search_s"] = time.perf_counter() - self.started
+        self.stats["activation_milp"] = self.activations.summary()
         if self.best is not None:
             self.stats["bound_s"] = min(lower, self.incumbent)
             self.stats["gap"] = max(0.0, 1.0 - self.stats["bound_s"] / self.incumbent)
@@ -305,7 +308,7 @@ class _Search:
         for g, found in self.per_g.items():
             found.sort(key=lambda item: item[1].objective)
             for table, solution in found[:ONE_F_ONE_B_PLANS]:  # the closed form's best few, simulated
-                plan = choose_fused_loss(self.cost_model, plan_of(table, solution, work, grad_dtype, compiled))
+                plan = choose_fused_loss(self.cost_model, plan_of(self.cost_model, table, solution, work, grad_dtype, compiled))
                 priced.append((price_plan(self.cost_model, plan), plan, g))
         priced.sort(key=lambda item: item[0].time_s)
         best_price, best_plan = priced[0][0], priced[0][1]
@@ -334,8 +337,14 @@ SCHEDULE_G_VALUES = 4  # G values whose layouts are tried under the other schedu
 ONE_F_ONE_B_PLANS = 3  # per G, the 1F1B plans of the search (DP and even splits) priced by simulation
 
 
-def plan_of(table: FrontierTable, solution: StageSolution, work: Workload, grad_dtype: str,
-            compiled: bool = COMPILED_DEFAULT) -> Plan:
+def policy_of(cost_model: StageCostModel, index) -> object:
+    """The per-tensor activation policy a candidate's ``act_policy`` names (None: -1, layer-level)."""
+    index = int(index)
+    return cost_model.policies[index] if index >= 0 else None
+
+
+def plan_of(cost_model: StageCostModel, table: FrontierTable, solution: StageSolution, work: Workload,
+            grad_dtype: str, compiled: bool = COMPILED_DEFAULT) -> Plan:
     """A 1F1B plan from a partition solution (frontier-table rows in pipeline order)."""
     configs = table.configs
     start = 0
@@ -348,6 +357,8 @@ def plan_of(table: FrontierTable, solution: StageSolution, work: Workload, grad_
             zero=int(configs.zero[row]), ckpt_layers=int(configs.ckpt_layers[row]),
             offload=Offload(float(configs.offload_weights[row]), float(configs.offload_grads[row]),
                             float(configs.offload_opt[row]), float(configs.offload_acts[row])),
+            sp=bool(configs.sp[row]),
+            activations=policy_of(cost_model, configs.act_policy[row]),
         ))
         start += layers
     return Plan(model=work.model_name, seq_len=work.seq_len, global_batch=work.global_batch, dtype=work.dtype,
@@ -394,7 +405,9 @@ def _frontier_summary(table: FrontierTable, solution) -> dict:
             "stage": i, "layers": int(configs.num_layers[row]), "devices": int(configs.nodes[row] * configs.gpus_per_node[row]),
             "inflight": int(solution.inflight[i]),
             "points": [{"stable_s": float(table.stable[m]), "delta_s": float(table.delta[m]),
-                        "tp": int(configs.tp[m]), "zero": int(configs.zero[m]), "ckpt_layers": int(configs.ckpt_layers[m]),
+                        "tp": int(configs.tp[m]), "sp": bool(configs.sp[m]), "zero": int(configs.zero[m]),
+                        "act_policy": int(configs.act_policy[m]),
+                        "ckpt_layers": int(configs.ckpt_layers[m]),
                         "offload": [float(configs.offload_weights[m]), float(configs.offload_grads[m]),
                                     float(configs.offload_opt[m]), float(configs.offload_acts[m])]}
                        for m in members],

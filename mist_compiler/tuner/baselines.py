@@ -22,23 +22,24 @@ from .space import Cluster, SearchSpace, TuneError, Workload
 
 NO_OFFLOAD = dict(offload_weights=False, offload_grads=False, offload_opt=False, offload_acts=False)
 ONE_F_ONE_B = ("1f1b",)
+PAPER = dict(sequence_parallel=False, per_tensor=False)  # the baselines' spaces as published
 TP_DEGREES = (1, 2, 4, 8, 16)
 
 
 def megatron_spaces() -> list[SearchSpace]:
     return [SearchSpace(name=f"megatron tp{tp} ckpt-{ckpt}", tp_degrees=(tp,), zero_levels=(1,), ckpt=ckpt,
-                        uniform_devices=True, layer_slack=0, schedules=ONE_F_ONE_B, **NO_OFFLOAD)
+                        uniform_devices=True, layer_slack=0, schedules=ONE_F_ONE_B, **NO_OFFLOAD, **PAPER)
             for tp in TP_DEGREES for ckpt in ("none", "all")]
 
 
 def zero3_spaces() -> list[SearchSpace]:
     return [SearchSpace(name=f"zero3 ckpt-{ckpt}", stage_counts=(1,), tp_degrees=(1,), zero_levels=(3,), ckpt=ckpt,
-                        schedules=ONE_F_ONE_B, **NO_OFFLOAD) for ckpt in ("none", "all")]
+                        schedules=ONE_F_ONE_B, **NO_OFFLOAD, **PAPER) for ckpt in ("none", "all")]
 
 
 def mist_paper_spaces() -> list[SearchSpace]:
     return [SearchSpace(name=f"mist-paper tp{tp}", micro_batches=(1, 2, 4), tp_degrees=(tp,), uniform_devices=True,
-                        layer_slack=2, schedules=ONE_F_ONE_B) for tp in TP_DEGREES]
+                        layer_slack=2, schedules=ONE_F_ONE_B, **PAPER) for tp in TP_DEGREES]
 
 
 BASELINE_SPACES: dict[str, Callable[[], list[SearchSpace]]] = {

@@ -16,14 +16,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from ..cost.stage_api import LOSS_CHOOSE, StageCandidates, StageCostModel
 from .knobs import IncumbentBound, _candidate_knobs
 from .space import Cluster, DeviceShape, SearchSpace, Workload
-from .stage_configs import (MEMORY_TOLERANCE, PP_POST, Bases, CountingModel, _fits, _knob_limits, enumerate_bases,
-                            evaluate, inflight_samples)
+from .stage_configs import (
+    MEMORY_TOLERANCE,
+    PP_POST,
+    Bases,
+    CountingModel,
+    _fits,
+    _knob_limits,
+    enumerate_bases,
+    evaluate,
+    inflight_samples,
+)
+
 
 @dataclass
 class FrontierTable:
@@ -101,19 +112,26 @@ def _thin(indices: np.ndarray, stable: np.ndarray, limit: int) -> np.ndarray:
 
 def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, space: SearchSpace,
                     grad_accum: int, max_stages: int, incumbent: float = math.inf,
-                    trade: list[int] | None = None) -> FrontierTable:
+                    trade: list[int] | None = None,
+                    activation_policies: Callable[[int, bool], list[int]] | None = None) -> FrontierTable:
     """Evaluate every stage configuration for this G and keep each cell's Pareto frontier.
 
     ``trade``: the offload families found to lower stable or delta (``stats['trade_families']`` of
-    an earlier table of the same model), to skip probing again."""
+    an earlier table of the same model), to skip probing again. ``activation_policies(tp, sp)``: the
+    per-tensor policies (the layer's activation frontier, cost-model indices) a base that needs
+    checkpointing or activation offload also tries, in place of activation offload."""
     stats: dict = {"grad_accum": grad_accum}
     model = CountingModel(model)
     options = tuple(space.stage_count_options(work.num_layers, cluster.world))
     bound = IncumbentBound(grad_accum, incumbent, work.num_layers, cluster.world, cluster, options)
     limit = float(model.device_memory_bytes)
-    bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages)
+    sequence_parallel = space.sequence_parallel and bool(getattr(model.model, "sp_supported", False))
+    bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages, sequence_parallel)
     rows, ckpt, offload = _candidate_knobs(model, bases, shapes, space, limit, stats, bound, trade) if len(bases) else (
         np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros((0, 4)))
+    if activation_policies is not None and len(rows):
+        bases, rows, ckpt, offload = _with_policies(model, bases, rows, ckpt, offload, shapes, space, limit, stats,
+                                                    bound, trade, activation_policies)
     table_bases = bases.take(rows)
     ckpt = ckpt.copy()
     # exact evaluation at k = 1 (times, memory) and, for stages that can hold more than one
@@ -156,7 +174,7 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
         micro_batch=kept.micro_batch, dp=kept.dp, tp=kept.tp, zero=kept.zero, ckpt_layers=ckpt[keep],
         offload_weights=offload[keep, 0], offload_grads=offload[keep, 1], offload_opt=offload[keep, 2],
         offload_acts=offload[keep, 3], inflight=np.ones(len(keep), dtype=int), grad_accum=kept.grad_accum,
-        fused_loss=LOSS_CHOOSE,
+        fused_loss=LOSS_CHOOSE, sp=kept.sp.astype(bool), act_policy=kept.policy,
     ) if len(keep) else None
     stats["frontier_points"] = len(keep)
     stats["evaluated"] = model.rows
@@ -165,6 +183,31 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
         grad_accum=grad_accum, shapes=shapes, configs=configs, stable=stable[keep], delta=delta[keep],
         memory_k1=mem1[keep], memory_per_inflight=slope[keep], cells=cells, fit_k=fit_k[keep], stats=stats,
     )
+
+
+def _with_policies(model, bases: Bases, rows, ckpt, offload, shapes, space: SearchSpace, limit: float, stats: dict,
+                   bound: IncumbentBound, trade, policies: Callable[[int, bool], list[int]]):
+    """The bases that needed checkpointing or activation offload, once more with each per-tensor policy of
+    their layer's frontier (plain activation offload then only for the checkpointed layers' inputs):
+    appended to ``bases`` with their knob rows."""
+    needing = np.unique(rows[(ckpt > 0) | (offload[:, 3] > 0)])
+    if not len(needing):
+        return bases, rows, ckpt, offload
+    tried = bases.take(needing)
+    variants = []
+    for tp, sp in sorted(set(zip(tried.tp.tolist(), tried.sp.tolist()))):
+        mode = np.flatnonzero((tried.tp == tp) & (tried.sp == sp))
+        for index in policies(int(tp), bool(sp)):
+            variant = tried.take(mode)
+            variant.policy = np.full(len(mode), index)
+            variants.append(variant)
+    if not variants:
+        return bases, rows, ckpt, offload
+    extra = Bases.concat(variants)
+    more, more_ckpt, more_offload = _candidate_knobs(model, extra, shapes, space, limit, stats, bound, trade)
+    stats["policy_bases"] = stats.get("policy_bases", 0) + len(extra)
+    return (Bases.concat([bases, extra]), np.concatenate([rows, more + len(bases)]),
+            np.concatenate([ckpt, more_ckpt]), np.concatenate([offload, more_offload]))
 
 
 def _inflight_slope(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,

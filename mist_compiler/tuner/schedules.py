@@ -132,7 +132,7 @@ class StagePool:
 
 
 def build_plan(work: Workload, layout: Layout, picks: list[StageCandidates], name: str, v: int, grad_accum: int,
-               grad_dtype: str) -> Plan:
+               grad_dtype: str, policies: list = ()) -> Plan:
     """The plan of ``layout`` under schedule ``name`` with ``v`` chunks per stage, each stage the
     configuration picked for it."""
     stages = len(layout.layers)
@@ -148,7 +148,10 @@ def build_plan(work: Workload, layout: Layout, picks: list[StageCandidates], nam
             layers=(start, start + layers), nodes=int(c.nodes[0]), gpus_per_node=int(c.gpus_per_node[0]),
             micro_batch=int(c.micro_batch[0]), dp=int(c.dp[0]), tp=int(c.tp[0]), zero=int(c.zero[0]), ckpt_layers=ckpt,
             offload=Offload(float(c.offload_weights[0]), float(c.offload_grads[0]), float(c.offload_opt[0]),
-                            float(c.offload_acts[0]))))
+                            float(c.offload_acts[0])),
+            sp=bool(np.asarray(c.sp).reshape(-1)[0]),
+            activations=policies[int(np.asarray(c.act_policy).reshape(-1)[0])]
+            if int(np.asarray(c.act_policy).reshape(-1)[0]) >= 0 else None))
         start += layers
     return Plan(model=work.model_name, seq_len=work.seq_len, global_batch=work.global_batch, dtype=work.dtype,
                 grad_accum=grad_accum, stages=tuple(entries), grad_dtype=grad_dtype, schedule=name, virtual_stages=v)
@@ -178,7 +181,8 @@ def schedule_candidates(cost_model: StageCostModel, pool: StagePool, work: Workl
         if len(picks) < stages or g * max(stable for _, stable in picks) >= incumbent:
             continue
         plan = choose_fused_loss(cost_model, build_plan(work, layout, [config for config, _ in picks], name, v, g,
-                                                        getattr(cost_model, "grad_dtype", "float32")))
+                                                        getattr(cost_model, "grad_dtype", "float32"),
+                                                        getattr(cost_model, "policies", [])))
         price = price_plan(cost_model, plan)
         stats["schedule_plans_priced"] = stats.get("schedule_plans_priced", 0) + 1
         if np.all(price.peak_memory_bytes <= cost_model.device_memory_bytes * (1 + 1e-9)):

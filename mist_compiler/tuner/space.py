@@ -18,7 +18,6 @@ which makes "the full search is never worse than a baseline" hold by constructio
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field, replace
 from itertools import product
 
@@ -65,6 +64,10 @@ class SearchSpace:
     - ``gap``: relative optimality gap the stage-partition search must certify (0: exact).
     - ``schedules`` / ``virtual_stages``: pipeline schedules tried (``ir.schedule.SCHEDULES``) and the
       chunks per group of devices the interleaved schedule may use.
+    - ``sequence_parallel``: offer sequence parallelism with every tensor-parallel degree > 1 (when the
+      model's layers can run it).
+    - ``per_tensor``: offer the layer's per-tensor keep / recompute / offload policies (its activation
+      frontier, ``activation_milp``: ``activation_points`` budgets) to stages that need to save memory.
     """
 
     micro_batches: tuple[int, ...] | None = None
@@ -86,6 +89,9 @@ class SearchSpace:
     gap: float = 1e-4
     schedules: tuple[str, ...] = ("1f1b", "zb-h1", "zbv", "interleaved")
     virtual_stages: tuple[int, ...] = (2, 4)
+    sequence_parallel: bool = True
+    per_tensor: bool = True
+    activation_points: int = 5
     name: str = "full"
 
     def __post_init__(self) -> None:
@@ -180,7 +186,9 @@ class SearchSpace:
             f"devices {'uniform' if self.uniform_devices else 'any'}, "
             f"layers {'any split' if self.layer_slack is None else f'uniform +-{self.layer_slack}'}, "
             f"schedules {list(self.schedules)}"
-            + (f" (v {list(self.virtual_stages)})" if "interleaved" in self.schedules else "")
+            + (f" (v {list(self.virtual_stages)})" if "interleaved" in self.schedules else "") + ", "
+            + f"sp {'tuned' if self.sequence_parallel else 'off'}, "
+            f"per-tensor activations {'tuned' if self.per_tensor else 'off'}"
         )
 
 

@@ -33,6 +33,12 @@ class Bases:
     zero: np.ndarray
     max_inflight: np.ndarray
     grad_accum: np.ndarray  # micro-batches per iteration (accumulators live between them)
+    sp: np.ndarray  # 0/1: sequence parallelism with the stage's tensor parallelism
+    policy: np.ndarray  # per-tensor activation policy of its layers (the cost model's index), -1: none
+
+    @staticmethod
+    def concat(parts: list["Bases"]) -> "Bases":
+        return Bases(**{name: np.concatenate([getattr(p, name) for p in parts]) for name in Bases.__dataclass_fields__})
 
     def take(self, index: np.ndarray) -> "Bases":
         return Bases(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
@@ -62,6 +68,7 @@ def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckp
             offload_weights=offload[window, 0], offload_grads=offload[window, 1],
             offload_opt=offload[window, 2], offload_acts=offload[window, 3], inflight=inflight_arr[window],
             grad_accum=bases.grad_accum[window], fused_loss=LOSS_CHOOSE,
+            sp=bases.sp[window].astype(bool), act_policy=bases.policy[window],
         )
         parts.append(model.evaluate(candidates))
     if len(parts) == 1:
@@ -73,8 +80,9 @@ def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckp
 
 
 def enumerate_bases(work: Workload, cluster: Cluster, space: SearchSpace, grad_accum: int,
-                    max_stages: int) -> tuple[Bases, list[DeviceShape]]:
-    """All (layers, pp kind, shape, tp, zero) with a whole micro-batch for this G.
+                    max_stages: int, sequence_parallel: bool = False) -> tuple[Bases, list[DeviceShape]]:
+    """All (layers, pp kind, shape, tp, zero, sp) with a whole micro-batch for this G (``sp`` on and
+    off for every tp > 1 that divides the sequence when ``sequence_parallel``).
 
     With ``uniform_devices`` a shape of ``c`` devices serves only plans of ``S = world / c`` stages,
     so it needs only the layer counts such a plan can give a stage (``layer_slack`` narrows them)."""
@@ -87,7 +95,8 @@ def enumerate_bases(work: Workload, cluster: Cluster, space: SearchSpace, grad_a
         if shape.count > cluster.world:
             continue
         layer_kinds = _layer_kinds(work, cluster, space, shape, max_stages, stage_options)
-        for tp in space.tp_options(shape, work.heads):
+        for tp, sp in [(t, s) for t in space.tp_options(shape, work.heads)
+                       for s in ((0, 1) if sequence_parallel and t > 1 and work.seq_len % t == 0 else (0,))]:
             dp = shape.count // tp
             if work.global_batch % (dp * grad_accum):
                 continue
@@ -109,6 +118,8 @@ def enumerate_bases(work: Workload, cluster: Cluster, space: SearchSpace, grad_a
                 columns["micro_batch"].append(np.full(count, micro))
                 columns["max_inflight"].append(np.full(count, inflight_cap))
                 columns["grad_accum"].append(np.full(count, grad_accum))
+                columns["sp"].append(np.full(count, sp))
+                columns["policy"].append(np.full(count, -1))
     if not columns["layers"]:
         empty = np.zeros(0, dtype=int)
         return Bases(*(empty for _ in Bases.__dataclass_fields__)), shapes

@@ -9,7 +9,9 @@ process (:class:`~mist_compiler.ops.groups.ThreadGroup`), through the very lower
 passes and modules the ranks will run, in float32 whatever the plan's dtype (:func:`in_float32`),
 with dropout on (both runs draw the same masks, ``ops.dropout``) and a batch of 3 (not capture's
 example batch of 2: a size baked from it would show). The loss and every gradient (each rank's slice of a
-split tensor) must agree; otherwise the plan is refused, naming the tensor that differs.
+split tensor) must agree; otherwise the plan is refused, naming the tensor that differs. With
+``sp`` the split run uses sequence parallelism too (the layers' norms and residuals on sequence
+chunks), proving the sequence-parallel rewrite the same way.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from ..passes.tp_sharding import TensorParallelError, check_degree
 
 TOLERANCE = 1e-4  # relative (Frobenius) difference; fp32 summation-order noise on a tiny batch is ~1e-6
 NEAR_ZERO = 1e-2  # a gradient below this fraction of the model's typical size is judged at that size
-_proven: dict[tuple[int, int], bool] = {}
+_proven: dict[tuple[int, int, bool], bool] = {}
 
 
 def reduced_graph(model: ModelGraph) -> ModelGraph:
@@ -66,9 +68,9 @@ def _real_name(name: str) -> str:
     return name
 
 
-def _plan(model: ModelGraph, degree: int, seq: int, batch: int) -> Plan:
+def _plan(model: ModelGraph, degree: int, seq: int, batch: int, sp: bool = False) -> Plan:
     stage = {"layers": [0, model.num_layers], "nodes": 1, "gpus_per_node": degree, "micro_batch": batch,
-             "dp": 1, "tp": degree}
+             "dp": 1, "tp": degree, **({"sp": True} if sp else {})}
     return Plan.from_dict({"model": "tp-check", "seq_len": seq, "global_batch": batch, "dtype": "float32",
                            "grad_accum": 1, "stages": [stage]})
 
@@ -129,16 +131,20 @@ def _typical(whole: dict) -> float:
     return (total / max(count, 1)) ** 0.5
 
 
-def prove_tensor_parallel(program: MistProgram, degree: int, seq: int | None = None, batch: int = 3) -> None:
-    """Raise :class:`TensorParallelError` unless the split over ``degree`` ranks computes what the
-    whole program does (see the module docstring). Cached per program and degree."""
-    key = (id(program), degree)
+def prove_tensor_parallel(program: MistProgram, degree: int, seq: int | None = None, batch: int = 3,
+                          sp: bool = False) -> None:
+    """Raise :class:`TensorParallelError` unless the split over ``degree`` ranks (sequence-parallel
+    with ``sp``) computes what the whole program does (see the module docstring). Cached per
+    program, degree and ``sp``."""
+    key = (id(program), degree, sp)
     if degree == 1 or _proven.get(key):
         return
     check_degree(program.model_graph.tp, degree)
     model = reduced_graph(program.model_graph)
     reduced = replace(program, model_graph=model)
     seq = seq or max(4, min(8, program.seq_len or 8))
+    if sp and seq % degree:
+        seq = degree * max(1, -(-seq // degree))
     source = RandomTensors(model, None)
     vocab = _vocabulary(model)
     generator = torch.Generator().manual_seed(1)
@@ -152,7 +158,8 @@ def prove_tensor_parallel(program: MistProgram, degree: int, seq: int | None = N
 
     def rank_main(rank: int) -> None:
         try:
-            results[rank] = _run(reduced, _plan(model, degree, seq, batch), source, rank, ThreadGroup(shared, rank), data)
+            results[rank] = _run(reduced, _plan(model, degree, seq, batch, sp), source, rank, ThreadGroup(shared, rank),
+                                 data)
         except BaseException as error:  # reported below, in the calling thread
             errors.append(error)
             shared.barrier.abort()
@@ -164,7 +171,8 @@ def prove_tensor_parallel(program: MistProgram, degree: int, seq: int | None = N
         thread.join()
     if errors:
         error = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
-        raise TensorParallelError(f"tp={degree}: the split program fails on the model: {type(error).__name__}: {error}")
+        raise TensorParallelError(f"tp={degree}{' sp' if sp else ''}: the split program fails on the model: "
+                                  f"{type(error).__name__}: {error}")
     _compare(whole_loss, whole, results, degree)
     _proven[key] = True
 
