@@ -27,6 +27,7 @@ def test_dump_after_each_lowering_pass(llama_tiny_program):
 
 
 def test_unknown_pass_is_named(llama_tiny_program):
-    assert LOWERING_PASSES == ("partition", "tp_sharding", "checkpoint", "offload_insertion")
+    assert LOWERING_PASSES == ("partition", "tp_sharding", "sequence_parallel", "loss_kernel", "checkpoint",
+                               "activation_policy", "offload_insertion", "split_backward")
     with pytest.raises(ValueError, match="unknown pass 'fusion'; lowering passes are: partition, tp_sharding"):
         dump_lowered(llama_tiny_program, PLAN, "fusion")

@@ -39,6 +39,7 @@ def _plan(ckpt_layers: int = 0, offload: dict | None = None) -> Plan:
 
 def _stage(program, plan: Plan, model, compiled: bool):
     built = lower(program, plan, RankCoord(0, 0, 0), ModuleTensors(model), device=torch.device("cpu"))
+    built.materialize_all()  # (the runtime would give each unit its values as it lays them out)
     return built, compile_stage(built, enabled=compiled)
 
 
@@ -212,8 +213,6 @@ def test_hugging_face_plans_check_compiled(kind, tmp_path):
 
 
 def test_the_backend_and_the_api_take_the_switch(tmp_path):
-    import inspect
-
     from mist_compiler.torch_compile.plan_runtime import DynamoRuntimeError, parse_options
 
     path = tmp_path / "plan.json"
@@ -221,6 +220,17 @@ def test_the_backend_and_the_api_take_the_switch(tmp_path):
     assert parse_options({"plan": str(path), "compile_units": False})["compile_units"] is False
     with pytest.raises(DynamoRuntimeError, match="option 'compile_units' must be True or False"):
         parse_options({"plan": str(path), "compile_units": "no"})
-    from mist_compiler.runtime.engine import Engine
+    import torch.distributed as dist
 
-    assert "compile_units" in inspect.signature(Engine).parameters  # mist_compiler.compile(..., compile_units=)
+    from mist_compiler import compile as compile_plan
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        off = compile_plan(build_model(MODEL, seq_len=SEQ), _plan(), compile_units=False)
+        on = compile_plan(build_model(MODEL, seq_len=SEQ), _plan())  # the plan says compiled (MIST_COMPILE=1 here)
+        assert not off.compile_stats.enabled and off.compile_stats.eager_units == 8
+        assert on.compile_stats.enabled and on.compile_stats.units == 8
+        eager_plan = Plan.from_dict({**_plan().to_dict(), "compiled": False})
+        assert not compile_plan(build_model(MODEL, seq_len=SEQ), eager_plan).compile_stats.enabled
+    finally:
+        dist.destroy_process_group()

@@ -51,7 +51,9 @@ class LabelConvention:
         (ignored ones, padding) share ``[a, b)`` is weighted by ``parts * its count / the batch's``,
         so the step minimises the mean over every counted label, as the model's loss on the whole
         batch does. All 1.0 when every row counts the same (or nothing is counted)."""
-        counts = self.counted(labels).cpu()  # one copy, whatever the device: the rest is host arithmetic
+        counts = self.counted(labels)
+        if counts.device.type != "cpu":  # labels on a device: one copy (one wait), the rest is host arithmetic
+            counts = counts.cpu()
         total = int(counts.sum())
         if total == 0 or bool((counts == counts[0]).all()):
             return [1.0] * len(shares)

@@ -93,6 +93,7 @@ class LossKernel:
 
     fused: bool
     name: str = "loss_kernel"
+    input_type = output_type = StageGraph
 
     def __call__(self, stage: StageGraph) -> PassResult:
         if self.fused:
