@@ -146,6 +146,13 @@ def run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     if args.output_dir:
         check_output_dir(args.output_dir, "-o")  # before any work
+    side = frontier_path(args.plan)
+    if args.hardware:  # bad input is named before anything is printed
+        from ..cost.hardware import load_profile
+
+        load_profile(args.hardware)
+    elif os.path.isfile(side):
+        read_side_file(side)
     print("\n".join(plan_in_words(plan)))
     predictions = stage_predictions(plan, args)
     if predictions is None:
