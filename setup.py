@@ -16,9 +16,11 @@ setup(
         "numpy>=1.26",
         "pyyaml>=6.0",
         "triton>=3.1",
+        "mip>=1.15",  # the activation MILP (tuner/activation_milp.py) with its bundled CBC
     ],
     extras_require={
-        "test": ["pytest>=8", "transformers>=4.40", "matplotlib>=3.7"],
+        "test": ["pytest>=8", "transformers>=4.40", "safetensors>=0.4", "matplotlib>=3.7"],
+        "hf": ["transformers>=4.40", "safetensors>=0.4"],  # hf: models, pretrained checkpoints, --export
         "gpu": ["flash-attn>=2.5", "matplotlib>=3.7"],
         "plot": ["matplotlib>=3.7"],
     },
