@@ -152,7 +152,10 @@ def analyze(program: MistProgram | None, plan, hardware, *, attention: str = "fl
     grad_accum = plan.grad_accum
     iteration = price.time_s
     chunks, groups = price.chunks, price.groups
-    bubble = price.simulation.bubble_s(price.delta_s[:, None])[:, 0]
+    # idle: neither computing nor moving activations (the simulation's busy time leaves the transfers out)
+    p2p = np.asarray(chunks.breakdown.get("p2p", np.zeros(len(plan.stages))), dtype=float)
+    sending = np.array([sum(p2p[j] for j in plan.chunks(g)) for g in range(plan.pp)]) * grad_accum
+    bubble = np.maximum(price.simulation.bubble_s(price.delta_s[:, None])[:, 0] - sending, 0.0)
     stages = []
     for index, stage in enumerate(plan.stages):
         group = plan.placement[index]
