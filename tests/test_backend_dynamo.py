@@ -110,7 +110,7 @@ def test_options_are_checked_and_named():
         parse_options({"plan": "plan.json", "zero_level": 3})
     with pytest.raises(DynamoRuntimeError, match=r"\['global_batch', 'hardware'\] are needed to tune"):
         parse_options({"timeout_s": 3})
-    with pytest.raises(DynamoRuntimeError, match="'nodes' must be a positive integer"):
+    with pytest.raises(DynamoRuntimeError, match="option 'nodes' must be an integer in 1.."):
         parse_options({"hardware": "cpu", "global_batch": 8, "nodes": 0})
 
 

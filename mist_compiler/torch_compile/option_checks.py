@@ -4,7 +4,8 @@ the option: option values (types, ranges, known names), and that a ``plan`` was 
 A plan names its model: a class name (a plan the backend tuned for that class), a zoo name (``mistc
 tune gpt2-7b``), ``hf:...`` or ``package.module:function``. A plan for a zoo model is compared with
 the module parameter by parameter (the zoo model is built on the meta device: nothing is loaded
-from the plan); a class name must be the module's class. ``hf:`` and factory plans are not loaded
+from the plan); a class name (a capitalised identifier) must be the module's class; any other label is
+the user's own. ``hf:`` and factory plans are not loaded
 (a plan never names code that gets run): their layers and positions are checked against the
 captured module as for every plan.
 """
@@ -17,9 +18,10 @@ from torch import nn
 
 from ..ir.plan import MAX_INT, Plan, PlanError
 from ..ir.vocabulary import ATTENTION_KERNELS, TRAINING_DTYPES
+from .live_parameters import DynamoRuntimeError
 
 
-class OptionError(ValueError):
+class OptionError(DynamoRuntimeError):
     """A ``torch.compile`` option the mist backend cannot take; the message names it."""
 
 
@@ -58,7 +60,9 @@ def check_plan_model(plan: Plan, module: nn.Module) -> None:
     from ..models import build_model, known_model_names
 
     if plan.model not in known_model_names():
-        raise PlanError(f"plan field model: the plan was made for {plan.model!r}, not for this {mine}")
+        if plan.model.isidentifier() and plan.model[:1].isupper():  # a class name, as the backend writes
+            raise PlanError(f"plan field model: the plan was made for {plan.model!r}, not for this {mine}")
+        return  # a label of the user's choosing: the plan's layers and positions are checked on the capture
     with torch.device("meta"):
         reference = build_model(plan.model, seq_len=plan.seq_len, seed=None)
     theirs = {name: tuple(p.shape) for name, p in reference.named_parameters()}
