@@ -21,6 +21,8 @@ saved shard never holds a whole sequence's storage alive.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .groups import Group
@@ -69,48 +71,24 @@ def split_sequence(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return x.narrow(dim, group.rank * chunk, chunk).clone(memory_format=torch.contiguous_format)
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+def _sequence_function(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd function running ``forward(x, group, dim)`` and ``backward`` on the gradient."""
+
+    def run_forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        return gather_sequence(x, group, dim)
+        return forward(x, group, dim)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return scatter_sequence(grad, ctx.group, ctx.dim), None, None
+    def run_backward(ctx, grad: torch.Tensor):
+        return backward(grad, ctx.group, ctx.dim), None, None
 
-
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return scatter_sequence(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return gather_sequence(grad, ctx.group, ctx.dim), None, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(run_forward),
+                                                   "backward": staticmethod(run_backward)})
 
 
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return split_sequence(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return gather_sequence(grad, ctx.group, ctx.dim), None, None
-
-
-class _Collect(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return gather_sequence(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return split_sequence(grad, ctx.group, ctx.dim), None, None
+_Gather = _sequence_function("_Gather", gather_sequence, scatter_sequence)
+_Scatter = _sequence_function("_Scatter", scatter_sequence, gather_sequence)
+_Split = _sequence_function("_Split", split_sequence, gather_sequence)
+_Collect = _sequence_function("_Collect", gather_sequence, split_sequence)
 
 
 class _SequenceOp(torch.nn.Module):

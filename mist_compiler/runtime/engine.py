@@ -49,6 +49,7 @@ from .loss_scaling import loss_scaler_for
 from .optimizer import AdamWConfig
 from .pipeline import P2P
 from .saved_activations import install_saved_activations
+from .unit_hooks import around_forward
 from .stage_runtime import StageRuntime
 from .tied_weights import TiedWeights
 from .world import DEFAULT_TIMEOUT_S, RankWorld
@@ -450,25 +451,8 @@ def install_activation_offload(runtime: Any, units: list[tuple[str, nn.Module]],
     Checkpointed units keep only their inputs (saved by the checkpoint outside the unit), so they
     have nothing to offload and are skipped.
     """
-    handles = []
-    for name, module in units:
-        if table[name].acts <= 0.0 or name in checkpointed:
-            continue
-        active: list[Any] = []
-
-        def enter(module, args, name=name, active=active):
-            if torch.is_grad_enabled():
-                context = runtime.activation_offload(name)
-                context.__enter__()
-                active.append(context)
-
-        def leave(module, args, output, active=active):
-            if active:
-                active.pop().__exit__(None, None, None)
-
-        handles.append(module.register_forward_pre_hook(enter))
-        handles.append(module.register_forward_hook(leave))
-    return handles
+    return [handle for name, module in units if table[name].acts > 0.0 and name not in checkpointed
+            for handle in around_forward(module, lambda args, name=name: runtime.activation_offload(name))]
 
 
 def unshard(by_tp: dict[int, tuple[torch.Tensor, ShardSpec | None, int]]) -> torch.Tensor:

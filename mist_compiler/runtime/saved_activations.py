@@ -38,6 +38,7 @@ from ..ir.stage import SavedPolicy, split_boundary
 from ..ops import saved_tags
 from .offload import HostMemory
 from .streams import Streams, host_empty
+from .unit_hooks import around_forward
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -135,7 +136,9 @@ class _Session:
     def produced(self, tag: str, value: Any) -> None:
         for index, tensor in enumerate(_tensors(value)):
             storage = tensor.untyped_storage()
-            self.producers.setdefault(storage.data_ptr(), (tag, index, weakref.ref(storage)))
+            entry = self.producers.get(storage.data_ptr())
+            if entry is None or entry[2]() is not storage:  # new, or an address freed and given out again
+                self.producers[storage.data_ptr()] = (tag, index, weakref.ref(storage))
         if tag in self.owner.policy.held:
             self.held[tag] = _detached(value)
 
@@ -306,20 +309,7 @@ def install_saved_activations(runtime: Any, units: list[tuple[str, nn.Module]],
         saved = SavedActivations(policy, replay, fraction, runtime.streams, runtime.host_memory,
                                  runtime._weight_storage_ptrs)
         runtime.activations[name] = saved
-        active: list[Any] = []
-
-        def enter(module, args, saved=saved, name=name, active=active):
-            if torch.is_grad_enabled():
-                context = saved.context(name, args)
-                context.__enter__()
-                active.append(context)
-
-        def leave(module, args, output, active=active):
-            if active:
-                active.pop().__exit__(None, None, None)
-
-        handles.append(module.register_forward_pre_hook(enter))
-        handles.append(module.register_forward_hook(leave))
+        handles += around_forward(module, lambda args, saved=saved, name=name: saved.context(name, args))
     return handles
 
 
