@@ -47,6 +47,7 @@ def test_plain_loss_trains_like_the_fused_one(name, gpt_tiny_program, llama_tiny
     results = {}
     for fused in (True, False):
         stage = lower(program, _plan(name, fused), RankCoord(0, 0, 0), ModuleTensors(model), device=torch.device("cpu"))
+        stage.materialize_all()  # (the runtime would give each unit its values as it lays them out)
         graphs = [module.graph for _, module in stage.units] + [stage.module.graph]
         assert any(n.target is FUSED for g in graphs for n in g.nodes) == fused
         loss = stage.module(**batch)
@@ -68,7 +69,10 @@ def _one(**overrides) -> StageCandidates:
 
 
 def test_the_plain_loss_is_priced_faster_and_larger_and_chosen_where_it_fits():
-    model = build_stage_cost_model("llama-small", "cpu", seq_len=256, dtype="float32")
+    import mist_compiler
+
+    program = mist_compiler.capture("llama-small", dtype="float32", seq_len=256)
+    model = build_stage_cost_model(program, "cpu", seq_len=256, dtype="float32")
     fused, plain = (model.evaluate(_one(fused_loss=choice)) for choice in (LOSS_FUSED, LOSS_PLAIN))
     assert plain.stable_s[0] < fused.stable_s[0]  # the backward's recompute GEMM is gone
     logits = 8 * 256 * 8192  # N x V of a micro-batch

@@ -29,7 +29,7 @@ Per candidate (one pipeline stage, one device's view):
   zeroing and fp32 casts, once) + offload traffic of the step + the first ZeRO-3 gather that
   nothing hides (the host AdamW overlapping the device part's update and pipelining with its
   copies, ``optimizer_phase_s``) + (fp16) the loss scaler's inf/NaN pass over the reduced gradients;
-- the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``MATH_ATTENTION_PASSES``);
+- the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``block_functions.MATH_ATTENTION_PASSES``);
 - memory: ``cost.memory`` closed forms over the per-block liveness results.
 Evaluation groups candidates by their distinct ``(micro_batch, tp, nodes, gpus_per_node)`` so
 the symbolic parts run once per distinct value, then everything is array arithmetic.
@@ -38,17 +38,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
-import sympy
 
 from ..ir.program import MistProgram
 from ..ir.vocabulary import COMPILED_DEFAULT, DEFAULT_DTYPE
-from ..passes.cost_annotation import B, BlockCosts, S, T
-from ..passes.memory_analysis import ATTENTION_KERNELS, BlockMemory
+from ..passes.memory_analysis import ATTENTION_KERNELS
 from .activation_policy import CopyRates, PolicyPrice, rows_at
 from .analysis import analyse_program
+from .block_functions import SEQUENCE_LAYER, BlockFunctions, block_functions
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
@@ -60,113 +58,6 @@ from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates, StageEstimates
 
 MAX_MICRO_BATCH = 1 << 20  # the largest micro-batch (sequences) and group size the cost model prices
 MAX_GROUP = 1 << 14
-
-
-def _lambdify(expr: sympy.Expr) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
-    expr = sympy.sympify(expr)
-    unknown = expr.free_symbols - {B, S, T}
-    if unknown:
-        raise StageModelError(f"cost expression {expr} has symbols {sorted(map(str, unknown))} besides b, s, t")
-    function = sympy.lambdify((B, S, T), expr, modules="numpy")
-
-    def evaluate(b: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:
-        b, s, t = np.broadcast_arrays(np.asarray(b, float), np.asarray(s, float), np.asarray(t, float))
-        return np.broadcast_to(np.asarray(function(b, s, t), dtype=float), b.shape).copy()
-
-    return evaluate
-
-
-@dataclass
-class _BlockFunctions:
-    """Lambdified per-block quantities."""
-
-    flops: dict[str, dict[str, Callable]]  # phase -> op class -> f(b, s, t)
-    nbytes: dict[str, dict[str, Callable]]
-    collectives: dict[str, list[tuple[str, Callable]]]  # phase -> (collective kind, payload) of the TP edges
-    saved: Callable
-    input: Callable
-    output: Callable
-    forward_peaks: list[Callable]  # points where the block's weights are in use
-    backward_peaks: list[Callable]
-    forward_peaks_weights_free: list[Callable]  # points past its last weight use / before its first (the loss)
-    backward_peaks_weights_free: list[Callable]
-    saved_sequence: list[Callable]  # saved storages in the order the forward saves them
-    saved_offloadable: list[bool]
-    params_per_device: Callable
-    tp_supported: bool
-    op_count: dict[str, int]  # phase -> ops that run a kernel (views excluded): each pays the profile's op overhead
-    tp_granularity: int
-    units: list[Callable]  # the first two units in forward order (the second 0 when there is one)
-    tp_optional: bool = False
-    gemms: dict[str, list[tuple[Callable, Callable]]] = field(default_factory=dict)  # phase -> (flops, bytes) per matmul
-    loss: tuple[Callable, Callable, Callable] | None = None  # the fused loss's (N, H, V per device), cost.loss_kernel
-    loss_dtype_bytes: int = 4
-    stash: Callable | None = None  # bytes the backward's weight half keeps from the input half
-
-
-SEQUENCE_LAYER = "layer_sp"  # the layer's functions as sequence parallelism runs it
-
-# The math attention kernel materialises the b*h*s*s scores: forward writes the scores, softmax
-# reads and writes them, probs @ v reads them (4 passes); backward reads the probabilities twice
-# and writes / reads their gradient and the scores' gradient (6 passes).
-MATH_ATTENTION_PASSES = {"forward": 4, "backward": 6}
-
-
-def _class_bytes(block: BlockAnalysis, phase: str, graph_costs, attention: str) -> dict[str, sympy.Expr]:
-    nbytes = dict(graph_costs.bytes_by_class())
-    if attention == "math" and block.memory.attention_probs != 0 and phase in MATH_ATTENTION_PASSES:
-        extra = MATH_ATTENTION_PASSES[phase] * block.memory.attention_probs
-        nbytes["attention"] = nbytes.get("attention", sympy.Integer(0)) + extra
-    return nbytes
-
-
-def _block_functions(block: BlockAnalysis, attention: str) -> _BlockFunctions:
-    # "weight": the backward's weight half (part of "backward"), for schedules that run it apart
-    weight = block.weight_costs if block.weight_costs is not None else block.costs.backward.restrict(set())
-    phases = {"forward": block.costs.forward, "backward": block.costs.backward, "weight": weight}
-    return _BlockFunctions(
-        flops={p: {c: _lambdify(e) for c, e in g.flops_by_class().items()} for p, g in phases.items()},
-        nbytes={p: {c: _lambdify(e) for c, e in _class_bytes(block, p, g, attention).items()} for p, g in phases.items()},
-        collectives={p: [(c.kind, _lambdify(c.bytes)) for c in g.collectives] for p, g in phases.items()},
-        saved=_lambdify(block.memory.saved[attention]),
-        input=_lambdify(block.memory.input),
-        output=_lambdify(block.memory.output),
-        forward_peaks=[_lambdify(e) for e in _weighted_points(block, "forward", attention)],
-        backward_peaks=[_lambdify(e) for e in _weighted_points(block, "backward", attention)],
-        forward_peaks_weights_free=[_lambdify(e) for e in _weights_free_points(block, "forward", attention)],
-        backward_peaks_weights_free=[_lambdify(e) for e in _weights_free_points(block, "backward", attention)],
-        # activation offload is priced per layer (greedy_offload), so only the layer's sequence is needed
-        saved_sequence=[_lambdify(e) for e in block.memory.saved_sequence] if block.kind == "layer" else [],
-        saved_offloadable=list(block.memory.saved_offloadable) if block.kind == "layer" else [],
-        params_per_device=_lambdify(block.params_per_device),
-        tp_supported=block.tp_supported,
-        op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
-        tp_granularity=block.tp_granularity,
-        tp_optional=block.tp_optional,
-        gemms={p: [(_lambdify(c.flops), _lambdify(c.bytes)) for c in g.nodes if c.op_class == "matmul"]
-               for p, g in phases.items()},
-        units=[_lambdify(e) for e in ((block.units or [block.params_per_device]) + [sympy.Integer(0)])[:2]],
-        loss=None if block.loss is None else tuple(_lambdify(e) for e in (block.loss.rows, block.loss.hidden,
-                                                                          block.loss.vocab)),
-        loss_dtype_bytes=block.loss.dtype_bytes if block.loss is not None else 4,
-        stash=_lambdify(block.weight_stash),
-    )
-
-
-def _weighted_points(block: BlockAnalysis, phase: str, attention: str) -> list[sympy.Expr]:
-    """Peak candidates at which the block holds its weights (the backend's units are modules: only
-    the post block's loss runs outside one, so only the post block splits its points)."""
-    memory = block.memory
-    split = getattr(memory, f"{phase}_peaks_weights", {}).get(attention)
-    if block.kind != "post" or not split:
-        return getattr(memory, f"{phase}_peaks")[attention]
-    return split
-
-
-def _weights_free_points(block: BlockAnalysis, phase: str, attention: str) -> list[sympy.Expr]:
-    if block.kind != "post":
-        return []
-    return getattr(block.memory, f"{phase}_peaks_weights_free", {}).get(attention) or []
 
 
 def _group_shapes(tp: np.ndarray, dp: np.ndarray, nodes: np.ndarray, gpus_per_node: np.ndarray):
@@ -227,7 +118,7 @@ class StageCostModel:
     num_layers: int = 0
     grad_dtype: str = "float32"  # the plan's grad_dtype: the dtype ZeRO 0/1 keep gradients in, for every candidate
     compiled: bool = COMPILED_DEFAULT  # prices the units as compiled code (``cost.compiled``), else the eager program
-    _functions: dict[str, _BlockFunctions] = field(default_factory=dict, repr=False)
+    _functions: dict[str, BlockFunctions] = field(default_factory=dict, repr=False)
     _terms_cache: dict[int, dict] = field(default_factory=dict, repr=False)  # (b, t, TP group) key -> block terms
     # per-tensor activation policies candidates may use (``act_policy`` indexes it), priced on the layer's table
     policies: list = field(default_factory=list, repr=False)
@@ -243,9 +134,9 @@ class StageCostModel:
         missing = [kind for kind in BLOCK_KINDS if kind not in self.blocks]
         if missing:
             raise StageModelError(f"model analysis lacks block kind(s) {missing}")
-        self._functions = {kind: _block_functions(block, self.attention) for kind, block in self.blocks.items()}
+        self._functions = {kind: block_functions(block, self.attention) for kind, block in self.blocks.items()}
         if self.blocks["layer"].sequence is not None:  # the layer as sequence parallelism runs it
-            self._functions[SEQUENCE_LAYER] = _block_functions(self.blocks["layer"].sequence, self.attention)
+            self._functions[SEQUENCE_LAYER] = block_functions(self.blocks["layer"].sequence, self.attention)
         self.evaluate(_warm_up_candidate())  # first-call costs of numpy/lambdify paid here, not by the tuner
 
     @property
