@@ -86,7 +86,8 @@ def workload(program: MistProgram, global_batch: int, seq_len: int):
     graph = program.model_graph
     tp = graph.tp if graph is not None else None
     divisor = tp.granularity if tp is not None and tp.supported else 1
-    return Workload(len(program.layers), max(divisor, 1), global_batch, seq_len, program.dtype, program.model_name)
+    return Workload(len(program.layers), max(divisor, 1), global_batch, seq_len, program.dtype, program.model_name,
+                    tied_embeddings=bool(graph is not None and graph.tied_parameters()))
 
 
 def tune(program: MistProgram, cost_model, *, nodes: int, gpus_per_node: int, global_batch: int, seq_len: int,

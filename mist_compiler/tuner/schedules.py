@@ -50,11 +50,19 @@ class Candidate:
     price: PlanPrice
 
 
-def schedule_options(space: SearchSpace, stages: int, layers: tuple[int, ...], grad_accum: int) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) pairs the space allows for this layout."""
+def schedule_options(space: SearchSpace, stages: int, layers: tuple[int, ...], grad_accum: int,
+                     tied_embeddings: bool = False) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs the space allows for this layout (a model tying its head to
+    its embedding: none that puts the first and last virtual stage on one group of devices, which
+    the lowering refuses)."""
     options = []
     for name in space.schedules:
         for v in ((1,) if name in ("1f1b", "gpipe", "zb-h1") else (2,) if name == "zbv" else space.virtual_stages):
+            where = placement(name, stages, v)
+            if name != "1f1b" and stages < 2:  # one stage has no bubble for a schedule to fill
+                continue
+            if tied_embeddings and len(where) > 1 and where[0] == where[-1]:
+                continue
             if schedule_problem(name, stages, v, grad_accum) is None and min(layers) >= v:
                 options.append((name, v))
     return options
@@ -164,7 +172,7 @@ def schedule_candidates(cost_model: StageCostModel, pool: StagePool, work: Workl
     found = []
     if pool.bound(layout) >= incumbent:
         return found
-    for name, v in schedule_options(space, stages, layout.layers, g):
+    for name, v in schedule_options(space, stages, layout.layers, g, work.tied_embeddings):
         if stages * v * g * 3 > MAX_SIMULATED_ACTIONS:
             continue
         try:

@@ -230,3 +230,4 @@ class Workload:
     dtype: str = DEFAULT_DTYPE
     model_name: str = "model"
     extra: dict = field(default_factory=dict, compare=False)
+    tied_embeddings: bool = False  # the head shares the embedding's weight: both ends never on one device group
