@@ -9,7 +9,8 @@ Ladder (default): GPT and LLaMA 1.3B-22B on L4 (sequence 2048) and H100 (sequenc
 2.7B on 8 GPUs, 7B on 16, 13B on 32, 22B on 64 (8 GPUs per node), 16 sequences per GPU (the paper's
 ratio): the tuned plan of the full space (every schedule: 1F1B, interleaved, ZB-H1, ZB-V, and every
 knob) against the paper's Mist space (1F1B; micro-batch 1/2/4, one TP degree, equal devices, layers
-within +-2 of an even split), both priced by simulating their schedule. The paper's grid
+within +-2 of an even split), both priced by simulating their schedule; and against the full space without sequence parallelism
+and per-tensor activation choices (``x no-sp/pt``: what those two bring). The paper's grid
 (``--paper-grid``): 1.3B on 2 GPUs with batch 32, 2.7B/4/64, 7B/8/128, 13B/16/256, 22B/32/512; L4 and
 A100-40GB; baselines (``mist_compiler.tuner.baselines``): Megatron-style uniform grid, ZeRO-3/FSDP
 only, and the paper's restricted Mist space. A speedup below 1 would mean the full search missed a
@@ -27,7 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mist_compiler import driver  # noqa: E402
 from mist_compiler.tuner.baselines import BASELINE_SPACES  # noqa: E402
-from mist_compiler.tuner.space import TuneError  # noqa: E402
+from mist_compiler.tuner.space import SearchSpace, TuneError  # noqa: E402
+
+# the full space less one of its additions: what sequence parallelism and per-tensor activation
+# choices bring on their own (issue 26), next to the paper's space (everything this compiler adds)
+ABLATIONS = {"no-sp/pt": SearchSpace(sequence_parallel=False, per_tensor=False)}
 
 SIZES = [("1.3b", 1, 2, 32), ("2.7b", 1, 4, 64), ("7b", 1, 8, 128), ("13b", 2, 8, 256), ("22b", 4, 8, 512)]
 LADDER_SIZES = [("1.3b", 1, 8, 128), ("2.7b", 1, 8, 128), ("7b", 2, 8, 256), ("13b", 4, 8, 512), ("22b", 8, 8, 1024)]
@@ -63,7 +68,8 @@ def evaluate_case(model: str, hardware: str, nodes: int, gpus: int, batch: int, 
     row["one_f_one_b_s"] = tuned.stats.get("one_f_one_b_s")
     for name in baselines:
         try:
-            baseline = driver.tune(program, cost_model, **cluster, baseline=name)
+            spaces = {"space": ABLATIONS[name]} if name in ABLATIONS else {"baseline": name}
+            baseline = driver.tune(program, cost_model, **cluster, **spaces)
             row[name] = baseline.predicted_time_s
         except TuneError:
             row[name] = None  # the baseline has no plan that fits
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paper-grid", action="store_true", help="the Mist paper's grid against every baseline")
     parser.add_argument("--json", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
-    names = list(BASELINE_SPACES) if args.paper_grid else ["mist-paper"]
+    names = list(BASELINE_SPACES) if args.paper_grid else ["mist-paper", *ABLATIONS]
     rows = []
     for case in (QUICK if args.quick else grid(args.paper_grid)):
         rows.append(evaluate_case(*case, baselines=names))
