@@ -94,9 +94,11 @@ def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype:
         dp, tp = stage.get("dp", 1), stage.get("tp", 1)
         built.append(StagePlan(layers=(start, start + stage["layers"]), nodes=1, gpus_per_node=dp * tp, dp=dp, tp=tp,
                                micro_batch=global_batch // (dp * grad_accum), zero=stage.get("zero", 0),
-                               ckpt_layers=stage.get("ckpt", 0), offload=stage.get("offload", Offload())))
+                               ckpt_layers=stage.get("ckpt", 0), offload=stage.get("offload", Offload()),
+                               sp=stage.get("sp", False)))
         start += stage["layers"]
-    return Plan("gpt-small", 128, global_batch, dtype, grad_accum, tuple(built))
+    # the suite runs units eagerly (MIST_COMPILE=0): the plan says so, so that it is priced as it runs
+    return Plan("gpt-small", 128, global_batch, dtype, grad_accum, tuple(built), compiled=False)
 
 
 @pytest.mark.distributed
@@ -105,12 +107,13 @@ def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype:
     _plan([{"layers": 4, "dp": 2, "zero": 2, "offload": Offload(grads=0.5, opt=0.5, acts=0.5)}], grad_accum=2),
     _plan([{"layers": 2, "ckpt": 1}, {"layers": 2}], grad_accum=4),
     _plan([{"layers": 4, "tp": 2, "ckpt": 2}]),
+    _plan([{"layers": 4, "tp": 2, "sp": True}]),  # sequence parallelism: layers' norms and residuals on chunks
     # mixed precision, accumulating: the first micro-batch's fp32 copy becomes the accumulator (not copied)
     _plan([{"layers": 2}, {"layers": 2}], grad_accum=2, dtype="bfloat16"),
     # 4 ranks: in the first stage the next backward's first unit finishes while the previous backward's
     # token-embedding reduce-scatter may still run; the runtime finishes it before launching the next
     _plan([{"layers": 2, "dp": 2, "zero": 2}, {"layers": 2, "dp": 2, "zero": 2}], grad_accum=2, dtype="bfloat16"),
-], ids=["zero3-ckpt", "zero2-offload-accumulate", "pipeline", "tp2-ckpt", "pipeline-bf16-accumulate",
+], ids=["zero3-ckpt", "zero2-offload-accumulate", "pipeline", "tp2-ckpt", "tp2-sp", "pipeline-bf16-accumulate",
         "pipeline-dp2-zero2-bf16"])
 def test_backend_peak_matches_the_memory_model(plan):
     from mist_compiler import analyze
