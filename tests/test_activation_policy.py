@@ -1,0 +1,206 @@
+"""Per-tensor activation policies (issue 26): the plan key, the MILP, the lowering and real runs.
+
+A stage's ``activations = {"recompute": [node, ...], "offload": {node: fraction}}`` names nodes of
+the layer program (``mistc ir``). Llama-tiny's layer (seq 16) has, among others: the attention norm
+``rsqrt``/``mul``/``mul_1``, the projections ``linear``..``linear_2``, the rotary ``q_1``/``k_2``,
+``v_1``, the attention ``y``, the residual ``x_1``, the MLP norm ``mul_6``/``mul_7``, the MLP
+``linear_4`` (gate), ``silu``, ``linear_5`` (up), ``mul_8`` and the hidden input ``x_in``.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import sympy
+
+from mist_compiler.ir.plan import ActivationPolicy, Plan, PlanError
+from plan_runs import assert_all_pass, plan_dict, run_plans, stage
+
+SEQ = 16
+MLP_CHAIN = ["linear_4", "silu", "linear_5", "mul_8"]  # recomputed from the kept mul_7 (the MLP norm's output)
+ATTENTION = ["rsqrt", "mul", "mul_1", "y"]  # the norm and the attention, from x_in, q_1, k_2, v_1
+
+
+def _plan(activations=None, model="llama-tiny", **extra) -> dict:
+    policy = {} if activations is None else {"activations": activations}
+    return plan_dict(model, 4, 1, [stage((0, 4), **policy, **extra)])
+
+
+# ---- 1. the plan key ----------------------------------------------------------------------------------
+
+def test_plan_key_is_optional_and_round_trips():
+    plain = Plan.from_dict(_plan())
+    assert plain.stages[0].activations is None
+    assert "activations" not in plain.to_dict()["stages"][0]  # plans without it keep their schema
+    data = _plan({"recompute": ["silu", "linear_4"], "offload": {"y": 0.25, "x_in": 1, "mul_8": 0.0}})
+    plan = Plan.from_dict(data)
+    policy = plan.stages[0].activations
+    assert policy.recompute == ("silu", "linear_4")  # in the plan's order
+    assert policy.offload_fractions == {"x_in": 1.0, "y": 0.25}  # a zero fraction is no choice
+    assert set(policy.nodes) == {"silu", "linear_4", "x_in", "y"}
+    again = Plan.from_dict(plan.to_dict())
+    assert again == plan and again.to_dict() == plan.to_dict()
+    assert again.to_dict()["stages"][0]["activations"] == {"recompute": ["silu", "linear_4"],
+                                                           "offload": {"x_in": 1.0, "y": 0.25}}
+    assert Plan.from_dict(_plan({})).stages[0].activations == ActivationPolicy()  # both halves optional
+
+
+@pytest.mark.parametrize("activations, message", [
+    ({"recompute": "silu"}, r"stages\[0\]\.activations\.recompute: expected a list of node names, got 'silu'"),
+    ({"recompute": ["silu", 3]}, r"stages\[0\]\.activations\.recompute: expected a list of node names"),
+    ({"recompute": ["silu", "silu"]}, r"stages\[0\]\.activations\.recompute: names a node twice"),
+    ({"offload": {"y": 1.5}}, r"stages\[0\]\.activations\.offload\.y: must be in \[0, 1\], got 1\.5"),
+    ({"offload": {"y": -0.1}}, r"stages\[0\]\.activations\.offload\.y: must be in \[0, 1\], got -0\.1"),
+    ({"offload": {"y": True}}, r"stages\[0\]\.activations\.offload\.y: expected a number"),
+    ({"offload": ["y"]}, r"stages\[0\]\.activations\.offload: expected an object node -> fraction"),
+    ({"recompute": ["y"], "offload": {"y": 0.5}}, r"stages\[0\]\.activations\.offload: \['y'\] are recomputed"),
+    ({"keep": ["y"]}, r"stages\[0\]\.activations: unknown key\(s\) \['keep'\]"),
+    (["y"], r"stages\[0\]\.activations: expected an object"),
+])
+def test_plan_key_bad_values_are_named(activations, message):
+    with pytest.raises(PlanError, match=message):
+        Plan.from_dict(_plan(activations))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from mist_compiler import driver
+
+    return driver.capture("llama-tiny", dtype="float32", seq_len=SEQ)
+
+
+@pytest.mark.parametrize("activations, message", [
+    ({"recompute": ["silu", "nope"]}, r"stages\[0\]\.activations\.recompute\[1\]: 'nope' is not a node of the layer"),
+    ({"recompute": ["x_in"]}, r"stages\[0\]\.activations\.recompute\[0\]: 'x_in' is not a node"),  # an input
+    ({"offload": {"silu": 0.5, "nope": 0.5}}, r"stages\[0\]\.activations\.offload\.nope: not a node of the layer"),
+])
+def test_unknown_nodes_are_refused_naming_the_field(llama, activations, message):
+    from mist_compiler.lowering.lower import check_plan_against_program
+    from mist_compiler.passes.activation_policy import ActivationPolicyError
+
+    check_plan_against_program(Plan.from_dict(_plan({"recompute": MLP_CHAIN, "offload": {"x_in": 1.0}})), llama)
+    with pytest.raises(ActivationPolicyError, match=message):
+        check_plan_against_program(Plan.from_dict(_plan(activations)), llama)
+
+
+@pytest.fixture(scope="module")
+def gpt2_dropout(tmp_path_factory):
+    """A 3-layer Hugging Face GPT-2 config, dropout 0.1: its path and its capture."""
+    from hf_configs import write_config
+
+    from mist_compiler import driver
+
+    path = write_config("gpt2", str(tmp_path_factory.mktemp("gpt2")))
+    return path, driver.capture(path, dtype="float32", seq_len=SEQ, analyse=False)
+
+
+def _dropouts(program) -> list[str]:
+    from mist_compiler.passes.activation_policy import layer_node_names
+
+    inside = set(program.model_graph.regions[0].nodes)  # not the hidden input (the embedding's dropout)
+    return [name for name, node in layer_node_names(program.model_graph).items()
+            if name in inside and "dropout" in getattr(node.target, "__name__", str(node.target))]
+
+
+def test_counter_dropout_may_be_recomputed(gpt2_dropout):
+    """The capture writes dropout as ``counter_dropout`` (its mask a function of the seeds, the layer and
+    the site: drawn again identically), so recomputing it is allowed; plain random ops are not."""
+    from mist_compiler.lowering.lower import check_plan_against_program
+    from mist_compiler.passes.activation_policy import _random
+
+    path, program = gpt2_dropout
+    dropouts = _dropouts(program)
+    assert dropouts  # GPT-2 trains with dropout 0.1: the residual dropouts of the layer
+    check_plan_against_program(Plan.from_dict(plan_dict(path, 2, 1, [stage((0, 3), activations={
+        "recompute": dropouts, "offload": {}})])), program)
+    import torch.fx as fx
+    import torch.nn.functional as F
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    assert _random(graph.call_function(F.dropout, (x, 0.1)))
+    assert not _random(graph.call_function(F.dropout, (x, 0.0)))  # p = 0 draws nothing
+
+
+# ---- 2. the MILP on llama-tiny's captured layer --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def priced(llama):
+    """Llama-tiny's layer table at micro-batch 2, tp 1 on the CPU profile, as the tuner reads it."""
+    from mist_compiler import driver
+
+    cost_model = driver.analyse(llama, "cpu", seq_len=SEQ, compiled=False)
+    rows, rates = cost_model.layer_rows(1, False, micro_batch=2)
+    return cost_model.layer_table(False), rows, rates
+
+
+def _symbolic(table, policy: ActivationPolicy) -> float:
+    """Kept bytes of ``policy`` at (b=2, s=SEQ, t=1) by the cost model's own (sympy) rule."""
+    from mist_compiler.cost.activation_policy import policy_bytes
+    from mist_compiler.ir.vocabulary import B, S, T
+
+    kept, _ = policy_bytes(table, policy)
+    return float(sympy.sympify(kept).subs({B: 2, S: SEQ, T: 1}))
+
+
+def _valid(rows, policy: ActivationPolicy) -> None:
+    by_tag = {row.tag: row for row in rows}
+    recompute = set(policy.recompute)
+    assert all(by_tag[t].recomputable for t in recompute), policy
+    assert all(by_tag[t].offloadable for t, _ in policy.offload), policy
+    held = {u for v in recompute for u in by_tag[v].inputs} - recompute
+    assert not held & {t for t, _ in policy.offload}, ("a held value's offload frees nothing", policy)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["recompute-only", "with-offload"])
+def test_milp_fits_the_budget_and_beats_layer_level_choices(priced, offload):
+    from mist_compiler.tuner.activation_milp import price, solve
+
+    table, rows, rates = priced
+    total = sum(row.saved for row in rows)
+    assert total == pytest.approx(_symbolic(table, ActivationPolicy()))
+    everything = ActivationPolicy(tuple(row.tag for row in rows if row.recomputable))
+    least, recompute_s = _symbolic(table, everything), sum(row.seconds for row in rows if row.recomputable)
+    assert 0 < least < total / 4
+    for share in (0.9, 0.7, 0.5, 0.3, least / total):
+        budget = share * total * (1 + 1e-9)
+        found = solve(rows, budget, rates, offload=offload)
+        assert found is not None and found.status in ("OPTIMAL", "FEASIBLE", "LAYER-LEVEL"), (share, found)
+        _valid(rows, found.policy)
+        assert offload or not found.policy.offload
+        kept = _symbolic(table, found.policy)
+        assert kept == pytest.approx(found.kept, rel=1e-9) and kept <= budget, (share, kept, budget)
+        assert found.seconds == pytest.approx(price(rows, found.policy, rates)[2])
+        # the layer-level choices that fit: keep everything (0 s) only at the full budget; recompute all
+        assert found.seconds <= recompute_s * (1 + 1e-9), (share, found.seconds, recompute_s)
+        if share == 0.5:  # per tensor: half the memory for far less than recomputing the whole layer
+            assert found.seconds < 0.5 * recompute_s, (found.seconds, recompute_s)
+    assert solve(rows, 0.5 * least, rates, offload=False) is None  # below what recomputing everything keeps
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["recompute-only", "with-offload"])
+def test_milp_keeps_everything_under_a_generous_budget(priced, offload):
+    from mist_compiler.tuner.activation_milp import solve
+
+    _, rows, rates = priced
+    total = sum(row.saved for row in rows)
+    for budget in (total, 2 * total):
+        found = solve(rows, budget, rates, offload=offload)
+        assert found.policy == ActivationPolicy(), found.policy  # nothing recomputed or moved for nothing
+        assert found.seconds == 0 and found.kept == total
+
+
+def test_milp_frontier_is_pareto_and_registers_policies(priced, llama):
+    from mist_compiler import driver
+    from mist_compiler.tuner.activation_milp import frontier
+
+    table, rows, rates = priced
+    points = frontier(rows, rates, points=5, offload=False)
+    assert len(points) >= 3
+    kept = [p.kept for p in points]
+    seconds = [p.seconds for p in points]
+    assert kept == sorted(kept) and all(a > b for a, b in zip(seconds, seconds[1:])), (kept, seconds)
+    assert all(p.kept == pytest.approx(_symbolic(table, p.policy)) for p in points)
+    cost_model = driver.analyse(llama, "cpu", seq_len=SEQ, compiled=False)
+    indices = [cost_model.add_policy(p.policy) for p in points]
+    assert indices == list(range(len(points))) and cost_model.add_policy(points[0].policy) == 0
