@@ -204,3 +204,56 @@ def test_milp_frontier_is_pareto_and_registers_policies(priced, llama):
     cost_model = driver.analyse(llama, "cpu", seq_len=SEQ, compiled=False)
     indices = [cost_model.add_policy(p.policy) for p in points]
     assert indices == list(range(len(points))) and cost_model.add_policy(points[0].policy) == 0
+
+
+# ---- 3. the lowering ------------------------------------------------------------------------------------
+
+def _lowered(program, plan: dict, coord=(0, 0, 0)):
+    from mist_compiler.ir.topology import RankCoord
+    from mist_compiler.lowering.lower import lower_stage
+
+    return lower_stage(program, Plan.from_dict(plan), RankCoord(*coord))
+
+
+def test_lowering_marks_the_layer_units_with_the_policy(llama):
+    from mist_compiler.ops import saved_tags
+
+    data = _plan({"recompute": ["silu", "linear_4", *ATTENTION], "offload": {"mul_8": 0.5, "x_in": 1.0}},
+                 ckpt_layers=1)
+    stage_graph = _lowered(llama, data)
+    first, *others = stage_graph.layer_units
+    assert first.checkpointed and first.saved is None  # the checkpointed layer keeps its input only
+    assert all(u.saved is None for u in stage_graph.units if u.kind != "layer")
+    assert len(others) == 3
+    for unit in others:
+        policy = unit.saved
+        assert policy.recompute == frozenset({"silu", "linear_4", *ATTENTION}) and not policy.plain_offload
+        assert policy.offload == {"mul_8": 0.5, "x_in": 1.0}
+        assert policy.replayed == ("rsqrt", "mul", "mul_1", "y", "linear_4", "silu")  # in program order
+        # what the recomputation starts from: the norm's input, q/k/v after rotary, the MLP norm's output
+        assert set(policy.held) == {"add", "float_2", "to", "q_1", "k_2", "v_1", "mul_7"}, policy.held
+        assert policy.inputs[0] == "x_in"  # the hidden input: offloaded by name
+        replay = list(policy.replay.nodes)
+        assert [n.name for n in replay if n.op == "placeholder"] == list(policy.held)
+        calls = [n for n in replay if n.op == "call_function" and n.target is saved_tags.enter]
+        assert [n.args[0] for n in calls] == list(policy.replayed)
+        # the unit's program is marked around every call so the hooks know who saved what
+        marked = [n for n in unit.graph.nodes if n.op == "call_function" and n.target is saved_tags.enter]
+        assert {n.args[0] for n in marked} >= {"silu", "linear_4", "mul_8", "y"}
+    assert others[0].saved is others[1].saved  # one policy per distinct layer graph
+
+
+def test_lowering_without_a_policy_leaves_units_alone(llama):
+    stage_graph = _lowered(llama, _plan())
+    assert all(unit.saved is None for unit in stage_graph.units)
+    only_offload = _lowered(llama, _plan({"offload": {"y": 0.5}})).layer_units[0].saved
+    assert only_offload.replay is None and only_offload.replayed == () and only_offload.offload == {"y": 0.5}
+
+
+def test_sequence_parallel_recomputes_its_gathers_with_the_policy(llama):
+    data = plan_dict("llama-tiny", 4, 1, [stage((0, 4), tp=2, sp=True, activations={"recompute": ["silu"]})])
+    policy = _lowered(llama, data, (0, 0, 0)).layer_units[0].saved
+    gathers = {n.name for n in policy.replay.nodes if n.op == "call_module" and n.target == "tp.sp_gather"}
+    assert len(gathers) == 2 and policy.recompute == frozenset({"silu", *gathers})
+    plain = _lowered(llama, plan_dict("llama-tiny", 4, 1, [stage((0, 4), tp=2, sp=True)])).layer_units[0].saved
+    assert plain.plain_offload and plain.recompute == frozenset(gathers)  # sp alone: gathers only
