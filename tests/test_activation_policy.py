@@ -257,3 +257,30 @@ def test_sequence_parallel_recomputes_its_gathers_with_the_policy(llama):
     assert len(gathers) == 2 and policy.recompute == frozenset({"silu", *gathers})
     plain = _lowered(llama, plan_dict("llama-tiny", 4, 1, [stage((0, 4), tp=2, sp=True)])).layer_units[0].saved
     assert plain.plain_offload and plain.recompute == frozenset(gathers)  # sp alone: gathers only
+
+
+# ---- 4. real runs: training exactly like one process ----------------------------------------------------
+
+def test_per_tensor_plans_train_like_one_process(gpt2_dropout):
+    """Recompute (the norm, the attention, the MLP chain), fractional offload (the hidden input too), both
+    with a checkpointed layer and two micro-batches, and GPT-2 recomputing its counter-based dropouts."""
+    path, program = gpt2_dropout
+    both = {"recompute": ATTENTION + ["linear_5"], "offload": {"linear_4": 1.0, "silu": 0.5, "x_in": 0.3}}
+    plans = [_plan({"recompute": ATTENTION + MLP_CHAIN}),
+             _plan({"offload": {"linear_4": 1.0, "silu": 0.5, "y": 0.3, "x_in": 1.0, "mul_1": 0.7}}),
+             plan_dict("llama-tiny", 4, 2, [stage((0, 4), ckpt_layers=1, activations=both)]),
+             plan_dict(path, 4, 1, [stage((0, 3), activations={"recompute": _dropouts(program)})])]
+    results = run_plans(1, plans)
+    assert len(results) == len(plans)
+    assert_all_pass(results)
+
+
+@pytest.mark.distributed
+def test_per_tensor_plans_train_like_one_process_on_two_ranks():
+    """Data parallel (ZeRO 2) and tensor parallel with sequence parallelism, each with both choices."""
+    both = {"recompute": ["mul_1", "y"] + MLP_CHAIN, "offload": {"x_in": 1.0, "x_1": 0.5, "mul_6": 0.25}}
+    plans = [plan_dict("llama-tiny", 4, 1, [stage((0, 4), dp=2, zero=2, activations=both)]),
+             plan_dict("llama-tiny", 4, 2, [stage((0, 4), tp=2, sp=True, activations=both)])]
+    results = run_plans(2, plans)
+    assert len(results) == len(plans)
+    assert_all_pass(results)
