@@ -250,6 +250,13 @@ def test_lowering_without_a_policy_leaves_units_alone(llama):
     assert only_offload.replay is None and only_offload.replayed == () and only_offload.offload == {"y": 0.5}
 
 
+def test_a_held_value_is_not_offloaded(llama):
+    """Recomputing silu reads linear_4's output, referenced from the forward until the replay: copying it to
+    the host would free nothing (the cost model prices it so), so the unit's policy drops its fraction."""
+    policy = _lowered(llama, _plan({"recompute": ["silu"], "offload": {"linear_4": 1.0, "y": 0.5}})).layer_units[0].saved
+    assert policy.held == ("linear_4",) and policy.offload == {"y": 0.5}
+
+
 def test_sequence_parallel_recomputes_its_gathers_with_the_policy(llama):
     data = plan_dict("llama-tiny", 4, 1, [stage((0, 4), tp=2, sp=True, activations={"recompute": ["silu"]})])
     policy = _lowered(llama, data, (0, 0, 0)).layer_units[0].saved
@@ -284,3 +291,83 @@ def test_per_tensor_plans_train_like_one_process_on_two_ranks():
     results = run_plans(2, plans)
     assert len(results) == len(plans)
     assert_all_pass(results)
+
+
+# ---- 5. what the runtime keeps: replays, host bytes and the peak against the prediction ----------------
+
+def _policy_rank(rank: int, world: int, plans: list[dict]) -> list[dict]:
+    """Per plan: two training steps; the second step's peak device bytes, the replays run and the bytes
+    copied to the host by the per-tensor hooks."""
+    from mist_compiler import compile as compile_plan
+    from mist_compiler.models import build_model
+    from mist_compiler.profiling.live_memory import DevicePeakMemory
+    from mist_compiler.runtime.saved_activations import SavedActivations
+    from mist_compiler.verify.check import synthetic_batch, vocab_size
+
+    results = []
+    for data in plans:
+        plan = Plan.from_dict(data)
+        replays = []
+        with DevicePeakMemory() as probe:
+            model = build_model(plan.model, seq_len=plan.seq_len)
+            engine = compile_plan(model, plan, timeout_s=60.0)
+            vocab = vocab_size(model)
+            del model
+            gc.collect()
+            hooks = {name: a for name, a in engine.runtime.activations.items() if isinstance(a, SavedActivations)}
+            for name, saved in hooks.items():
+                if saved.replay is not None:
+                    saved.replay = lambda *args, run=saved.replay, name=name: replays.append(name) or run(*args)
+            batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, step) for step in range(2)]
+            engine.step(batches[0])
+            probe.reset_peak()
+            engine.step(batches[1])
+            peak = float(probe.peak_bytes)
+        results.append({"peak": peak, "units": sorted(hooks), "replays": len(replays),
+                        "offloaded": sum(a.offloaded_bytes for a in hooks.values())})
+        engine.close()
+    return results
+
+
+def _small(activations: dict | None, **extra) -> dict:
+    data = plan_dict("gpt-small", 8, 1, [stage((0, 4), **({"activations": activations} if activations else {}),
+                                                **extra)], seq=128)
+    return {**data, "compiled": False}  # the suite runs units eagerly: priced as it runs
+
+
+GPT_RECOMPUTE = {"recompute": ["layer_norm_1", "linear_4", "gelu"]}  # the MLP's input norm and up projection
+GPT_BOTH = {"recompute": ["gelu"], "offload": {"linear_4": 1.0, "y": 0.5, "layer_norm": 0.25}}
+
+
+@pytest.mark.distributed
+def test_per_tensor_plans_keep_what_the_memory_model_predicts():
+    from dist_utils import run_ranks
+
+    from mist_compiler import analyze
+    from mist_compiler.cost.activation_policy import policy_bytes
+    from mist_compiler.cost.hardware import load_profile
+    from mist_compiler.ir.vocabulary import B, S, T
+
+    plans = [_small(None), _small(GPT_RECOMPUTE), _small(GPT_BOTH, ckpt_layers=1)]
+    plain, recompute, both = run_ranks(_policy_rank, world=1, args=(plans,), timeout_s=300)[0]
+    assert plain["units"] == [] and plain["replays"] == 0 and plain["offloaded"] == 0
+    layers = [f"blocks.{i}" for i in range(4)]
+    assert recompute["units"] == layers and both["units"] == layers[1:]  # the checkpointed layer: no hooks
+    assert recompute["replays"] == 4 * 2 and both["replays"] == 3 * 2  # once per layer, micro-batch and step
+    assert recompute["offloaded"] == 0
+    from mist_compiler import driver
+
+    table = driver.analyse(driver.capture("gpt-small", dtype="float32", seq_len=128), "cpu", seq_len=128,
+                           compiled=False).layer_table(False)
+    _, per_layer = policy_bytes(table, Plan.from_dict(plans[2]).stages[0].activations)
+    expected = 3 * 2 * float(sympy.sympify(per_layer).subs({B: 8, S: 128, T: 1}))
+    assert both["offloaded"] == pytest.approx(expected, rel=1e-3), (both["offloaded"], expected)
+    profile = load_profile("cpu")
+    ratios = []
+    for data, measured in zip(plans, (plain, recompute, both)):
+        predicted = analyze("gpt-small", Plan.from_dict(data), profile).stages[0].peak_memory_mb * 1e6
+        ratios.append((data["stages"][0].get("activations"), predicted, measured["peak"], predicted / measured["peak"]))
+        print(f"{ratios[-1][0]}: predicted {predicted / 1e6:.2f} MB, measured {measured['peak'] / 1e6:.2f} MB, "
+              f"ratio {ratios[-1][3]:.4f}")
+    assert all(abs(ratio - 1) < 0.03 for *_, ratio in ratios), ratios
+    assert recompute["peak"] < plain["peak"]
