@@ -104,6 +104,10 @@ class _Capture:
         self.current = None
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # detached: the replay's graph is never run backward, so a packed tensor that is an output of
+        # the node saving it (a norm's statistics) would hold its own grad_fn: a reference cycle that
+        # kept every layer's recomputed tensors alive until the garbage collector ran
+        tensor = tensor.detach()
         if self.current is not None:
             self.saved[self.current].append(tensor)
         return tensor

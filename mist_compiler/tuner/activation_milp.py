@@ -156,8 +156,10 @@ def solve(rows: list[TensorRow], budget: float, rates: CopyRates, *, time_limit_
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) or model.num_solutions == 0:
         return _solution(start, rows, rates, budget, "LAYER-LEVEL", 0.0, solver) if start is not None else None
     recompute = tuple(t for t, var in r.items() if var.x > 0.5)
-    fractions = tuple(sorted((t, round(var.x, 6)) for t, var in o.items() if var.x > 1e-6 and t not in recompute))
-    found = ActivationPolicy(recompute, fractions)
+    # fractions rounded up (as ``layer_level``'s): rounding to nearest could keep a few bytes over the budget
+    fractions = tuple(sorted((t, min(1.0, math.ceil(var.x * 1e6 - 1e-6) / 1e6)) for t, var in o.items()
+                             if var.x > 1e-6 and t not in recompute))
+    found = _pruned(rows, ActivationPolicy(recompute, fractions), rates)
     objective, bound = model.objective_value, model.objective_bound
     gap = 0.0 if objective <= 1e-12 or status == mip.OptimizationStatus.OPTIMAL else max(0.0, (objective - bound) / objective)
     best = _solution(found, rows, rates, budget, "OPTIMAL" if status == mip.OptimizationStatus.OPTIMAL else "FEASIBLE",
@@ -165,6 +167,28 @@ def solve(rows: list[TensorRow], budget: float, rates: CopyRates, *, time_limit_
     if best.kept > budget * (1 + 1e-6) or (start is not None and price(rows, start, rates)[2] < best.seconds - 1e-12):
         return _solution(start, rows, rates, budget, "LAYER-LEVEL", gap, solver) if start is not None else None
     return best
+
+
+def _pruned(rows: list[TensorRow], policy: ActivationPolicy, rates: CopyRates) -> ActivationPolicy:
+    """``policy`` without the recomputations that buy nothing: the MILP is indifferent to a node that
+    saves nothing and costs nothing to run again (a no-op cast), but the runtime would replay it. A
+    node no other recomputed node reads is dropped while the layer keeps no more bytes and spends no
+    more seconds without it."""
+    by_tag = {row.tag: row for row in rows}
+    kept, _, seconds = price(rows, policy, rates)
+    recompute = list(policy.recompute)
+    changed = True
+    while changed:
+        changed = False
+        read = {u for v in recompute for u in by_tag[v].inputs}
+        for tag in [t for t in reversed(recompute) if t not in read]:
+            trial = ActivationPolicy(tuple(t for t in recompute if t != tag), policy.offload)
+            trial_kept, _, trial_seconds = price(rows, trial, rates)
+            if trial_kept <= kept and trial_seconds <= seconds:
+                recompute.remove(tag)
+                kept, seconds, changed = trial_kept, trial_seconds, True
+                break
+    return ActivationPolicy(tuple(recompute), policy.offload)
 
 
 def _start_values(policy: ActivationPolicy, rows, rates, r, o, a, exposed_out, exposed_in) -> list:
