@@ -234,3 +234,26 @@ def test_the_backend_and_the_api_take_the_switch(tmp_path):
         assert not compile_plan(build_model(MODEL, seq_len=SEQ), eager_plan).compile_stats.enabled
     finally:
         dist.destroy_process_group()
+
+
+def test_a_unit_inductor_cannot_compile_runs_eagerly_and_says_so(gpt_tiny_program, monkeypatch, capsys):
+    """No C++ compiler (or an op inductor cannot lower): training goes on eagerly, one line says why."""
+    from mist_compiler.lowering import compile as compile_module
+
+    def refuse(module, tensors):
+        raise RuntimeError("Compiler: cc is not found\nmore detail")
+
+    monkeypatch.setattr(compile_module, "compile_segment", refuse)
+    monkeypatch.setattr(compile_module, "_ARTEFACTS", {})  # nothing from earlier tests of this process
+    torch.manual_seed(0)
+    model = build_model(MODEL, seq_len=SEQ)
+    batch = synthetic_batch(512, MICRO, SEQ, 0)
+    eager, _ = _stage(gpt_tiny_program, _plan(), model, compiled=False)
+    fallen, stats = _stage(gpt_tiny_program, _plan(), model, compiled=True)
+    reference, run = _train_once(eager, batch), _train_once(fallen, batch)
+    torch.testing.assert_close(run[0], reference[0])
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(run[1][name], grad)
+    assert stats.failed == stats.graphs == 5 and "5 graphs failed to compile, run eagerly" in stats.describe()
+    err = capsys.readouterr().err
+    assert err.count("mist: inductor could not compile a unit (RuntimeError: Compiler: cc is not found)") == 1

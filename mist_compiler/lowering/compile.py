@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
@@ -65,6 +66,7 @@ class CompileStats:
     compiled: int = 0  # of those, compiled from scratch (the others came from inductor's on-disk caches or
     # from another engine of this process)
     seconds: float = 0.0  # wall time spent compiling or loading them
+    failed: int = 0  # regions inductor could not compile: they run eagerly
     seen: set = field(default_factory=set, repr=False)
 
     @property
@@ -84,6 +86,7 @@ class CompileStats:
         source = "all from the cache" if self.from_cache else \
             ("compiled, none cached" if not self.cached else f"{self.cached} of them from the cache")
         eager = f"; {self.eager_units} split-backward units eager" if self.eager_units else ""
+        eager += f"; {self.failed} graphs failed to compile, run eagerly" if self.failed else ""
         return (f"compiled {self.units} units ({self.programs} programs, {self.graphs} graphs) in "
                 f"{self.seconds:.1f} s ({source}{eager})")
 
@@ -276,7 +279,16 @@ class CompiledUnit:
         module = _segment_module(segment, values)
         before = _kernels_compiled()
         start = time.perf_counter()
-        compiled = compile_segment(module, tensors)
+        try:
+            compiled = compile_segment(module, tensors)
+        except Exception as error:  # noqa: BLE001 (no C++ compiler, no Triton, an op inductor cannot lower)
+            compiled = module  # the same segment, run op by op: training goes on, one line says why
+            self.stats.failed += 1
+            if self.stats.failed == 1:
+                line = next((text.strip() for text in str(error).splitlines() if text.strip()), type(error).__name__)
+                print(f"mist: inductor could not compile a unit ({type(error).__name__}: {line[:300]}); it runs "
+                      "eagerly (slower than the plan was priced; --no-compile skips compiling)", file=sys.stderr,
+                      flush=True)
         self.stats.seconds += time.perf_counter() - start
         self.stats.compiled += _kernels_compiled() != before
 
