@@ -43,7 +43,11 @@ ARCHITECTURES = {
                                          "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
                                          "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
                                          "n_group": 1, "topk_group": 1}),  # MLA; dense layer, then MoE layers
-    "phimoe": ("PhimoeConfig", {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    # router_jitter_noise 0: PhiMoE's training-mode router samples among experts whose scores are within
+    # 2 x the jitter of the best (Gumbel noise from torch's random stream, README "Random ops"), which no
+    # two runs draw alike; at 0 only exact ties are sampled, so --check compares like with like
+    "phimoe": ("PhimoeConfig", {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                "router_jitter_noise": 0.0}),
 }
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "phimoe"}
 LAYER_KINDS = {"gemma2", "deepseek_v3"}
