@@ -143,7 +143,8 @@ def lower(program: MistProgram, plan: Plan, world, model=None, source=None, comp
 def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes: int = 1, gpus_per_node: int = 1,
                   global_batch: int | None = None, seq_len: int | None = None, dtype: str | None = None,
                   attention: str = "flash", space=None, baseline: str | None = None, grad_dtype: str = "float32",
-                  compiled: bool = COMPILED_DEFAULT, until: str = "run", model_name: str | None = None, progress: Callable[[str], None] | None = None,
+                  compiled: bool = COMPILED_DEFAULT, until: str = "run", model_name: str | None = None,
+                  progress: Callable[[str], None] | None = None,
                   program: MistProgram | None = None, prove: bool = True, optimizer=None, device=None,
                   timeout_s: float | None = None, source=None, compile_units: bool | None = None) -> Compiled:
     """The whole pipeline (see the module docstring). ``model``: an ``nn.Module`` (trained from its
@@ -174,17 +175,17 @@ def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes
         tuning.stats["analysis_s"] = analysis_s
         plan = tuning.plan
     check_plan(program, plan, model_name=model_name, prove=prove)
-    compiled = Compiled(program, plan, tuning, cost_model)
+    result = Compiled(program, plan, tuning, cost_model)
     if until == "plan":
-        return compiled
+        return result
     from .runtime.engine import Engine
     from .runtime.world import DEFAULT_TIMEOUT_S, join_world
 
     world = join_world(plan, tied=bool(program.model_graph.tied_parameters()), device=device,
                        timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     stage = lower(program, plan, world, model, source, compile_units)
-    compiled.engine = Engine(stage, plan, world, optimizer=optimizer)
-    return compiled
+    result.engine = Engine(stage, plan, world, optimizer=optimizer)
+    return result
 
 
 def tune_model(model, hardware, *, nodes: int = 1, gpus_per_node: int = 1, global_batch: int, seq_len: int | None = None,
