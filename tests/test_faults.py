@@ -24,18 +24,9 @@ EXIT_WITHIN_S = 30.0
 
 
 def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
+    from mist_compiler.launch.agent import worker_pids
+
+    return worker_pids(pid)
 
 
 def alive(pid: int) -> bool:
