@@ -24,8 +24,6 @@ lowering pass applies and what the stage cost model prices.
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 
@@ -37,6 +35,7 @@ from ..ir.model_graph import (
     SequenceRegion,
     TensorParallelPlan,
 )
+from .tp_walk import op_of, source_line
 
 # torch-level ops that work position by position along every dimension they do not reduce over
 POINTWISE = {
@@ -56,26 +55,8 @@ class NotSequenceParallel(Exception):
     """Internal: the region cannot run sequence-parallel; the message says where and why."""
 
 
-def op_of(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    if node.target is operator.getitem:
-        return "getitem"
-    return getattr(node.target, "__name__", str(node.target))
-
-
 def _value(node) -> object:
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
-
-
-def _source_line(node: fx.Node) -> str:
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    frames = [i for i, line in enumerate(trace) if line.strip().startswith("File ")]
-    if not frames:
-        return ""
-    last = frames[-1]
-    code = trace[last + 1].strip() if last + 1 < len(trace) else ""
-    return f" ({trace[last].strip().replace('File ', '')}: {code})" if code else ""
 
 
 def sequence_symbol(model: ModelGraph):
@@ -124,7 +105,7 @@ class _Walk:
         self.params = {p for p in region.params if model.tensors.get(p, ("", ""))[0] == PARAMETER}
 
     def fail(self, node: fx.Node, why: str):
-        raise NotSequenceParallel(f"{self.label}: {node.name} ({op_of(node)}) {why}{_source_line(node)}")
+        raise NotSequenceParallel(f"{self.label}: {node.name} ({op_of(node)}) {why}{source_line(node)}")
 
     def dim_of(self, reader: fx.Node, arg) -> int | None:
         """The sequence dimension of ``arg`` as ``reader`` reads it, if it is split."""
