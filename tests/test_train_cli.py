@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.dist_utils import free_port
+from tests.dist_utils import descendants, free_port
 from tests.train_runs import plan, stage
 
 
@@ -64,24 +64,6 @@ def test_mistc_train_resume_exact_appends_the_remaining_steps(trained):
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 @pytest.mark.distributed
 def test_killing_every_rank_during_a_save_resumes_from_the_last_complete_checkpoint(tmp_path):
     save_dir = tmp_path / "ck"
@@ -94,7 +76,7 @@ def test_killing_every_rank_during_a_save_resumes_from_the_last_complete_checkpo
     while not (save_dir / "step-000004.tmp" / ".metadata").exists():
         assert process.poll() is None and time.monotonic() < deadline, "the stalled save never appeared"
         time.sleep(0.2)
-    for pid in reversed([process.pid, *_descendants(process.pid)]):  # every rank, torchrun, the launcher
+    for pid in reversed([process.pid, *descendants(process.pid)]):  # every rank, torchrun, the launcher
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.dist_utils import free_port
+from tests.dist_utils import descendants, free_port
 
 MISTC = os.path.join(os.path.dirname(sys.executable), "mistc")
 PREEMPTED = 75
@@ -54,24 +54,6 @@ def _strict_rows(path) -> list[dict]:
             for line in open(path).read().splitlines()]
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 class Job:
     """A ``mistc train`` running in the background, its output collected line by line."""
 
@@ -96,7 +78,7 @@ class Job:
         raise AssertionError(f"no step {at_least}: {''.join(self.out)[-2000:]} {''.join(self.err)[-2000:]}")
 
     def signal(self, sig: int, every_process: bool = False) -> None:
-        for pid in [self.process.pid, *(_descendants(self.process.pid) if every_process else [])]:
+        for pid in [self.process.pid, *(descendants(self.process.pid) if every_process else [])]:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
@@ -112,7 +94,7 @@ class Job:
         return code
 
     def kill(self) -> None:
-        for pid in [*_descendants(self.process.pid), self.process.pid]:
+        for pid in [*descendants(self.process.pid), self.process.pid]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -144,7 +126,7 @@ def test_preempted_by_sigterm_to_every_process_saves_the_step_and_resumes(tmp_pa
     stop_s = time.monotonic() - started
     step = _preempted_line(job, save_dir)
     assert step >= 11 and stop_s < 60, (step, stop_s)
-    assert not _descendants(job.process.pid)
+    assert not descendants(job.process.pid)
     listing = os.listdir(save_dir)
     assert "step-000010" in listing and not [name for name in listing if name.endswith(".tmp")], listing
 
@@ -301,7 +283,7 @@ def test_uint32_tokens_read_as_uint16_and_an_offline_tokenizer_are_named_quickly
 def test_a_stopped_rank_is_reported_within_the_timeout(tmp_path):
     job = Job(_args("--steps", "100000", timeout="20"))
     job.wait_for_step(3)
-    launcher_children = _descendants(job.process.pid)
+    launcher_children = descendants(job.process.pid)
     ranks = [pid for pid in launcher_children if "mist_compiler.training.worker" in open(f"/proc/{pid}/cmdline").read()]
     stopped = ranks[-1]
     os.kill(stopped, signal.SIGSTOP)
