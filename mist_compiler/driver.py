@@ -18,7 +18,7 @@ check it again without the proofs).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .ir.plan import Plan, PlanError, load_plan

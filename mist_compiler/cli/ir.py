@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 
-from ..driver import DEFAULT_DTYPE
 from ..ir.vocabulary import ATTENTION_KERNELS
 from ..ir.vocabulary import DEFAULT_DTYPE
 from ..ir.vocabulary import TRAINING_DTYPES as DTYPE_CHOICES

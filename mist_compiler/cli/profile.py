@@ -9,7 +9,6 @@ For inter-node links run it on every node under torchrun, e.g.
 from __future__ import annotations
 
 import argparse
-import os
 
 from mist_compiler.cost.hardware import save_profile
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import networkx as nx
@@ -23,11 +23,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, ShapeEnv
 
 from ..ir.capture_state import CaptureState
-from ..ir.model_graph import ModelGraph
 from ..ir.program import ATTENTION_KERNELS, IRError, MistProgram
 from ..ir.vocabulary import TORCH_DTYPES
 from ..models import resolve_model
-from ..passes.block_discovery import BlockPartition, block_discovery, wl_hash
+from ..passes.block_discovery import block_discovery, wl_hash
 from ..passes.manager import PassManager, PassResult, transforms
 from ..passes.shape_prop import shape_prop
 from ..passes.sp_recognition import recognise_sequence_parallel as recognise_sequence
@@ -35,7 +34,7 @@ from ..passes.tp_model import recognise
 from .boundaries import install_boundary_hooks
 from .dropout_sites import seed_dropout
 from .fake_kernels import eager_fake
-from .joint import CaptureError, JointCapture, loss_of, model_call_kwargs, trace_joint
+from .joint import CaptureError, loss_of, model_call_kwargs, trace_joint
 from .layer_chain import prove_layer_chain
 from .layer_stack import LayerStackError, find_layer_stack
 from .regions import find_regions, with_real_names

@@ -45,7 +45,6 @@ transfers under NCCL's rules and finds any mismatch or deadlock.
 """
 from __future__ import annotations
 
-import bisect
 import heapq
 from dataclasses import dataclass
 from functools import cached_property, lru_cache

@@ -141,7 +141,7 @@ def describe(stage: StageGraph) -> str:
                  else stage.graph.python_code("self").src.strip())
     shown: set[int] = set()
     for unit in stage.units:
-        extra = [f"checkpointed" if unit.checkpointed else "", "backward split" if unit.split_backward else "",
+        extra = ["checkpointed" if unit.checkpointed else "", "backward split" if unit.split_backward else "",
                  f"offload {unit.offload}" if unit.offload != type(unit.offload)() else "",
                  f"split {({a: (s.dim, s.segments) for a, s in unit.shards.items()})}" if unit.shards else ""]
         lines.append(f"#   unit {unit.name} ({unit.kind}, {len(unit.tensors)} tensors) {' '.join(e for e in extra if e)}".rstrip())

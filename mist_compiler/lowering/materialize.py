@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..ir.model_graph import BUFFER, CONSTANT, PARAMETER, ModelGraph, ShardSpec
+from ..ir.model_graph import CONSTANT, PARAMETER, ModelGraph, ShardSpec
 from ..ir.plan import Offload
 from ..ir.stage import SavedPolicy, StageGraph, StageInterface
 from ..ops.tensor_parallel import TP_CHILDREN, TensorParallelOps

@@ -7,7 +7,6 @@ it handles, records parameter splits and graph edits, and raises ``NotShardable`
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import replace
 
 import torch

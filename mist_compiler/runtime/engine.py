@@ -37,7 +37,7 @@ from torch import nn
 
 from ..ir.model_graph import DROPOUT_SEEDS, ShardSpec
 from ..ir.plan import Plan, PlanError
-from ..ir.schedule import B, F, I, W, build_schedule, placement, schedule_problem
+from ..ir.schedule import F, I, W, build_schedule, placement, schedule_problem
 from ..ir.vocabulary import TORCH_DTYPES
 from ..lowering.compile import CompileStats
 from ..lowering.materialize import StageProgram
@@ -119,6 +119,8 @@ class Engine:
             self.tied.attach(self.runtime)
         self.interface = stage.interface
         self.chunks = stage.chunk_programs  # the virtual stages this rank runs, in pipeline order
+        # the batch inputs any of this rank's chunks reads
+        self.batch_inputs = list(dict.fromkeys(name for c in self.chunks for name in c.interface.batch_inputs))
         self.weight_grads = stage.weight_grads if stage.weight_grads is not None else WeightGradQueue()
         # activations travel in the plan's dtype (the runtime casts the weights to it)
         dtype = TORCH_DTYPES[plan.dtype]
@@ -218,7 +220,7 @@ class Engine:
         ranges = [self.topology.sample_range(self.coord.stage, self.coord.dp_index, m) for m in range(self.plan.grad_accum)]
         rows = torch.cat([torch.arange(start, end) for start, end in ranges])
         staged = {}
-        for name in self._batch_inputs():
+        for name in self.batch_inputs:
             mine = batch[name].index_select(0, rows.to(batch[name].device))
             if self.device.type == "cuda" and mine.device.type == "cpu":
                 mine = mine.pin_memory()
@@ -229,14 +231,11 @@ class Engine:
         mb = self.stage_plan.micro_batch
         return {name: staged[name][micro * mb:(micro + 1) * mb] for name in names}
 
-    def _batch_inputs(self) -> list[str]:
-        """The batch inputs any of this rank's chunks reads."""
-        return list(dict.fromkeys(name for c in self.chunks for name in c.interface.batch_inputs))
 
     def _check_batch(self, batch: dict[str, torch.Tensor]) -> None:
-        for name in self._batch_inputs():
+        for name in self.batch_inputs:
             if name not in batch:
-                raise BatchError(f"batch has no {name!r}; the model needs {self._batch_inputs()}")
+                raise BatchError(f"batch has no {name!r}; the model needs {self.batch_inputs}")
             if batch[name].shape[0] != self.plan.global_batch:
                 raise BatchError(f"batch[{name!r}] has {batch[name].shape[0]} samples but the plan's global_batch is "
                                  f"{self.plan.global_batch}")
@@ -245,7 +244,7 @@ class Engine:
         """The batch with this step's per-sample dropout seeds (the whole global batch's: each rank
         takes its rows like any input), when the stage has dropout sites; every stage counts steps."""
         step, self.dropout_step = self.dropout_step, self.dropout_step + 1
-        if DROPOUT_SEEDS not in self._batch_inputs() or DROPOUT_SEEDS in batch:
+        if DROPOUT_SEEDS not in self.batch_inputs or DROPOUT_SEEDS in batch:
             return batch
         return {**batch, DROPOUT_SEEDS: sample_seeds(self.dropout_seed, step, torch.arange(self.plan.global_batch))}
 

@@ -303,12 +303,11 @@ class _Search:
         other schedules) those layouts and the even ones under each schedule (``tuner/schedules.py``)."""
         work, space = self.work, self.space
         grad_dtype = getattr(self.cost_model, "grad_dtype", "float32")
-        compiled = getattr(self.cost_model, "compiled", COMPILED_DEFAULT)
         priced = []
         for g, found in self.per_g.items():
             found.sort(key=lambda item: item[1].objective)
             for table, solution in found[:ONE_F_ONE_B_PLANS]:  # the closed form's best few, simulated
-                plan = choose_fused_loss(self.cost_model, plan_of(self.cost_model, table, solution, work, grad_dtype, compiled))
+                plan = choose_fused_loss(self.cost_model, plan_of(self.cost_model, table, solution, work, grad_dtype))
                 priced.append((price_plan(self.cost_model, plan), plan, g))
         priced.sort(key=lambda item: item[0].time_s)
         best_price, best_plan = priced[0][0], priced[0][1]
@@ -344,7 +343,7 @@ def policy_of(cost_model: StageCostModel, index) -> object:
 
 
 def plan_of(cost_model: StageCostModel, table: FrontierTable, solution: StageSolution, work: Workload,
-            grad_dtype: str, compiled: bool = COMPILED_DEFAULT) -> Plan:
+            grad_dtype: str) -> Plan:
     """A 1F1B plan from a partition solution (frontier-table rows in pipeline order)."""
     configs = table.configs
     start = 0
@@ -362,12 +361,12 @@ def plan_of(cost_model: StageCostModel, table: FrontierTable, solution: StageSol
         ))
         start += layers
     return Plan(model=work.model_name, seq_len=work.seq_len, global_batch=work.global_batch, dtype=work.dtype,
-                grad_accum=table.grad_accum, stages=tuple(stages), grad_dtype=grad_dtype, compiled=compiled)
+                grad_accum=table.grad_accum, stages=tuple(stages), grad_dtype=grad_dtype)
 
 
 def _result(cost_model: StageCostModel, plan: Plan, price: PlanPrice, stats: dict, frontiers: dict) -> TuneResult:
     predicted = price.time_s
-    chunks, groups = price.chunks, price.groups
+    chunks = price.chunks
     reports = []
     for i in range(len(plan.stages)):
         group = plan.placement[i]

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from ..ir.model_graph import BUFFER, DROPOUT_SEEDS, PARAMETER, ModelGraph
+from ..ir.model_graph import BUFFER, DROPOUT_SEEDS, ModelGraph
 from ..ir.plan import Plan
 from ..ir.program import MistProgram
 from ..ir.topology import RankCoord
