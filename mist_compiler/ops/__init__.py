@@ -14,8 +14,8 @@ numpy only, nothing else of ours).
   puts the op in place of head-linear -> [float] -> [view/reshape] -> cross_entropy.
 """
 from .fuse import fuse_linear_cross_entropy
-from .linear_cross_entropy import chunk_rows, linear_cross_entropy, workspace_points
+from .linear_cross_entropy import slice_columns, linear_cross_entropy, workspace_points
 from .vocab_parallel import vocab_parallel_linear_cross_entropy
 
-__all__ = ["chunk_rows", "fuse_linear_cross_entropy", "linear_cross_entropy", "vocab_parallel_linear_cross_entropy",
+__all__ = ["slice_columns", "fuse_linear_cross_entropy", "linear_cross_entropy", "vocab_parallel_linear_cross_entropy",
            "workspace_points"]

@@ -1,18 +1,24 @@
-"""``mist::linear_cross_entropy``: the LM head's matmul fused with the cross-entropy loss, chunked.
+"""``mist::linear_cross_entropy``: the LM head's matmul fused with the cross-entropy loss, by vocabulary slices.
 
 ``linear_cross_entropy(hidden [N, H], weight [V, H], labels [N], ignore_index, reduction)`` is
-``F.cross_entropy(hidden @ weight.T, labels, ignore_index=, reduction=)`` computed ``rows`` rows at
-a time (:func:`chunk_rows`): a chunk's logits ``[rows, V]`` are about as many elements as the
-hidden input ``[N, H]``, so nothing of size ``N x V`` (fp32 or not) ever exists.
+``F.cross_entropy(hidden @ weight.T, labels, ignore_index=, reduction=)`` computed ``columns``
+vocabulary entries at a time (:func:`slice_columns`, ``min(V, H)``): a slice's logits ``[N, columns]``
+are at most as many elements as the hidden input ``[N, H]``, so nothing of size ``N x V`` (fp32 or
+not) ever exists.
 
-- forward (``mist::linear_cross_entropy``, returns ``(loss, lse)``): per chunk, logits in the
-  compute dtype, then the per-row fp32 log-sum-exp and target logit (``chunk_kernels``); the loss
-  is fp32. ``lse [N]`` (fp32) is a second output so that autograd saves it: the op saves
-  ``hidden``, ``weight``, ``labels`` and ``lse``, nothing else;
-- backward (``mist::linear_cross_entropy_backward``): per chunk, the logits again (recompute),
-  turned in place into ``(softmax - onehot) * grad / count``, then ``grad_hidden[rows]`` (written
-  directly) and ``grad_weight`` accumulated over chunks in fp32 (a ``[V, H]`` fp32 accumulator for
-  fp16/bf16 weights; fp32 weights accumulate into their gradient directly);
+- forward (``mist::linear_cross_entropy``, returns ``(loss, lse)``): per slice, logits in the
+  compute dtype, then each row's fp32 log-sum-exp over the slice and its label's logit when the
+  label falls in it (``chunk_kernels``), merged into the running per-row log-sum-exp
+  (``logaddexp``) and target logit; the loss is fp32. ``lse [N]`` (fp32) is a second output so that
+  autograd saves it: the op saves ``hidden``, ``weight``, ``labels`` and ``lse``, nothing else;
+- backward (``mist::linear_cross_entropy_backward``): per slice, the logits again (recompute),
+  turned in place into ``(softmax - onehot) * grad / count``, then the slice's rows of
+  ``grad_weight`` (one GEMM over all ``N`` rows, written once: no accumulator over the ``[V, H]``
+  weight) and ``grad_hidden`` accumulated over slices (fp32 accumulator ``[N, H]`` for fp16/bf16).
+  Slicing the vocabulary rather than the rows matters for speed: cutting the rows instead
+  re-reads and re-writes the whole ``[V, H]`` weight gradient once per chunk (``V / H`` chunks,
+  ``8 V^2`` bytes of traffic: more than the GEMMs themselves on a CPU, and on a GPU for a 128K
+  vocabulary), and its row chunks (``N H / V`` rows) are GEMMs too skinny to run at speed;
 - FLOPs (``torch.utils.flop_counter``): forward ``2NHV``; backward ``6NHV`` (``4NHV`` for the two
   gradients plus ``2NHV`` recomputing the logits);
 - memory (:func:`workspace_points`): the transient each op holds besides its inputs and outputs,
@@ -32,12 +38,10 @@ REDUCTIONS = ("mean", "sum")
 FP32_BYTES = 4
 
 
-def chunk_rows(num_rows: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk: ``ceil(N * H / V)`` (at least 1, at most N), so that a chunk's logits
-    ``[rows, V]`` hold about ``N * H`` elements: the transient is bounded by the size of the input."""
-    if num_rows <= 0:
-        return 1
-    return max(1, min(num_rows, -(-num_rows * hidden // max(vocab, 1))))
+def slice_columns(vocab: int, hidden: int) -> int:
+    """Vocabulary entries per slice: ``min(V, H)`` (at least 1), so that a slice's logits ``[N, columns]``
+    hold at most ``N * H`` elements: the transient is bounded by the size of the input."""
+    return max(1, min(vocab, hidden))
 
 
 def workspace_points(num_rows, vocab, hidden, dtype_bytes: int, weight_bytes: int, phase: str) -> list:
@@ -46,26 +50,27 @@ def workspace_points(num_rows, vocab, hidden, dtype_bytes: int, weight_bytes: in
     Plain arithmetic: ints or sympy expressions. ``vocab``: this rank's vocabulary; ``dtype_bytes``:
     the compute (hidden) dtype's size; ``weight_bytes``: the weight's.
 
-    - forward: one chunk of logits (``~N*H`` elements, :func:`chunk_rows`) and the fp32 per-row
-      target logits;
-    - backward, fp32 weight: one chunk of logits (turned into its gradient in place); the weight
-      gradient (an output) is accumulated in place;
-    - backward, fp16/bf16 weight: (1) in the loop: the fp32 ``[V, H]`` accumulator, the chunk and
-      one fp32 product of ``~N*H`` elements added into the accumulator (``mm(out_dtype=float32)``
-      over a slice of the vocabulary), while the weight gradient output does not exist yet;
-      (2) at the end: the accumulator while it is cast into the output.
-    The chunk is modelled as ``N*H`` elements (the rounding of ``chunk_rows`` adds at most one row
-    of ``V``). On CPU the fp16/bf16 path upcasts operands instead (no mixed-dtype matmul there):
-    the model describes the GPU kernels for those dtypes; fp32 is the same everywhere."""
+    - forward: one slice of logits (``N*H`` elements, :func:`slice_columns`; ``V >= H`` for a
+      language model) and three fp32 per-row vectors (the target logits and the slice's
+      log-sum-exp and target);
+    - backward, fp32: one slice of logits (turned into its gradient in place); both gradients
+      (outputs) are written in place;
+    - backward, fp16/bf16: (1) in the loop: the slice, the fp32 ``[N, H]`` accumulator of the hidden
+      gradient and one fp32 product of the same size added into it (``mm(out_dtype=float32)``),
+      while the hidden-gradient output does not exist yet; (2) at the end: the accumulator while it
+      is cast into the output. The weight gradient is written slice by slice in its own dtype (each
+      slice one GEMM over all rows, accumulated in fp32 by the GEMM itself).
+    On CPU the fp16/bf16 path upcasts operands instead (no mixed-dtype matmul there): the model
+    describes the GPU kernels for those dtypes; fp32 is the same everywhere."""
     chunk = num_rows * hidden * dtype_bytes
     if phase == "forward":
-        return [chunk + num_rows * FP32_BYTES]
+        return [chunk + 3 * num_rows * FP32_BYTES]
     if phase != "backward":
         raise ValueError(f"workspace_points: phase must be 'forward' or 'backward', got {phase!r}")
-    if weight_bytes >= FP32_BYTES:
+    if dtype_bytes >= FP32_BYTES:
         return [chunk]
-    accumulator = vocab * hidden * FP32_BYTES
-    return [accumulator + chunk + num_rows * hidden * FP32_BYTES - vocab * hidden * weight_bytes, accumulator]
+    accumulator = num_rows * hidden * FP32_BYTES
+    return [chunk + 2 * accumulator - num_rows * hidden * dtype_bytes, accumulator]
 
 
 def _check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str) -> None:
@@ -79,53 +84,56 @@ def _check_args(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
         raise ValueError(f"linear_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def forward_rows(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
-                 target: torch.Tensor, vocab_start: int = 0, ignore_index: int = -100) -> None:
-    """Per-row log-sum-exp over ``weight``'s vocabulary and the label's logit (0 outside it), chunk by chunk."""
-    rows = chunk_rows(hidden.shape[0], weight.shape[0], hidden.shape[1])
-    buffer = torch.empty(min(rows, hidden.shape[0]), weight.shape[0], dtype=hidden.dtype, device=hidden.device)
-    for start in range(0, hidden.shape[0], rows):
-        end = min(start + rows, hidden.shape[0])
-        logits = buffer[:end - start]
-        torch.mm(hidden[start:end], weight.t(), out=logits)
-        chunk_forward(logits, labels[start:end], lse[start:end], target[start:end], vocab_start, ignore_index)
+def forward_slices(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                   target: torch.Tensor, vocab_start: int = 0, ignore_index: int = -100) -> None:
+    """Per-row log-sum-exp over ``weight``'s vocabulary and the label's logit (0 outside it), slice by slice."""
+    vocab = weight.shape[0]
+    columns = slice_columns(vocab, hidden.shape[1])
+    buffer = torch.empty(hidden.shape[0], columns, dtype=hidden.dtype, device=hidden.device)
+    part_lse, part_target = torch.empty_like(lse), torch.empty_like(target)
+    lse.fill_(float("-inf"))
+    target.zero_()
+    for start in range(0, vocab, columns):
+        end = min(start + columns, vocab)
+        logits = buffer if end - start == columns else torch.empty(hidden.shape[0], end - start, dtype=hidden.dtype,
+                                                                    device=hidden.device)
+        torch.mm(hidden, weight[start:end].t(), out=logits)
+        chunk_forward(logits, labels, part_lse, part_target, vocab_start + start, ignore_index)
+        torch.logaddexp(lse, part_lse, out=lse)
+        target.add_(part_target)
 
 
-def _add_weight_grad(accumulator: torch.Tensor, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
-    """``accumulator += grad_logits.T @ hidden`` with fp32 accumulation, ``~rows*V`` elements at a time."""
+def _add_hidden_grad(accumulator: torch.Tensor, grad_logits: torch.Tensor, weight: torch.Tensor) -> None:
+    """``accumulator += grad_logits @ weight`` with fp32 accumulation."""
     if accumulator.dtype == grad_logits.dtype:
-        accumulator.addmm_(grad_logits.t(), hidden)
-        return
-    vocab, width = accumulator.shape
-    step = max(1, grad_logits.numel() // max(width, 1))  # slice of the vocabulary: a product of ~one chunk
-    for start in range(0, vocab, step):
-        end = min(start + step, vocab)
-        part = grad_logits[:, start:end]
-        if accumulator.is_cuda:
-            accumulator[start:end].add_(torch.mm(part.t(), hidden, out_dtype=torch.float32))
-        else:  # CPU has no mixed-dtype matmul
-            accumulator[start:end].addmm_(part.t().float(), hidden.float())
+        accumulator.addmm_(grad_logits, weight)
+    elif accumulator.is_cuda:
+        accumulator.add_(torch.mm(grad_logits, weight, out_dtype=torch.float32))
+    else:  # CPU has no mixed-dtype matmul
+        accumulator.addmm_(grad_logits.float(), weight.float())
 
 
-def backward_rows(grad_scale: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                  lse: torch.Tensor, vocab_start: int = 0, ignore_index: int = -100
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(grad_hidden, grad_weight)`` of ``sum_rows scale * (lse - target)``, chunk by chunk; the
+def backward_slices(grad_scale: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                    lse: torch.Tensor, vocab_start: int = 0, ignore_index: int = -100
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_hidden, grad_weight)`` of ``sum_rows scale * (lse - target)``, slice by slice; the
     grad_hidden of a vocabulary shard is this shard's partial sum."""
-    rows = chunk_rows(hidden.shape[0], weight.shape[0], hidden.shape[1])
-    grad_hidden = torch.empty_like(hidden)
-    fp32_weight = weight.dtype == torch.float32
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    buffer = torch.empty(min(rows, hidden.shape[0]), weight.shape[0], dtype=hidden.dtype, device=hidden.device)
-    for start in range(0, hidden.shape[0], rows):
-        end = min(start + rows, hidden.shape[0])
-        logits = buffer[:end - start]
-        torch.mm(hidden[start:end], weight.t(), out=logits)
-        chunk_backward(logits, labels[start:end], lse[start:end], grad_scale, vocab_start, ignore_index)
-        torch.mm(logits, weight, out=grad_hidden[start:end])
-        _add_weight_grad(grad_weight, logits, hidden[start:end])
+    vocab = weight.shape[0]
+    columns = slice_columns(vocab, hidden.shape[1])
+    grad_weight = torch.empty_like(weight)
+    accumulator = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    buffer = torch.empty(hidden.shape[0], columns, dtype=hidden.dtype, device=hidden.device)
+    for start in range(0, vocab, columns):
+        end = min(start + columns, vocab)
+        logits = buffer if end - start == columns else torch.empty(hidden.shape[0], end - start, dtype=hidden.dtype,
+                                                                    device=hidden.device)
+        part = weight[start:end]
+        torch.mm(hidden, part.t(), out=logits)
+        chunk_backward(logits, labels, lse, grad_scale, vocab_start + start, ignore_index)
+        torch.mm(logits.t(), hidden, out=grad_weight[start:end])
+        _add_hidden_grad(accumulator, logits, part)
     del buffer
-    return grad_hidden, grad_weight if fp32_weight else grad_weight.to(weight.dtype)
+    return (accumulator if hidden.dtype == torch.float32 else accumulator.to(hidden.dtype)), grad_weight
 
 
 def _reduced(total: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -139,7 +147,7 @@ def linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, labels: 
     _check_args(hidden, weight, labels, reduction)
     lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     target = torch.empty_like(lse)
-    forward_rows(hidden, weight, labels, lse, target, 0, ignore_index)
+    forward_slices(hidden, weight, labels, lse, target, 0, ignore_index)
     valid = labels != ignore_index
     total = torch.where(valid, lse - target, torch.zeros((), device=lse.device)).sum()
     return _reduced(total, valid.sum(), reduction), lse
@@ -159,7 +167,7 @@ def linear_cross_entropy_backward_op(grad_loss: torch.Tensor, hidden: torch.Tens
     scale = grad_loss.float().reshape(1)
     if reduction == "mean":
         scale = scale / (labels != ignore_index).sum()
-    return backward_rows(scale, hidden, weight, labels, lse, 0, ignore_index)
+    return backward_slices(scale, hidden, weight, labels, lse, 0, ignore_index)
 
 
 @linear_cross_entropy_backward_op.register_fake
@@ -211,5 +219,5 @@ def flops(num_rows: int, vocab: int, hidden: int, phase: str) -> int:
     return {"forward": 2, "backward": 6}[phase] * num_rows * hidden * vocab
 
 
-__all__ = ["REDUCTIONS", "chunk_rows", "flops", "linear_cross_entropy", "reference_loss", "workspace_points",
-           "forward_rows", "backward_rows"]
+__all__ = ["REDUCTIONS", "slice_columns", "flops", "linear_cross_entropy", "reference_loss", "workspace_points",
+           "forward_slices", "backward_slices"]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .groups import Group, ProcessGroup
-from .linear_cross_entropy import REDUCTIONS, backward_rows, forward_rows
+from .linear_cross_entropy import REDUCTIONS, backward_slices, forward_slices
 
 
 def _as_group(group) -> Group:
@@ -49,7 +49,7 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
         rows = hidden.shape[0]
         local_lse = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         target = torch.empty_like(local_lse)
-        forward_rows(hidden, weight, labels, local_lse, target, vocab_start, ignore_index)
+        forward_slices(hidden, weight, labels, local_lse, target, vocab_start, ignore_index)
         if world > 1:
             global_max = local_lse.clone()
             group.all_reduce(global_max, "max")
@@ -73,7 +73,7 @@ class VocabParallelLinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss.float().reshape(1)
         if ctx.reduction == "mean":
             scale = scale / count
-        grad_hidden, grad_weight = backward_rows(scale, hidden, weight, labels, lse, ctx.vocab_start, ctx.ignore_index)
+        grad_hidden, grad_weight = backward_slices(scale, hidden, weight, labels, lse, ctx.vocab_start, ctx.ignore_index)
         if ctx.world > 1:
             ctx.group.all_reduce(grad_hidden)
         return grad_hidden, grad_weight, None, None, None, None

@@ -14,7 +14,9 @@
   own temporaries (a chunk of logits) count as a CUDA allocator would see them.
 
 Only storages of the given device type count; tensors that existed before the context was
-entered are counted from the first op that touches them (enter early).
+entered are counted from the first op that touches them (enter early). FakeTensors never count:
+inductor compiling a unit inside the window traces it on fake tensors its caches keep alive, which
+made a compiled run's first steps look gigabytes larger than the program ever holds.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 from torch._library.custom_ops import _maybe_get_opdef
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -56,8 +59,8 @@ class _StorageTracker(TorchDispatchMode):
         return out
 
     def _see(self, tensor: torch.Tensor, host: bool = False) -> None:
-        if tensor.device.type != self.device_type or tensor.is_sparse:
-            return
+        if tensor.device.type != self.device_type or tensor.is_sparse or is_fake(tensor):
+            return  # a compiler's FakeTensors (inductor compiling a unit inside the window) hold no memory
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without a storage
