@@ -63,12 +63,31 @@ SEQUENCE_LAYER = "layer_sp"  # the layer's functions as sequence parallelism run
 MATH_ATTENTION_PASSES = {"forward": 4, "backward": 6}
 
 
+# The fused loss's own passes over its slices of logits, per logit of d bytes (``ops.linear_cross_entropy``):
+# forward the GEMM writes a slice and the log-sum-exp reads it; backward the recompute writes it and the
+# softmax gradient reads and rewrites it. Its node is priced as a GEMM (its inputs and outputs only), so
+# these are added as softmax-class traffic; ``cost.loss_kernel`` takes the same passes off for the plain loss.
+FUSED_LOSS_PASSES = {"forward": 2, "backward": 3}
+
+
 def _class_bytes(block: BlockAnalysis, phase: str, graph_costs, attention: str) -> dict[str, sympy.Expr]:
     nbytes = dict(graph_costs.bytes_by_class())
     if attention == "math" and block.memory.attention_probs != 0 and phase in MATH_ATTENTION_PASSES:
         extra = MATH_ATTENTION_PASSES[phase] * block.memory.attention_probs
         nbytes["attention"] = nbytes.get("attention", sympy.Integer(0)) + extra
+    if block.loss is not None and phase in FUSED_LOSS_PASSES:
+        loss = block.loss
+        passes = FUSED_LOSS_PASSES[phase] * loss.dtype_bytes * loss.rows * loss.vocab
+        nbytes["softmax"] = nbytes.get("softmax", sympy.Integer(0)) + passes
     return nbytes
+
+
+def _class_flops(block: BlockAnalysis, phase: str, graph_costs, attention: str) -> dict[str, sympy.Expr]:
+    """FLOPs per op class, with a zero for every class that only has bytes (the time loop runs over these)."""
+    flops = dict(graph_costs.flops_by_class())
+    for op_class in _class_bytes(block, phase, graph_costs, attention):
+        flops.setdefault(op_class, sympy.Integer(0))
+    return flops
 
 
 def block_functions(block: BlockAnalysis, attention: str) -> BlockFunctions:
@@ -76,7 +95,7 @@ def block_functions(block: BlockAnalysis, attention: str) -> BlockFunctions:
     weight = block.weight_costs if block.weight_costs is not None else block.costs.backward.restrict(set())
     phases = {"forward": block.costs.forward, "backward": block.costs.backward, "weight": weight}
     return BlockFunctions(
-        flops={p: {c: lambdify_bst(e) for c, e in g.flops_by_class().items()} for p, g in phases.items()},
+        flops={p: {c: lambdify_bst(e) for c, e in _class_flops(block, p, g, attention).items()} for p, g in phases.items()},
         nbytes={p: {c: lambdify_bst(e) for c, e in _class_bytes(block, p, g, attention).items()} for p, g in phases.items()},
         collectives={p: [(c.kind, lambdify_bst(c.bytes)) for c in g.collectives] for p, g in phases.items()},
         saved=lambdify_bst(block.memory.saved[attention]),

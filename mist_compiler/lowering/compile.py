@@ -207,7 +207,8 @@ def compile_segment(module: fx.GraphModule, inputs: list[torch.Tensor]) -> Calla
         for node in module.graph.nodes:
             if "val" in node.meta:
                 node.meta["example_value"] = node.meta["val"]
-        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
             return compile_fx(module, fakes)
 
 
