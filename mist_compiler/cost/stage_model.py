@@ -426,7 +426,8 @@ class StageCostModel:
         forward_compute = stage_sum("forward_compute")
         recompute = ckpt * layer["forward_compute"] + (n - ckpt) * policy["recompute"]
         grad_buffer_s = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
-                                      np.where(low_grads, 0.0, grad_buffer_bytes_moved(grad_bytes, dp)))
+                                      np.where(low_grads, 0.0, grad_buffer_bytes_moved(grad_bytes, dp))
+                                      + AUTOGRAD_ACCUMULATE_PASSES * grad_bytes)
         backward_compute = stage_sum("backward_compute") + recompute + grad_buffer_s
         tp_exposed = stage_sum("forward_tp") + stage_sum("backward_tp") + ckpt * layer["forward_tp"]
         gather = collective_time(self.hardware, "all_gather", weight_bytes, dp_nodes, dp_gpus)
@@ -517,6 +518,12 @@ def optimizer_phase_s(device_and_copies: np.ndarray, host_step: np.ndarray, step
     return np.maximum(device_and_copies, host_chain)
 
 
+# Every micro-batch, autograd adds each parameter's new gradient into the ``.grad`` view the runtime
+# bound into its flat buffer (``runtime.flat_buffer.bind_grads``): two reads and a write of the gradients,
+# on top of the backward the captured graph holds (which ends at the gradients it returns).
+AUTOGRAD_ACCUMULATE_PASSES = 3.0
+
+
 def grad_buffer_bytes_moved(grad_bytes: np.ndarray, dp: np.ndarray) -> np.ndarray:
     """Bytes the backend moves over a micro-batch's gradient buffers besides the backward itself:
     zeroing them before the backward (one write), and with data parallelism scaling them by
@@ -529,7 +536,7 @@ def low_precision_bytes_moved(grad_bytes: np.ndarray, stage_params: np.ndarray, 
     """Per iteration, low-precision gradients (ZeRO 0/1, ``runtime/zero.py``): the buffer zeroed once,
     cast to an fp32 copy for the reduction (a read and an fp32 write), and under ZeRO-0 with data
     parallelism the mean cast back (an fp32 read and a write). Autograd's in-place accumulation of the
-    micro-batches belongs to their backward, as on the fp32 path."""
+    micro-batches is priced with the backward (``AUTOGRAD_ACCUMULATE_PASSES``), as on the fp32 path."""
     dp = np.asarray(dp, dtype=float)
     cast = grad_bytes + 4.0 * stage_params
     back = np.where((np.asarray(zero) == 0) & (dp > 1), cast, 0.0)
