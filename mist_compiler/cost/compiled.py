@@ -167,7 +167,7 @@ def compiled_cost_annotation(program: MistProgram) -> PassResult:
     backward = fuse_costs(graphs.backward.graph, costs.backward, block_of, graphs.symbols)
     priced = copy.copy(program)
     priced.analysis = PricedGraphs(graphs, ProgramCosts(forward.costs, backward.costs, costs.sharding, costs.param_states),
-                                   transient=forward.transient | backward.transient)
+                                   transient=forward.transient | backward.transient, block_nodes=True)
     return PassResult(priced, False)
 
 

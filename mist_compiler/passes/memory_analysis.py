@@ -245,9 +245,11 @@ def _saved_storages(forward: fx.GraphModule, backward: fx.GraphModule, params: s
 def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: ProgramCosts, params: set[str],
                    blocks: dict[str, set[str]], symbols=None,
                    backward_inputs: dict[str, str] | None = None,
-                   transient: frozenset[str] = frozenset()) -> dict[str, BlockMemory]:
+                   transient: frozenset[str] = frozenset(), block_nodes: bool = False) -> dict[str, BlockMemory]:
     """Liveness over the forward and backward graphs, results per block (module docstring).
-    ``transient``: nodes whose values are never stored (intermediates of a fused kernel)."""
+    ``transient``: nodes whose values are never stored (intermediates of a fused kernel);
+    ``block_nodes``: each block's backward is one autograd node (a compiled unit), which frees the
+    block's saved tensors and hands over its parameter gradients only when it is done."""
     fw_states, bw_states = costs.forward.states, costs.backward.states
     block_of = {name: label for label, names in blocks.items() for name in names}
     saved = _saved_storages(forward, backward, params, fw_states, block_of, symbols, backward_inputs or {})
@@ -311,7 +313,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
     release: dict[fx.Node, int] = {}  # forward saved base -> index of its last backward use
     bw_nodes = list(backward.graph.nodes)
     next_op = _next_ops(bw_nodes)
-    node_done = _autograd_node_ends(bw_nodes)
+    node_done = _block_ends(bw_nodes, block_of) if block_nodes else _autograd_node_ends(bw_nodes)
     for base, holders in saved.holders.items():
         end = max(bw_last.get(h, -1) for h in holders)
         # autograd frees a node's saved tensors when the node is done: every op of its backward (same
@@ -373,7 +375,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
                      (g not in grad_outputs and bw_last.get(g, -1) <= index)]:
             grad_total -= grad_live.pop(dead)
         if node in grad_outputs or _base(node) in grad_outputs:
-            produced_at[node] = index
+            produced_at[node] = node_done.get(index, index) if block_nodes else index
 
     results: dict[str, BlockMemory] = {}
     for label, names in blocks.items():
@@ -469,6 +471,16 @@ def _autograd_node_ends(nodes: list[fx.Node]) -> dict[int, int]:
     return ends
 
 
+def _block_ends(nodes: list[fx.Node], block_of: dict[str, str]) -> dict[int, int]:
+    """Index of each backward op -> index of the last op of its block (one autograd node per block)."""
+    last: dict[str, int] = {}
+    for index, node in enumerate(nodes):
+        if node.op == "call_function" and node.name in block_of:
+            last[block_of[node.name]] = index
+    return {index: last[block_of[node.name]] for index, node in enumerate(nodes)
+            if node.op == "call_function" and node.name in block_of}
+
+
 def _next_ops(nodes: list[fx.Node]) -> dict[int, int]:
     """Index of each node -> index of the next op that computes (not a view, not a placeholder)."""
     following: dict[int, int] = {}
@@ -526,7 +538,7 @@ def memory_analysis(program: MistProgram) -> PassResult:
     graphs = priced.graphs
     blocks = {str(class_id): names for class_id, names in graphs.blocks.items()}
     results = analyse_memory(graphs.forward, graphs.backward, priced.costs, graphs.params, blocks, graphs.symbols,
-                             transient=priced.transient)
+                             transient=priced.transient, block_nodes=priced.block_nodes)
     analysed = copy.copy(program)
     analysed.analysis = replace(priced, memory={int(label): memory for label, memory in results.items()})
     return PassResult(analysed, False)
