@@ -29,6 +29,7 @@ micro-batches of other sizes.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -43,7 +44,7 @@ from ..passes.block_discovery import module_paths, normalize_module_path
 from .boundaries import Boundaries
 from .capture import _max_seq, group_layers, passes_after_trace, run_capture_passes
 from .joint import graph_only_backend, joint_backend
-from .regions import RegionError, classify_inputs, find_regions, layer_of_nodes, source_path
+from .regions import RegionError, find_regions, layer_of_nodes, source_path
 
 
 class GraphCaptureUnsupported(ValueError):
@@ -57,22 +58,23 @@ def capture_graph(gm: fx.GraphModule, example_inputs: list, model: nn.Module, *,
     parameters' own when None); ``analyse=False``: the torch-level program only, as ``capture``."""
     if attention not in ATTENTION_KERNELS:
         raise IRError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
-    graph, model_arg = _training_graph(gm, example_inputs, model)
-    tensors, batch, sizes = _inputs_of(graph, model_arg)
+    graph, root, folded = _training_graph(gm, example_inputs, model)
+    tensors, batch, sizes = _inputs_of(graph, root)
     param_dtype = _check_inputs(graph, tensors, batch, dtype)
     state = group_layers(CaptureState(model, type(model).__name__, attention, param_dtype, seq_len, model=model,
                                       analyse=analyse))
     if state.layer_list is None or not state.layer_list:
         raise GraphCaptureUnsupported("the model has no layer list (an nn.ModuleList of its layers)")
+    _own_copies_of_shared_sizes(graph, state.layer_list)
     boundaries = _layer_edges(graph, state.layer_list, state.layer_groups)
     find_regions(graph, boundaries, state.layer_list, tuple((i,) for i in range(len(boundaries.inputs))),
                  inputs=(tensors, batch, sizes))  # the whole model: layers back to back, only outputs leave
-    reduced, edges, tensors = _one_layer_per_group(graph, boundaries, state.layer_list, state.layer_groups,
-                                                   model_arg, tensors)
+    reduced, edges, tensors = _one_layer_per_group(graph, boundaries, state.layer_list, state.layer_groups, tensors)
     fake_inputs = [n.meta["example_value"] for n in reduced.graph.nodes if n.op == "placeholder"]
     captured: list = []
     backend = joint_backend(captured.append) if analyse else graph_only_backend(captured.append)
-    backend(reduced, fake_inputs)
+    with _specialised_floats(folded):
+        backend(reduced, fake_inputs)
     if not captured:
         raise GraphCaptureUnsupported("aot_autograd produced no joint graph (does the model have parameters?)")
     joint = replace(captured[-1], boundaries=edges, input_kinds=(tensors, batch, sizes))
@@ -84,23 +86,44 @@ def capture_graph(gm: fx.GraphModule, example_inputs: list, model: nn.Module, *,
     return run_capture_passes(state, passes_after_trace())
 
 
-def _training_graph(gm: fx.GraphModule, example_inputs: list, model: nn.Module) -> tuple[fx.GraphModule, str]:
-    """A copy of ``gm`` returning only the loss, its lifted float attributes constants again, and the
-    local of the compiled frame that holds ``model`` (``self`` when the module itself is compiled)."""
+@contextlib.contextmanager
+def _specialised_floats(shape_envs: set):
+    """While aot_autograd runs on dynamo's shape environment, its float symbols with a value (the ones
+    this graph made constants) count as specialised: otherwise its scalar pass finds them unused and has
+    dynamo trace the whole frame again (``TensorifyScalarRestartAnalysis``) with every float a constant,
+    to the same end."""
+    import sympy
+    from torch._dynamo.symbolic_convert import TensorifyState
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    names = {str(symbol) for env in shape_envs for symbol, value in env.backed_var_to_val.items()
+             if symbol_is_type(symbol, SymT.FLOAT) and isinstance(value, sympy.Float)}
+    added = names - TensorifyState.force_specializations
+    for name in added:
+        TensorifyState.specialize(name)
+    try:
+        yield
+    finally:
+        TensorifyState.force_specializations.difference_update(added)
+
+
+def _training_graph(gm: fx.GraphModule, example_inputs: list,
+                    model: nn.Module) -> tuple[fx.GraphModule, tuple[str, list[str]], set]:
+    """A copy of ``gm`` returning only the loss, its lifted float attributes constants again and its
+    module stacks relative to ``model``; and where the compiled frame holds ``model``: a local and a
+    path in it (``("self", [])`` when the module itself is compiled, ``("args", ["0"])`` through a
+    wrapper of its forward); and the shape environments of the float symbols made constants."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    model_arg = None
+    root = None
     for node, value in zip(placeholders, example_inputs):
         if isinstance(value, nn.Parameter):
             local, path, _ = source_path(getattr(node, "_dynamo_source", None))
-            try:
-                owner = model.get_parameter(".".join(path))
-            except AttributeError:
-                owner = None
-            if owner is not value or model_arg not in (None, local):
+            found = next(((local, path[:k]) for k in range(len(path)) if _parameter(model, path[k:]) is value), None)
+            if found is None or root not in (None, found):
                 raise GraphCaptureUnsupported(f"graph input {node.name} is not a parameter of the compiled module "
-                                              "read through one local of the compiled frame")
-            model_arg = local
-    if model_arg is None:
+                                              "read through one place of the compiled frame")
+            root = found
+    if root is None:
         raise GraphCaptureUnsupported("the graph reads no parameter")
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     outputs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
@@ -110,14 +133,47 @@ def _training_graph(gm: fx.GraphModule, example_inputs: list, model: nn.Module) 
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
     graph.graph_copy(gm.graph, copies)
+    prefix = ".".join(root[1])
     for old, new in copies.items():
         if old.op == "placeholder":
             new._dynamo_source = getattr(old, "_dynamo_source", None)  # not copied by graph_copy
+        if new.meta.get("nn_module_stack"):
+            new.meta["nn_module_stack"] = _renumbered(new.meta["nn_module_stack"], prefix)
     graph.output((copies[loss],))
+    folded: set = set()
     for node, value in zip(placeholders, example_inputs):
-        _constant_float(graph, copies[node], value, model_arg)
+        _constant_float(graph, copies[node], value, folded)
+    _skip_empty_concatenations(graph)
     graph.eliminate_dead_code()  # what only other outputs (logits, a key/value cache) needed
-    return fx.GraphModule(gm, graph), model_arg
+    return fx.GraphModule(gm, graph), root, folded
+
+
+def _skip_empty_concatenations(graph: fx.Graph) -> None:
+    """``torch.cat`` skips 1-D empty operands (a key/value cache's first update when the call did not
+    pass ``use_cache=False``, which capture passes): drop them, and a cat left with one operand."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.cat or not isinstance(node.args[0], (list, tuple)):
+            continue
+        kept = [a for a in node.args[0] if not _empty_vector(a)]
+        if len(kept) == len(node.args[0]) or not kept:
+            continue
+        if len(kept) == 1:
+            node.replace_all_uses_with(kept[0])
+            graph.erase_node(node)
+        else:
+            node.args = (kept, *node.args[1:])
+
+
+def _empty_vector(arg) -> bool:
+    value = arg.meta.get("example_value") if isinstance(arg, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == 0
+
+
+def _parameter(model: nn.Module, path: list[str]) -> torch.Tensor | None:
+    try:
+        return model.get_parameter(".".join(path))
+    except AttributeError:
+        return None
 
 
 def _is_loss(node: fx.Node) -> bool:
@@ -125,17 +181,19 @@ def _is_loss(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
 
 
-def _constant_float(graph: fx.Graph, node: fx.Node, value, model_arg: str) -> None:
-    """A module's float attribute (``eps``) that dynamo lifted to a 0-d input read with ``.item()``:
-    the number itself again, as capture's trace has it (``specialize_float``)."""
-    local, _, kind = source_path(getattr(node, "_dynamo_source", None))
+def _constant_float(graph: fx.Graph, node: fx.Node, value, folded: set) -> None:
+    """A Python float that dynamo lifted to a 0-d input read with ``.item()`` (a module's ``eps``, a
+    global such as ``math.pi``): the number itself again, as capture's trace has it (``specialize_float``)."""
+    _, _, kind = source_path(getattr(node, "_dynamo_source", None))
     if not (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.dim() == 0
-            and value.is_floating_point() and local == model_arg and kind is None):
+            and value.is_floating_point() and kind is None and node.users
+            and all(user.op == "call_method" and user.target == "item" for user in node.users)):
         return
-    if any(user.op != "call_method" or user.target != "item" for user in node.users):
-        raise GraphCaptureUnsupported(f"graph input {node.name} (a float attribute) is read as a tensor")
     number = float(value)
     for item in list(node.users):
+        symbol = item.meta.get("example_value")
+        if isinstance(symbol, torch.SymFloat):
+            folded.add(symbol.node.shape_env)
         for user in list(item.users):
             user.args = fx.node.map_arg(user.args, lambda a: number if a is item else a)
             user.kwargs = fx.node.map_arg(user.kwargs, lambda a: number if a is item else a)
@@ -143,11 +201,31 @@ def _constant_float(graph: fx.Graph, node: fx.Node, value, model_arg: str) -> No
     graph.erase_node(node)
 
 
-def _inputs_of(graph: fx.GraphModule, model_arg: str) -> tuple[dict, dict, dict]:
-    try:
-        return classify_inputs(graph, model_arg)
-    except RegionError as error:
-        raise GraphCaptureUnsupported(str(error)) from None
+def _batch_name(source) -> str | None:
+    local, path, _ = source_path(source)
+    name = path[-1] if local == "kwargs" and len(path) == 1 else local
+    return name if name in ("input_ids", "labels") else None
+
+
+def _inputs_of(graph: fx.GraphModule, root: tuple[str, list[str]]) -> tuple[dict, dict, dict]:
+    """What each graph input is, as :func:`.regions.classify_inputs` says it of capture's trace:
+    a tensor of the model (kind, path in it), a batch input or a batch input's size."""
+    tensors, batch, sizes = {}, {}, {}
+    for node in graph.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = getattr(node, "_dynamo_source", None)
+        local, path, kind = source_path(source)
+        if type(source).__name__ == "TensorPropertySource" and _batch_name(source.base) is not None:
+            sizes[node.name] = (_batch_name(source.base), int(source.idx))
+        elif (local, path[:len(root[1])]) == root and kind is not None:
+            tensors[node.name] = (kind, ".".join(path[len(root[1]):]))
+        elif _batch_name(source) is not None and isinstance(node.meta.get("example_value"), torch.Tensor):
+            batch[node.name] = _batch_name(source)
+        else:
+            raise GraphCaptureUnsupported(f"graph input {node.name} (from {source.name if source else None}) is "
+                                          "neither a tensor of the model, input_ids, labels nor one of their sizes")
+    return tensors, batch, sizes
 
 
 def _check_inputs(graph: fx.GraphModule, tensors: dict, batch: dict, dtype: str | None) -> str:
@@ -175,6 +253,47 @@ def _check_inputs(graph: fx.GraphModule, tensors: dict, batch: dict, dtype: str 
     if dtype is not None and str(dtype).replace("torch.", "") != own:
         raise GraphCaptureUnsupported(f"the plan's dtype {dtype} is not the parameters' {own}")
     return own
+
+
+def _own_copies_of_shared_sizes(graph: fx.GraphModule, layer_list: str) -> None:
+    """Dynamo computes a size expression once (GPT-2's ``sqrt(head_dim)``) and every later layer reads
+    it from the first: each layer gets its own copy, computed where it first reads it, as a trace of
+    that layer alone (capture's) has it."""
+    body = [n for n in graph.graph.nodes if n.op not in ("placeholder", "output")]
+    layer_of = layer_of_nodes(body, layer_list)
+    for node in body:
+        home = layer_of[node.name]
+        if home is None or isinstance(node.meta.get("example_value"), torch.Tensor):
+            continue
+        readers: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            if layer_of.get(user.name) not in (None, home):
+                readers.setdefault(layer_of[user.name], []).append(user)
+        for layer, users in readers.items():
+            anchor = min(users, key=body.index)
+            memo: dict[fx.Node, fx.Node] = {}
+            with graph.graph.inserting_before(anchor):
+                copy = _copy_size(graph.graph, node, home, layer_of, memo, anchor.meta.get("nn_module_stack"))
+            for user in users:
+                user.replace_input_with(node, copy)
+            for new in memo.values():
+                layer_of[new.name] = layer
+    graph.recompile()
+
+
+def _copy_size(graph: fx.Graph, node: fx.Node, home: int, layer_of: dict, memo: dict, stack) -> fx.Node:
+    """``node`` and the size expressions of its layer it is computed from, copied where the graph inserts."""
+    if node in memo:
+        return memo[node]
+
+    def arg(a: fx.Node) -> fx.Node:
+        shared = layer_of.get(a.name) == home and not isinstance(a.meta.get("example_value"), torch.Tensor)
+        return _copy_size(graph, a, home, layer_of, memo, stack) if shared else a
+
+    memo[node] = copied = graph.node_copy(node, arg)
+    if stack is not None:
+        copied.meta["nn_module_stack"] = dict(stack)
+    return copied
 
 
 def _layer_edges(graph: fx.GraphModule, layer_list: str, groups: tuple) -> Boundaries:
@@ -236,7 +355,7 @@ def _same_kind(value, reference) -> bool:
         value.dtype == reference.dtype and tuple(map(str, value.shape)) == tuple(map(str, reference.shape))
 
 
-def _one_layer_per_group(graph: fx.GraphModule, edges: Boundaries, layer_list: str, groups: tuple, model_arg: str,
+def _one_layer_per_group(graph: fx.GraphModule, edges: Boundaries, layer_list: str, groups: tuple,
                          tensors: dict) -> tuple[fx.GraphModule, Boundaries, dict]:
     """``graph`` (changed in place) holding one layer per group, renumbered ``0..len(groups)-1`` as
     capture's reduced model: its regions' boundaries and its tensors named by those numbers."""
@@ -263,14 +382,14 @@ def _one_layer_per_group(graph: fx.GraphModule, edges: Boundaries, layer_list: s
             graph.graph.erase_node(node)
     renamed = {}
     for node in list(graph.graph.nodes):
-        real = _layer_index(node, layer_list)
+        real = _layer_index(node, layer_list, tensors)
         if node.op == "placeholder" and real is not None and real not in traced_of and not node.users:
             graph.graph.erase_node(node)  # the weights of the layers no longer in the graph
             tensors.pop(node.name, None)
             continue
         if real in traced_of:
-            node.meta["nn_module_stack"] = _renumbered(node.meta.get("nn_module_stack") or {}, layer_list, real,
-                                                       traced_of[real], model_arg)
+            node.meta["nn_module_stack"] = _renumbered(node.meta.get("nn_module_stack") or {}, "",
+                                                       (f"{layer_list}.{real}", f"{layer_list}.{traced_of[real]}"))
         if node.name in tensors:
             kind, path = tensors[node.name]
             index = _index_in(path, layer_list)
@@ -294,25 +413,27 @@ def _index_in(path: str, layer_list: str) -> int | None:
     return None
 
 
-def _layer_index(node: fx.Node, layer_list: str) -> int | None:
+def _layer_index(node: fx.Node, layer_list: str, tensors: dict) -> int | None:
     for path in module_paths(node):
         index = _index_in(path, layer_list)
         if index is not None:
             return index
-    source = getattr(node, "_dynamo_source", None) if node.op == "placeholder" else None
-    return _index_in(".".join(source_path(source)[1]), layer_list) if source is not None else None
+    return _index_in(tensors[node.name][1], layer_list) if node.name in tensors else None
 
 
-def _renumbered(stack: dict, layer_list: str, real: int, traced: int, model_arg: str) -> dict:
-    """A module stack whose layer ``real`` of ``layer_list`` is called ``traced``."""
-    old = f"{layer_list}.{real}"
+def _renumbered(stack: dict, prefix: str, rename: tuple[str, str] | None = None) -> dict:
+    """A module stack with paths relative to the model (``prefix``, where the frame holds it, cut
+    off) as capture's trace has them (``L['model'].path``); ``rename``: a layer's path called by
+    another (its number in the reduced graph)."""
     result = {}
     for key, value in stack.items():
         raw, kind = (value[0], value[1]) if isinstance(value, (tuple, list)) else (value, None)
         path = normalize_module_path(str(raw))
-        if path == old or path.startswith(old + "."):
-            path = f"{layer_list}.{traced}{path[len(old):]}"
-        result[key] = (f"L['{model_arg}'].{path}" if path else f"L['{model_arg}']", kind)
+        if prefix and (path == prefix or path.startswith(prefix + ".")):
+            path = path[len(prefix):].lstrip(".")
+        if rename is not None and (path == rename[0] or path.startswith(rename[0] + ".")):
+            path = rename[1] + path[len(rename[0]):]
+        result[key] = (f"L['model'].{path}" if path else "L['model']", kind)
     return result
 
 

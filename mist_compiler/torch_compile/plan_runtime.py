@@ -186,9 +186,10 @@ class Training:
     model: nn.Module
     engine: Engine
     parameters: AliasedParameters | MirroredParameters
+    captured_from: str = "module"  # "graph": the program was cut from dynamo's graph; else why not
 
 
-def _training_for(model: nn.Module, settings: dict, gm: fx.GraphModule) -> Training:
+def _training_for(model: nn.Module, settings: dict, gm: fx.GraphModule, example_inputs: list) -> Training:
     """One per module: dynamo recompiles (new guards once the batch changes) keep training it."""
     for training in _trainings:
         if training.model is model:
@@ -201,13 +202,14 @@ def _training_for(model: nn.Module, settings: dict, gm: fx.GraphModule) -> Train
     runtime = {k: settings.pop(k) for k in list(settings) if k in RUNTIME_OPTIONS}
     if plan is None:
         settings.setdefault("dtype", user_dtype(model, gm))
-    compiled = driver.compile_model(model, plan=plan, until="plan", **settings)  # capture, tune, check
+    # capture (cut from dynamo's graph where it can be), tune, check
+    compiled = driver.compile_model(model, plan=plan, until="plan", graph=(gm, example_inputs), **settings)
     binding = binding_for(model, compiled.plan)
     optimizer = None if binding.owns_update else EXTERNAL_OPTIMIZER
     engine = driver.compile_model(model, plan=compiled.plan, program=compiled.program, prove=False,
                                   optimizer=optimizer, **runtime).engine
     engine.source_model = model
-    training = Training(model, engine, binding(model, engine))
+    training = Training(model, engine, binding(model, engine), compiled.captured_from)
     _trainings.append(training)
     _install_optimizer_hooks()
     return training
@@ -291,7 +293,7 @@ def compile_with_plan(gm: fx.GraphModule, example_inputs: list, options: dict) -
             return gm(*args)
 
         return forward_only
-    training = _training_for(model, settings, gm)
+    training = _training_for(model, settings, gm, example_inputs)
     engine = training.engine
     anchor = torch.zeros((), requires_grad=True)
     others = {i: (n.meta.get("example_value") if isinstance(n, fx.Node) else n) for i, n in enumerate(outputs)
