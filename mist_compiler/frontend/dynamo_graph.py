@@ -41,7 +41,7 @@ from ..ir.capture_state import CaptureState
 from ..ir.model_graph import PARAMETER
 from ..ir.program import ATTENTION_KERNELS, IRError, MistProgram
 from ..passes.block_discovery import module_paths, normalize_module_path
-from .boundaries import Boundaries
+from .boundaries import Boundaries, LayerContractError
 from .capture import _max_seq, group_layers, passes_after_trace, run_capture_passes
 from .joint import graph_only_backend, joint_backend
 from .regions import RegionError, find_regions, layer_of_nodes, source_path
@@ -66,9 +66,12 @@ def capture_graph(gm: fx.GraphModule, example_inputs: list, model: nn.Module, *,
     if state.layer_list is None or not state.layer_list:
         raise GraphCaptureUnsupported("the model has no layer list (an nn.ModuleList of its layers)")
     _own_copies_of_shared_sizes(graph, state.layer_list)
-    boundaries = _layer_edges(graph, state.layer_list, state.layer_groups)
-    find_regions(graph, boundaries, state.layer_list, tuple((i,) for i in range(len(boundaries.inputs))),
-                 inputs=(tensors, batch, sizes))  # the whole model: layers back to back, only outputs leave
+    try:
+        boundaries = _layer_edges(graph, state.layer_list, state.layer_groups)
+        find_regions(graph, boundaries, state.layer_list, tuple((i,) for i in range(len(boundaries.inputs))),
+                     inputs=(tensors, batch, sizes))  # the whole model: layers back to back, only outputs leave
+    except (RegionError, LayerContractError) as error:  # capture's own checks name the layer and the line
+        raise GraphCaptureUnsupported(f"the layers' edges in the graph: {error}") from None
     reduced, edges, tensors = _one_layer_per_group(graph, boundaries, state.layer_list, state.layer_groups, tensors)
     fake_inputs = [n.meta["example_value"] for n in reduced.graph.nodes if n.op == "placeholder"]
     captured: list = []
