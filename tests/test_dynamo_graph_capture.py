@@ -283,3 +283,22 @@ def test_torch_compile_dynamic_runs_a_plan_on_a_hugging_face_model(tmp_path):
     result = _run_user_loop(setup, {"plan": str(tmp_path / "plan.json")}, tmp_path)
     assert result["route"] == "graph", result
     assert result["worst"] <= max(10 * result["noise"], 1e-6), result
+
+
+def test_torch_compile_dynamic_under_torchrun_shards_the_cut_program(tmp_path):
+    """ZeRO-1, tensor parallelism (tp 2) and a pipeline (pp 2, tied head) lowered from the program cut
+    from dynamo's graph on each rank follow eager training step by step (``tests/torch_compile_runs``)."""
+    from tests.dist_utils import free_port
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+           "MIST_TEST_DYNAMIC": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), "-m", "tests.torch_compile_runs", "zero1", "tp2", "pp2"],
+                            capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for plan, row in out["plans"].items():
+        assert row["route"] == "graph", (plan, row)
+        assert row["same"], (plan, row)
+        assert row["worst"] <= max(10 * out["noise"], 1e-6), (plan, row, out["noise"])
+        assert row["eval"] == pytest.approx(out["eager_eval"], rel=1e-5), (plan, row)
