@@ -186,7 +186,8 @@ def _is_loss(node: fx.Node) -> bool:
 
 def _constant_float(graph: fx.Graph, node: fx.Node, value, folded: set) -> None:
     """A Python float that dynamo lifted to a 0-d input read with ``.item()`` (a module's ``eps``, a
-    global such as ``math.pi``): the number itself again, as capture's trace has it (``specialize_float``)."""
+    global such as ``math.pi``): the number itself again, as capture's trace has it (``specialize_float``);
+    the shape environment its float symbol lives in is added to ``folded``."""
     _, _, kind = source_path(getattr(node, "_dynamo_source", None))
     if not (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.dim() == 0
             and value.is_floating_point() and kind is None and node.users
