@@ -4,6 +4,7 @@
 Trainer and the ``torch.compile`` backend; each step is one call into the sub-package that owns it::
 
     program = capture(model)                  # frontend: one trace -> the captured program (MistProgram)
+                                              #   (torch.compile: cut from the graph dynamo traced, capture_graph)
     cost_model = analyse(program, hardware)   # cost: analysis passes -> vectorised time/memory model
     plan = tune(cost_model, cluster)          # tuner (skipped when a plan is given) -> Plan
     check_plan(program, plan)                 # verify: the plan fits the captured model; TP splits proven
@@ -35,6 +36,7 @@ class Compiled:
     tuning: Any = None  # the TuneResult when the plan was tuned
     cost_model: Any = None
     engine: Any = None
+    captured_from: str = "module"  # "graph": cut from dynamo's graph; "module (why not the graph)"; "program": given
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,33 @@ def capture(model, *, dtype: str | None = DEFAULT_DTYPE, attention: str = "flash
     from .frontend.capture import capture as capture_program
 
     return capture_program(model, dtype=dtype, attention=attention, seq_len=seq_len, analyse=analyse)
+
+
+def capture_graph(gm, example_inputs: list, model, *, dtype: str | None = None, attention: str = "flash",
+                  seq_len: int | None = None, analyse: bool = True) -> MistProgram:
+    """Step 1 for the ``torch.compile`` backend: the program cut from ``gm``, the graph dynamo traced
+    of a call of ``model``, with the ``example_inputs`` it handed the backend (no second trace);
+    ``frontend.dynamo_graph.GraphCaptureUnsupported`` says why a graph cannot give it."""
+    from .frontend.dynamo_graph import capture_graph as cut_program
+
+    return cut_program(gm, example_inputs, model, dtype=dtype, attention=attention, seq_len=seq_len, analyse=analyse)
+
+
+def _capture_either(model, graph: tuple | None, *, dtype: str, attention: str, seq_len: int | None,
+                    analyse: bool) -> tuple[MistProgram, str]:
+    """The program from dynamo's ``graph`` ``(gm, example_inputs)`` where it holds what a plan needs,
+    else captured from the module; and which of the two (with the reason the graph was not used)."""
+    if graph is not None:
+        from .frontend.dynamo_graph import GraphCaptureUnsupported
+
+        try:
+            return capture_graph(*graph, model, dtype=dtype, attention=attention, seq_len=seq_len,
+                                 analyse=analyse), "graph"
+        except GraphCaptureUnsupported as why:
+            reason = f"module ({why})"
+    else:
+        reason = "module"
+    return capture(model, dtype=dtype, attention=attention, seq_len=seq_len, analyse=analyse), reason
 
 
 def analyse(program: MistProgram, hardware, *, seq_len: int, attention: str = "flash", grad_dtype: str = "float32",
@@ -146,20 +175,26 @@ def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes
                   compiled: bool = COMPILED_DEFAULT, until: str = "run", model_name: str | None = None,
                   progress: Callable[[str], None] | None = None,
                   program: MistProgram | None = None, prove: bool = True, optimizer=None, device=None,
-                  timeout_s: float | None = None, source=None, compile_units: bool | None = None) -> Compiled:
+                  timeout_s: float | None = None, source=None, compile_units: bool | None = None,
+                  graph: tuple | None = None) -> Compiled:
     """The whole pipeline (see the module docstring). ``model``: an ``nn.Module`` (trained from its
     own weights) or a model name; ``plan``: run this plan instead of tuning (else tune for
     ``hardware`` and the cluster, in ``space`` or a ``baseline``'s spaces, with ``grad_dtype``
     gradients, pricing units ``compiled`` or eager); ``optimizer`` (AdamW
     settings), ``device``, ``timeout_s``, ``source`` (where the initial weights come from) and
-    ``compile_units`` (None: as the plan says; False: eager units, for debugging) are for the runtime."""
+    ``compile_units`` (None: as the plan says; False: eager units, for debugging) are for the runtime.
+    ``graph``: ``(gm, example_inputs)``, what dynamo handed the ``torch.compile`` backend: the program is
+    cut from it where it holds what a plan needs, else captured from ``model`` (``Compiled.captured_from``)."""
     if isinstance(plan, str):
         plan = load_plan(plan)
     if plan is not None and not isinstance(plan, Plan):
         raise PlanError(f"plan: expected a Plan or a path to a plan file, got {type(plan).__name__}")
     dtype = plan.dtype if plan is not None else (dtype or DEFAULT_DTYPE)
     seq_len = plan.seq_len if plan is not None else seq_len
-    program = program or capture(model, dtype=dtype, attention=attention, seq_len=seq_len, analyse=plan is None)
+    captured_from = "program"
+    if program is None:
+        program, captured_from = _capture_either(model, graph, dtype=dtype, attention=attention, seq_len=seq_len,
+                                                 analyse=plan is None)
     tuning = cost_model = None
     if plan is None:
         if hardware is None or global_batch is None:
@@ -175,7 +210,7 @@ def compile_model(model, *, plan: Plan | str | None = None, hardware=None, nodes
         tuning.stats["analysis_s"] = analysis_s
         plan = tuning.plan
     check_plan(program, plan, model_name=model_name, prove=prove)
-    result = Compiled(program, plan, tuning, cost_model)
+    result = Compiled(program, plan, tuning, cost_model, captured_from=captured_from)
     if until == "plan":
         return result
     from .runtime.engine import Engine
@@ -232,5 +267,6 @@ def build_engine(model, plan: Plan | str, *, optimizer=None, device=None, timeou
                          source=source, compile_units=compile_units).engine
 
 
-__all__ = ["Compiled", "IRShape", "analyse", "analyze_plan", "build_engine", "capture", "check_plan", "compile_model",
+__all__ = ["Compiled", "IRShape", "analyse", "analyze_plan", "build_engine", "capture", "capture_graph", "check_plan",
+           "compile_model",
            "ir_shape", "lower", "price", "tune", "tune_model", "workload"]

@@ -22,18 +22,19 @@ PLANS = {
     "pp2": {"grad_accum": 2, "stages": [dict(STAGE, gpus_per_node=1, micro_batch=2, layers=[0, 2]),
                                         dict(STAGE, gpus_per_node=1, micro_batch=2, layers=[2, 3])]},
 }
+DYNAMIC = os.environ.get("MIST_TEST_DYNAMIC") == "1"  # torch.compile(dynamic=True): the program cut from dynamo's graph
 torch.manual_seed(0)
 BATCHES = [(torch.randint(0, VOCAB, (4, 16)), torch.randint(0, VOCAB, (4, 16))) for _ in range(3)]
 
 
-def train(plan: dict | None, halves: bool = False) -> tuple[list[dict], float, bool, str]:
+def train(plan: dict | None, halves: bool = False) -> tuple[list[dict], float, bool, str, str]:
     torch.manual_seed(1)
     model = fused_gpt()
     params = list(model.parameters())
     run = model
     if plan is not None:
         plan = Plan.from_dict({"model": "FusedGPT", "seq_len": 16, "global_batch": 4, "dtype": "float32", **plan})
-        run = torch.compile(model, backend="mist", options={"plan": plan})
+        run = torch.compile(model, backend="mist", options={"plan": plan}, dynamic=DYNAMIC or None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     steps = []
@@ -52,10 +53,10 @@ def train(plan: dict | None, halves: bool = False) -> tuple[list[dict], float, b
         evaluated = float(run(input_ids=BATCHES[0][0], labels=BATCHES[0][1]))
     same = all(a is b for a, b in zip(params, model.parameters()))
     if plan is None:
-        return steps, evaluated, same, "eager"
+        return steps, evaluated, same, "eager", "eager"
     from mist_compiler.torch_compile.plan_runtime import _trainings
 
-    return steps, evaluated, same, type(_trainings[-1].parameters).__name__
+    return steps, evaluated, same, type(_trainings[-1].parameters).__name__, _trainings[-1].captured_from
 
 
 def distance(a: list[dict], b: list[dict]) -> float:
@@ -63,12 +64,13 @@ def distance(a: list[dict], b: list[dict]) -> float:
 
 
 def main(names: list[str]) -> None:
-    eager, eager_eval, _, _ = train(None)
+    eager, eager_eval, _, _, _ = train(None)
     noise = distance(train(None, halves=True)[0], eager)
     plans = {}
     for name in names:
-        steps, evaluated, same, binding = train(PLANS[name])
-        plans[name] = {"worst": distance(steps, eager), "eval": evaluated, "same": same, "binding": binding}
+        steps, evaluated, same, binding, route = train(PLANS[name])
+        plans[name] = {"worst": distance(steps, eager), "eval": evaluated, "same": same, "binding": binding,
+                       "route": route}
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"noise": noise, "eager_eval": eager_eval, "plans": plans}))
 

@@ -81,6 +81,15 @@ def capture(
         check_model_output,  # forward returns a scalar loss or logits
         check_layer_chain,  # the layers run back to back (no code between them that one layer would hide)
         trace_joint_graph,  # dynamo + aot_autograd: joint forward+backward ATen graph, b and s symbolic
+        *passes_after_trace(),
+    ]
+    return run_capture_passes(state, passes, print_after=print_after, on_dump=on_dump)
+
+
+def passes_after_trace() -> list:
+    """The passes that read the trace (``state.joint``), in order: what every capture shares, the
+    one that traces a module here and the one cut from the graph dynamo hands the backend."""
+    return [
         find_model_graph,  # the torch-level graph of the same trace, cut into pre / layers / post
         seed_dropout_sites,  # dropout masks a function of (sample, layer, site, position): every plan draws the same
         recognise_tensor_parallel,  # the one tensor-parallel recogniser: how each tensor splits, or why not
@@ -89,11 +98,17 @@ def capture(
         block_discovery,  # pre / layers / post, Weisfeiler-Lehman class hash per layer
         lower_to_ir,  # IR nodes, attention op, saved tensors per block class
     ]
-    if not analyse:
+
+
+def run_capture_passes(state: CaptureState, passes: list, print_after: Sequence[str] = (),
+                       on_dump: Callable[[str, Any], None] | None = None) -> MistProgram:
+    """Run capture ``passes`` on ``state`` and return the program (``state.analyse`` False: stop
+    before the shapes, the torch-level program only)."""
+    if not state.analyse:
         passes = passes[:passes.index(shape_prop)]
     manager = PassManager(passes, print_after=print_after, on_dump=on_dump)
     final = manager(state).program
-    if not analyse:
+    if not state.analyse:
         return MistProgram(final.model_name, [], {}, final.dtype, final.attention, final.seq_len, ("b", "s"),
                            dict(final.config or {}), (), final.max_positions, final.model_graph)
     return replace(final.program, model_graph=final.model_graph)
@@ -351,7 +366,8 @@ def find_model_graph(state: CaptureState) -> CaptureState:
     """Pass: the torch-level graph of the trace, cut into regions (what the lowering runs)."""
     if state.layer_list is None or not state.joint.boundaries:
         return state  # no layer list: analysable, but only as a whole (no pipeline)
-    graph = find_regions(state.joint.torch_graph, state.joint.boundaries, state.layer_list, state.layer_groups)
+    graph = find_regions(state.joint.torch_graph, state.joint.boundaries, state.layer_list, state.layer_groups,
+                         inputs=state.joint.input_kinds)
     graph = replace(with_real_names(graph, state.layer_groups), primals=dict(state.joint.primal_sources))
     return replace(state, model_graph=graph)
 

@@ -68,6 +68,9 @@ class JointCapture:
     primal_inputs: dict[str, str] = field(default_factory=dict)  # joint placeholder -> input name
     boundaries: Boundaries = field(default_factory=Boundaries)  # layer entry/exit values of torch_graph
     primal_sources: dict[str, str] = field(default_factory=dict)  # joint placeholder -> torch_graph placeholder
+    # what torch_graph's placeholders are, (tensors, batch, sizes) as regions.classify_inputs gives them,
+    # when the graph's dynamo sources do not say it (a graph cut from the one a user's torch.compile traced)
+    input_kinds: tuple | None = None
 
 
 def _is_parameter(node: torch.fx.Node, example) -> bool:

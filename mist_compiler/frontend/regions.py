@@ -46,7 +46,9 @@ def source_path(source) -> tuple[str | None, list[str], str | None]:
     return None, list(reversed(parts)), kind
 
 
-def _classify_inputs(gm: torch.fx.GraphModule, model_arg: str):
+def classify_inputs(gm: torch.fx.GraphModule, model_arg: str) -> tuple[dict, dict, dict]:
+    """Per placeholder of ``gm``: a parameter or buffer of the module in local ``model_arg``
+    (``tensors``: kind and path), a batch input (``batch``) or a batch input's size (``sizes``)."""
     tensors, batch, sizes = {}, {}, {}
     for node in gm.graph.nodes:
         if node.op != "placeholder":
@@ -91,6 +93,11 @@ def _with_mode_switches(body: list[torch.fx.Node], layer_of: dict[str, int | Non
     return layer_of
 
 
+def layer_of_nodes(body: list[torch.fx.Node], layer_list: str) -> dict[str, int | None]:
+    """Per node name, the index of the layer of ``layer_list`` whose code issued it (None: outside)."""
+    return _with_mode_switches(body, {n.name: _layer_of(n, layer_list) for n in body})
+
+
 def _region(index: int, layers: tuple[int, ...], nodes: list[torch.fx.Node], carried_in: str, carried_out: str,
             tensors: dict, prefix: str, hidden_users: set[str], own_weights: bool = True) -> LayerRegion:
     members = {n.name for n in nodes}
@@ -116,12 +123,14 @@ def _region(index: int, layers: tuple[int, ...], nodes: list[torch.fx.Node], car
 
 
 def find_regions(gm: torch.fx.GraphModule, boundaries, layer_list: str, layer_groups: tuple,
-                 model_arg: str = "model", own_weights: bool = True) -> ModelGraph:
+                 model_arg: str = "model", own_weights: bool = True, inputs: tuple | None = None) -> ModelGraph:
     """The :class:`ModelGraph` of ``gm`` (see the module docstring); ``own_weights=False`` accepts
-    layers sharing weights (capture's chain check runs the same layers twice)."""
-    tensors, batch, sizes = _classify_inputs(gm, model_arg)
+    layers sharing weights (capture's chain check runs the same layers twice); ``inputs``: what the
+    graph inputs are, ``(tensors, batch, sizes)``, when the caller has named them already (a graph
+    cut from dynamo's, whose sources still name the layers of the real model)."""
+    tensors, batch, sizes = inputs if inputs is not None else classify_inputs(gm, model_arg)
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    layer_of = _with_mode_switches(body, {n.name: _layer_of(n, layer_list) for n in body})
+    layer_of = layer_of_nodes(body, layer_list)
     traced = sorted(boundaries.inputs)
     if traced != list(range(len(layer_groups))) or sorted(boundaries.outputs) != traced:
         raise RegionError(f"capture: the layers of {layer_list} did not all run once in the forward "
@@ -173,4 +182,4 @@ def with_real_names(graph: ModelGraph, layer_groups: tuple) -> ModelGraph:
     return replace(graph, tensors=tensors)
 
 
-__all__ = ["LayerContractError", "RegionError", "find_regions", "source_path", "with_real_names"]
+__all__ = ["LayerContractError", "RegionError", "classify_inputs", "find_regions", "layer_of_nodes", "source_path", "with_real_names"]

@@ -6,8 +6,10 @@ training: either ``plan`` (a Plan or a path) or what tuning needs (``hardware``,
 ``compile_units=False`` to run the stage programs eagerly, for debugging). Dynamo
 lifts the model's parameters into graph inputs whose sources lead back to a local (or global)
 of the frame being compiled: that object is the user's ``nn.Module`` (:func:`compiled_module`,
-no search of the heap). The driver captures it, tunes if needed, and builds this rank's engine
-from the module's own weights, once per module. The user's loop stays as it is::
+no search of the heap). The driver cuts the program from the graph dynamo handed the backend
+where that graph can give it (``torch.compile(..., dynamic=True)``: batch and sequence symbolic;
+``frontend/dynamo_graph.py``), else captures the module (``Training.captured_from`` says which and
+why), tunes if needed, and builds this rank's engine from the module's own weights, once per module. The user's loop stays as it is::
 
     out = compiled(input_ids=..., labels=...)    # the whole micro-batch schedule: forward and backward
     out.loss.backward()                          # nothing left to do (the gradients are in .grad)
@@ -186,9 +188,10 @@ class Training:
     model: nn.Module
     engine: Engine
     parameters: AliasedParameters | MirroredParameters
+    captured_from: str = "module"  # "graph": the program was cut from dynamo's graph; else why not
 
 
-def _training_for(model: nn.Module, settings: dict, gm: fx.GraphModule) -> Training:
+def _training_for(model: nn.Module, settings: dict, gm: fx.GraphModule, example_inputs: list) -> Training:
     """One per module: dynamo recompiles (new guards once the batch changes) keep training it."""
     for training in _trainings:
         if training.model is model:
@@ -201,13 +204,14 @@ def _training_for(model: nn.Module, settings: dict, gm: fx.GraphModule) -> Train
     runtime = {k: settings.pop(k) for k in list(settings) if k in RUNTIME_OPTIONS}
     if plan is None:
         settings.setdefault("dtype", user_dtype(model, gm))
-    compiled = driver.compile_model(model, plan=plan, until="plan", **settings)  # capture, tune, check
+    # capture (cut from dynamo's graph where it can be), tune, check
+    compiled = driver.compile_model(model, plan=plan, until="plan", graph=(gm, example_inputs), **settings)
     binding = binding_for(model, compiled.plan)
     optimizer = None if binding.owns_update else EXTERNAL_OPTIMIZER
     engine = driver.compile_model(model, plan=compiled.plan, program=compiled.program, prove=False,
                                   optimizer=optimizer, **runtime).engine
     engine.source_model = model
-    training = Training(model, engine, binding(model, engine))
+    training = Training(model, engine, binding(model, engine), compiled.captured_from)
     _trainings.append(training)
     _install_optimizer_hooks()
     return training
@@ -291,7 +295,7 @@ def compile_with_plan(gm: fx.GraphModule, example_inputs: list, options: dict) -
             return gm(*args)
 
         return forward_only
-    training = _training_for(model, settings, gm)
+    training = _training_for(model, settings, gm, example_inputs)
     engine = training.engine
     anchor = torch.zeros((), requires_grad=True)
     others = {i: (n.meta.get("example_value") if isinstance(n, fx.Node) else n) for i, n in enumerate(outputs)
