@@ -142,9 +142,11 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     The same micro-benchmarks and efficiency formulas as ``mistc profile``
     (``profiler.measure_compute`` / ``_efficiencies``, CPU sizes), timed with this process's CPU
     time so that other work on the shared machine does not distort them; links and copies stay
-    as shipped. ``compiled``: the inductor-compiled layer chain too (``efficiency['fused']``, what
+    as shipped; GEMMs by shape (``mistc profile``'s CPU shapes, operands cycled through so that they
+    come from memory, fitted to the profile's ``matmul_shape_model``). ``compiled``: the inductor-compiled layer chain too (``efficiency['fused']``, what
     compiled units' elementwise kernels run at; compiled once per process, cached on disk).
     """
+    from mist_compiler.cost import matmul_shapes
     from mist_compiler.profiling.compiled import fused_bytes_per_s
     from mist_compiler.profiling.profiler import ComputeMeasurements, _efficiencies, adamw_params_per_s
 
@@ -172,13 +174,18 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     base = load_profile(name)
     fused_rate = (fused_bytes_per_s("cpu", "float32", 1024, 512, lambda fn: cpu_seconds_per_call(fn), lambda m: None)
                   if compiled else 0.0)
+    # GEMMs by shape, operands cycled through as a model's GEMMs read them (cost.matmul_shapes)
+    shapes = matmul_shapes.measure_shapes("cpu", "float32", peak, lambda fn: cpu_seconds_per_call(fn, 0.08),
+                                          matmul_shapes.CPU_SHAPES, lambda line: None)
+    shape_model = matmul_shapes.fit_shape_model(shapes, peak, copy_rate, 4.0)
     measured = ComputeMeasurements({"float32": peak}, model_rate, attention_rate, copy_rate, add_rate, reduce_rate,
                                    base.h2d_bandwidth, base.d2h_bandwidth, "float32", norm_rate, softmax_rate, overhead,
                                    adam_rate, adam_rate, fused_bytes_per_s=fused_rate)
     peaks = {**base.peak_flops, "float32": peak}
     return dataclasses.replace(base, peak_flops=peaks, efficiency=_efficiencies(measured, peaks),
                                memory_bandwidth=copy_rate, op_overhead=overhead, optimizer_params_per_s=adam_rate,
-                               host_optimizer_params_per_s=adam_rate)
+                               host_optimizer_params_per_s=adam_rate, matmul_model=shape_model,
+                               matmul_points=tuple(shapes))
 
 
 def mean_profile(profiles: list[HardwareProfile]) -> HardwareProfile:
