@@ -2,10 +2,10 @@
 numpy only, nothing else of ours).
 
 - ``mist::linear_cross_entropy`` (:mod:`.linear_cross_entropy`): the LM head's matmul fused with
-  the cross-entropy loss, chunked over rows so that no ``N x V`` logits exist; its backward
-  recomputes each chunk; registered fake, autograd and FLOP formulas, and the closed form of its
+  the cross-entropy loss, computed by slices of the vocabulary so that no ``N x V`` logits exist;
+  its backward recomputes each slice; registered fake, autograd and FLOP formulas, and the closed form of its
   transient memory;
-- :mod:`.chunk_kernels`: the per-chunk softmax / loss / gradient math (Triton, torch twins);
+- :mod:`.chunk_kernels`: the per-slice softmax / loss / gradient math (Triton, torch twins);
 - :mod:`.vocab_parallel`: the same loss over a vocabulary shard of the head (tensor parallelism);
 - :mod:`.groups`: what tensor-parallel ops reduce over (a process group, or threads as ranks);
 - :mod:`.sequence_parallel`: sequence parallelism's all-gather / reduce-scatter pair as modules;
