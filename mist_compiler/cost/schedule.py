@@ -29,6 +29,7 @@ import numpy as np
 
 from ..ir.plan import Plan, StagePlan
 from ..ir.schedule import B, F, I, Schedule, W, build_schedule, exchange_plan, stage_messages
+from .schedule_memory import chunk_memory, group_peaks, has_memory_parts
 from .stage_api import LOSS_CHOOSE, LOSS_FUSED, LOSS_PLAIN, StageCandidates, StageCostModel, StageEstimates
 
 
@@ -292,8 +293,12 @@ def price_plan(cost_model: StageCostModel, plan: Plan, spans: bool = False) -> P
     chunks, at_one, at_two = (_rows(every, np.arange(a, b)) for a, b in
                               ((0, count), (count, count + pp), (count + pp, count + 2 * pp)))
     simulation = simulate(schedule, chunk_costs(chunks, schedule), at_one.delta_s[:, None], spans=spans)
-    slope = at_two.peak_memory_bytes - at_one.peak_memory_bytes
-    peak = at_one.peak_memory_bytes + (simulation.inflight[:, 0] - 1.0) * slope
+    if has_memory_parts(chunks) and "peak_step" in at_one.breakdown:  # each chunk as itself, over the action list
+        step = np.asarray(at_one.breakdown["peak_step"], dtype=float)[:, None]
+        peak = group_peaks(schedule, chunk_memory(chunks, schedule.split_backward), step)[:, 0]
+    else:  # a stage model without those parts: the group at its simulated in-flight count
+        slope = at_two.peak_memory_bytes - at_one.peak_memory_bytes
+        peak = at_one.peak_memory_bytes + (simulation.inflight[:, 0] - 1.0) * slope
     return PlanPrice(float(simulation.time_s[0]), simulation, chunks, at_one, peak, at_one.delta_s)
 
 

@@ -51,7 +51,8 @@ from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .loss_kernel import plain_loss_deltas
-from .memory import BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory, state_bytes_per_param
+from .memory import (SCHEDULE_MEMORY_PARTS, BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory,
+                     state_bytes_per_param)
 from .op_time import matmul_time, op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates, StageEstimates
@@ -502,6 +503,8 @@ class StageCostModel:
             "acts": memory.acts,
             "acts_per_microbatch": acts_per_mb,
             "peak_forward_backward": np.where(unsupported, np.inf, memory.peak_forward_backward),
+            # for a schedule's walk over its actions (cost/schedule_memory.py)
+            **{name: getattr(memory, name) for name in SCHEDULE_MEMORY_PARTS},
         }
         return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak, breakdown=breakdown)
 
