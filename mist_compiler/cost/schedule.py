@@ -256,10 +256,13 @@ def chunk_costs(estimates: StageEstimates, schedule: Schedule) -> ChunkCosts:
     forward = parts["forward"] + parts.get("tp_forward", nothing) if "forward" in parts else (stable - p2p) / 3
     backward = stable - p2p - forward
     weight = parts.get("backward_weight", nothing) if schedule.split_backward else nothing
-    neighbours = np.full(len(forward), 2.0)
-    neighbours[0] -= 1.0
-    neighbours[-1] -= 1.0
-    transfer = p2p / np.maximum(neighbours, 1.0)
+    if "p2p_message" in parts:  # one message over the cut after each virtual stage (activation or gradient)
+        transfer = parts["p2p_message"]
+    else:  # the stage's transfers shared by its cuts
+        neighbours = np.full(len(forward), 2.0)
+        neighbours[0] -= 1.0
+        neighbours[-1] -= 1.0
+        transfer = p2p / np.maximum(neighbours, 1.0)
     stash = parts.get("weight_stash", nothing) if schedule.split_backward else nothing
     acts = parts.get("acts_per_microbatch", parts.get("acts", nothing))
     column = lambda values: np.asarray(values, dtype=float)[:, None]  # noqa: E731

@@ -487,6 +487,7 @@ class StageCostModel:
             "tp_comm": tp_exposed,
             "tp_forward": stage_sum("forward_tp"),
             "p2p": p2p,
+            "p2p_message": p2p_time(self.hardware, (1.0 - has_post) * layer["output"], inter_node),  # one, over the next cut
             # the backward's weight half (compute) and what it keeps from the input half: units with
             # tensor-parallel collectives keep their backward whole (passes/split_backward.py)
             "backward_weight": np.where(np.asarray(c.tp) > 1, 0.0, stage_sum("weight_compute")),
