@@ -38,11 +38,12 @@ def test_a_rank_of_two_chunks_lets_the_model_go_once_its_weights_are_made(gpt_ti
 # ----------------------------------------------------------------------------- the walk over a schedule's actions
 
 def _memory(virtual: int, **values) -> ChunkMemory:
-    """Every part zero but those given (per virtual stage, one candidate)."""
-    parts = {name: np.zeros((virtual, 1)) for name in ("static", "working", "input_half", "weight_half", "held",
-                                                       "stash", "accumulators", "reduced")}
+    """Every part zero but those given (per virtual stage, one candidate); ``working``: every backward's."""
+    parts = {name: np.zeros((virtual, 1)) for name in ("static", "first", "middle", "last", "input_half",
+                                                       "weight_half", "held", "stash", "accumulators", "reduced")}
     for name, per_stage in values.items():
-        parts[name] = np.asarray(per_stage, dtype=float).reshape(virtual, 1)
+        for part in (("first", "middle", "last") if name == "working" else (name,)):
+            parts[part] = np.asarray(per_stage, dtype=float).reshape(virtual, 1)
     return ChunkMemory(**parts)
 
 
@@ -83,10 +84,18 @@ def test_a_weight_half_keeps_its_stash_from_input_half_to_weight_half():
     """ZB-H1's last stage runs F0 I0 F1 I1 W0 ...: two micro-batches' stashes at once."""
     schedule = build_schedule("zb-h1", 2, 1, 4)
     assert [f"{a.kind}{a.micro}" for a in schedule.compute(1)][:5] == ["F0", "I0", "F1", "I1", "W0"]
-    memory = _memory(2, held=[1, 1], stash=[10, 10], weight_half=[10, 10])
+    memory = _memory(2, held=[1, 1], stash=[10, 10], weight_half=[10, 10])  # (working 0: the stash alone)
     peaks = group_peaks(schedule, memory, np.zeros((2, 1)))[:, 0]
     assert peaks[1] == 10 + 10
     assert peaks[0] == 1 + 10  # stage 0: F0 F1 I0 W0 ...: one stash and one micro-batch's activations
+
+
+def test_a_backward_is_priced_by_its_place_in_the_step():
+    """1F1B over 2 micro-batches, stage 0 runs F0 F1 B0 B1: its first backward (no accumulators yet)
+    beside the second micro-batch, its last one (gradients reduced) alone."""
+    schedule = build_schedule("1f1b", 2, 1, 2)
+    memory = _memory(2, held=[3, 3], first=[5, 5], last=[12, 12])
+    assert group_peaks(schedule, memory, np.zeros((2, 1)))[0, 0] == 12  # not 3 + 12
 
 
 def test_price_plan_walks_each_chunk(gpt_tiny_program):

@@ -39,13 +39,21 @@ class ChunkMemory:
     evaluated as its own stage at one micro-batch in flight."""
 
     static: np.ndarray  # weights and optimizer states on the device
-    working: np.ndarray  # a backward's peak above ``static`` with one micro-batch held (own gradients included)
-    input_half: np.ndarray  # the same without the gradients it makes (its own accumulators kept)
-    weight_half: np.ndarray  # the same with the stash in place of the activations at that point
+    first: np.ndarray  # the step's first backward's peak above ``static``, one micro-batch held
+    middle: np.ndarray  # the same of a backward neither first nor last (its own accumulators kept)
+    last: np.ndarray  # the same of the last (its gradients reduced)
+    input_half: np.ndarray  # what an input half adds to that: less the gradients it does not make
+    weight_half: np.ndarray  # what a weight half adds to that: its stash in place of the activations
     held: np.ndarray  # what one more in-flight micro-batch keeps
     stash: np.ndarray  # what a weight half keeps from its input half (0 without a split backward)
     accumulators: np.ndarray  # gradients kept between micro-batches
     reduced: np.ndarray  # gradients kept after the last micro-batch, until the step
+
+    def backward(self, virtual: int, made: int, total: int) -> np.ndarray:
+        """The running backward's peak above ``static``: the chunk's ``made``-th of ``total``."""
+        if made == 0:
+            return self.first[virtual]
+        return self.last[virtual] if made >= total - 1 else self.middle[virtual]
 
 
 def has_memory_parts(estimates: StageEstimates) -> bool:
@@ -59,17 +67,18 @@ def chunk_memory(estimates: StageEstimates, split_backward: bool) -> ChunkMemory
     static = parts["params"] + parts["opt"]
     peak = np.asarray(estimates.peak_memory_bytes, dtype=float)
     in_steps = parts.get("peak_forward_backward", peak)
-    working = in_steps - static
     stash = parts.get("weight_stash", np.zeros_like(static)) if split_backward else np.zeros_like(static)
     held, accumulators = parts["held_per_microbatch"], parts["accumulators"]
     # the breakdown's parts are those of the backward's peak point unless the optimizer step is higher: then
     # an input half is priced as a whole backward, a weight half with its micro-batch's stash for its held bytes
     at_point = in_steps >= peak
-    input_half = np.where(at_point, working - parts.get("grads", 0.0) + accumulators, working)
-    weight_half = np.where(at_point, working - parts.get("acts", 0.0), working - held) + stash
+    input_half = np.where(at_point, accumulators - parts.get("grads", 0.0), 0.0)
+    weight_half = np.where(at_point, -parts.get("acts", 0.0), -held) + stash
     column = lambda values: np.asarray(values, dtype=float)[:, None]  # noqa: E731
-    return ChunkMemory(column(static), column(working), column(input_half), column(weight_half), column(held),
-                       column(stash), column(accumulators), column(parts["grads_at_step"]))
+    return ChunkMemory(column(static), *(column(parts[f"peak_backward_{phase}"] - static)
+                                         for phase in ("first", "middle", "last")),
+                       column(input_half), column(weight_half), column(held), column(stash), column(accumulators),
+                       column(parts["grads_at_step"]))
 
 
 def _producing(kind: str, split: bool) -> bool:
@@ -95,14 +104,15 @@ def stage_peak(schedule: Schedule, stage: int, memory: ChunkMemory) -> np.ndarra
             held = held + memory.held[v]
             peak = np.maximum(peak, static + others + grads[v] + held)
             continue
+        here = memory.backward(v, made[v], total[v])
         if kind in (B, I):
             held = held - memory.held[v]
-            here = memory.input_half[v] if kind == I and split else memory.working[v]
+            here = here + (memory.input_half[v] if kind == I and split else 0.0)
         else:  # W: this micro-batch holds its stash, not its activations
             if (v, micro) in stashed:
                 held = held - memory.stash[v]
                 stashed.discard((v, micro))
-            here = memory.weight_half[v]
+            here = here + memory.weight_half[v]
         peak = np.maximum(peak, static + others + held + here)
         if kind == I and split:
             held = held + memory.stash[v]
