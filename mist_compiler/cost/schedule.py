@@ -9,16 +9,17 @@ plus its ``delta`` (gradient synchronisation, optimizer step); the iteration tim
 stage's. Each quantity is an array over candidates: one structure (cached per schedule), many
 candidate timings at once.
 
-Memory: per stage, the bytes of activations held over its action order: a forward adds its
-chunk's ``acts`` (F..I), an input half turns them into the weight half's ``stash`` (I..W), a
+In-flight count: per stage, the bytes of activations held over its action order: a forward adds
+its chunk's ``acts`` (F..I), an input half turns them into the weight half's ``stash`` (I..W), a
 weight half (or a whole backward) frees them; the peak of that walk, in micro-batches of the
 stage's activations, is the stage's in-flight count (1F1B: ``min(S - s, G)``, as the stage model
-assumes), fractional when chunks differ.
+assumes), fractional when chunks differ (reported, and what the tuner picks stage configurations by).
 
 :func:`price_plan` prices a :class:`~mist_compiler.ir.plan.Plan` with the stage cost model: every
 virtual stage is evaluated as its own stage (forward, backward, weight half, transfer and
 activation bytes of one micro-batch), every group of devices as the stage holding all its chunks
-(memory, ``delta``); then the schedule is simulated.
+(``delta``, the optimizer step's memory); then the schedule is simulated, and each group's peak
+memory walked over its action list with each chunk priced as itself (``cost/schedule_memory.py``).
 """
 from __future__ import annotations
 
