@@ -88,7 +88,8 @@ def _peak_rank(rank: int, world: int, plan: Plan) -> float:
     return peak
 
 
-def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype: str = "float32") -> Plan:
+def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype: str = "float32",
+          model: str = "gpt-small", schedule: str = "1f1b", virtual: int = 1) -> Plan:
     built, start = [], 0
     for stage in stages:
         dp, tp = stage.get("dp", 1), stage.get("tp", 1)
@@ -98,7 +99,8 @@ def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype:
                                sp=stage.get("sp", False)))
         start += stage["layers"]
     # the suite runs units eagerly (MIST_COMPILE=0): the plan says so, so that it is priced as it runs
-    return Plan("gpt-small", 128, global_batch, dtype, grad_accum, tuple(built), compiled=False)
+    return Plan(model, 128, global_batch, dtype, grad_accum, tuple(built), compiled=False, schedule=schedule,
+                virtual_stages=virtual)
 
 
 @pytest.mark.distributed
@@ -113,8 +115,15 @@ def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype:
     # 4 ranks: in the first stage the next backward's first unit finishes while the previous backward's
     # token-embedding reduce-scatter may still run; the runtime finishes it before launching the next
     _plan([{"layers": 2, "dp": 2, "zero": 2}, {"layers": 2, "dp": 2, "zero": 2}], grad_accum=2, dtype="bfloat16"),
+    # schedules (cost/schedule_memory.py): two chunks per rank, and weight halves keeping their stash
+    _plan([{"layers": 1}] * 4, grad_accum=4, schedule="interleaved", virtual=2),
+    _plan([{"layers": 2}, {"layers": 2}], grad_accum=4, schedule="zb-h1"),
+    pytest.param(_plan([{"layers": 1}] * 4, grad_accum=4, model="llama-small", schedule="zbv", virtual=2),
+                 marks=pytest.mark.xfail(strict=True, reason="a W action holds a layer's gradients twice (the weight "
+                                                             "half's outputs beside the bucket they are added to), "
+                                                             "unpriced: stage 1 is 7% under")),
 ], ids=["zero3-ckpt", "zero2-offload-accumulate", "pipeline", "tp2-ckpt", "tp2-sp", "pipeline-bf16-accumulate",
-        "pipeline-dp2-zero2-bf16"])
+        "pipeline-dp2-zero2-bf16", "interleaved", "zb-h1", "zbv"])
 def test_backend_peak_matches_the_memory_model(plan):
     from mist_compiler import analyze
     from mist_compiler.cost.hardware import load_profile
@@ -125,6 +134,7 @@ def test_backend_peak_matches_the_memory_model(plan):
     topology = Topology(plan)
     for rank, measured in enumerate(peaks):
         predicted = estimate.stages[topology.coord(rank).stage].peak_memory_mb * 1e6
+        print(f"rank {rank}: predicted {predicted / 1e6:.2f} MB, measured {measured / 1e6:.2f} MB")
         assert abs(predicted / measured - 1) < 0.03, (rank, predicted, measured)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from mist_compiler.cost.schedule import ChunkCosts, held_activations, simulate
+from mist_compiler.cost.schedule import ChunkCosts, chunk_costs, held_activations, simulate
 from mist_compiler.ir.plan import Plan, PlanError
 from mist_compiler.ir.schedule import (B, I, W, SCHEDULES, ScheduleError, build_schedule, check_schedule,
                                        exchange_plan, placement)
@@ -235,3 +235,15 @@ def test_random_schedules_simulate_and_replay():
         time = float(simulate(schedule, costs, np.zeros((pp, 1))).time_s[0])
         per_stage = g * (float(costs.forward[0, 0]) + float(costs.backward[0, 0])) * v
         assert per_stage - 1e-9 <= time
+
+
+def test_every_message_over_a_cut_pays_its_own_latency():
+    """A middle virtual stage sends over two cuts: each message takes one message's time (its bytes and
+    the link's latency), not half of the stage's two transfers (which would halve the latency)."""
+    from mist_compiler.cost.stage_api import StageEstimates
+
+    schedule = build_schedule("interleaved", 2, 2, 4)
+    parts = {"forward": np.ones(4), "p2p": np.array([1.0, 2.0, 2.0, 1.0]), "p2p_message": np.full(4, 0.75)}
+    costs = chunk_costs(StageEstimates(np.full(4, 5.0), np.zeros(4), np.zeros(4), parts), schedule)
+    np.testing.assert_allclose(costs.transfer[:, 0], 0.75)
+    np.testing.assert_allclose(costs.backward[:, 0], [3.0, 2.0, 2.0, 3.0])  # stable - p2p - forward

@@ -49,6 +49,11 @@ ACCUMULATOR_BYTES = 4.0  # gradients are reduced and accumulated in fp32
 ADAMW_CHUNK_ELEMENTS = 1 << 20
 
 
+# the StageMemory fields a schedule's walk reads (the stage model's breakdown carries them under these names)
+SCHEDULE_MEMORY_PARTS = ("held_per_microbatch", "accumulators", "grads_at_step", "peak_step", "peak_backward_first",
+                         "peak_backward_middle", "peak_backward_last")
+
+
 def state_bytes_per_param(dtype: str) -> tuple[float, float, float]:
     """(weight, gradient, optimizer) bytes per parameter for Adam training in ``dtype``."""
     if dtype in ("float16", "bfloat16"):
@@ -120,6 +125,16 @@ class StageMemory:
     acts_per_microbatch: np.ndarray  # one micro-batch's saved activations
     peak: np.ndarray
     peak_forward_backward: np.ndarray | None = None  # the peak over the micro-batches' forward/backward only
+    # what a schedule's walk over its actions needs (cost/schedule_memory.py): the bytes one more in-flight
+    # micro-batch keeps, the gradients kept between micro-batches and after the last one, the optimizer
+    # step's point and the peaks of the step's first backward, those between, and its last (at ``inflight``)
+    held_per_microbatch: np.ndarray | None = None
+    accumulators: np.ndarray | None = None
+    grads_at_step: np.ndarray | None = None
+    peak_step: np.ndarray | None = None
+    peak_backward_first: np.ndarray | None = None
+    peak_backward_middle: np.ndarray | None = None
+    peak_backward_last: np.ndarray | None = None
 
 
 def _arrays(*values) -> list[np.ndarray]:
@@ -361,6 +376,8 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     acts_by_point, weights_by_point, grads_by_point = (
         np.stack([np.broadcast_to(point[part], shape) for point in points]) for part in range(3))
     sums = acts_by_point + weights_by_point + grads_by_point
+    bounds = np.cumsum([0] + [len(phase_points) for _, phase_points in phases])
+    by_phase = [weights + opt + sums[start:end].max(axis=0) for start, end in zip(bounds[:-1], bounds[1:])]
     largest = np.expand_dims(np.argmax(sums, axis=0), 0)
     acts_at_peak, weights_at_peak, grads_at_peak = (
         np.take_along_axis(parts, largest, axis=0)[0] for parts in (acts_by_point, weights_by_point, grads_by_point))
@@ -377,4 +394,6 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
         weights=weights, grads=np.where(at_step_wins, at_step, grads_at_peak), opt=opt,
         buffers=np.where(at_step_wins, step - at_step, weights_at_peak),
         acts=np.where(at_step_wins, 0.0, acts_at_peak), acts_per_microbatch=per_microbatch, peak=peak,
-        peak_forward_backward=weights + opt + in_steps)
+        peak_forward_backward=weights + opt + in_steps, held_per_microbatch=one_held, accumulators=between,
+        grads_at_step=at_step, peak_step=weights + opt + step, peak_backward_first=by_phase[1],
+        peak_backward_middle=by_phase[2], peak_backward_last=by_phase[3])

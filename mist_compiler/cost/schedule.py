@@ -9,16 +9,17 @@ plus its ``delta`` (gradient synchronisation, optimizer step); the iteration tim
 stage's. Each quantity is an array over candidates: one structure (cached per schedule), many
 candidate timings at once.
 
-Memory: per stage, the bytes of activations held over its action order: a forward adds its
-chunk's ``acts`` (F..I), an input half turns them into the weight half's ``stash`` (I..W), a
+In-flight count: per stage, the bytes of activations held over its action order: a forward adds
+its chunk's ``acts`` (F..I), an input half turns them into the weight half's ``stash`` (I..W), a
 weight half (or a whole backward) frees them; the peak of that walk, in micro-batches of the
 stage's activations, is the stage's in-flight count (1F1B: ``min(S - s, G)``, as the stage model
-assumes), fractional when chunks differ.
+assumes), fractional when chunks differ (reported, and what the tuner picks stage configurations by).
 
 :func:`price_plan` prices a :class:`~mist_compiler.ir.plan.Plan` with the stage cost model: every
 virtual stage is evaluated as its own stage (forward, backward, weight half, transfer and
 activation bytes of one micro-batch), every group of devices as the stage holding all its chunks
-(memory, ``delta``); then the schedule is simulated.
+(``delta``, the optimizer step's memory); then the schedule is simulated, and each group's peak
+memory walked over its action list with each chunk priced as itself (``cost/schedule_memory.py``).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from ..ir.plan import Plan, StagePlan
 from ..ir.schedule import B, F, I, Schedule, W, build_schedule, exchange_plan, stage_messages
+from .schedule_memory import chunk_memory, group_peaks, has_memory_parts
 from .stage_api import LOSS_CHOOSE, LOSS_FUSED, LOSS_PLAIN, StageCandidates, StageCostModel, StageEstimates
 
 
@@ -255,10 +257,13 @@ def chunk_costs(estimates: StageEstimates, schedule: Schedule) -> ChunkCosts:
     forward = parts["forward"] + parts.get("tp_forward", nothing) if "forward" in parts else (stable - p2p) / 3
     backward = stable - p2p - forward
     weight = parts.get("backward_weight", nothing) if schedule.split_backward else nothing
-    neighbours = np.full(len(forward), 2.0)
-    neighbours[0] -= 1.0
-    neighbours[-1] -= 1.0
-    transfer = p2p / np.maximum(neighbours, 1.0)
+    if "p2p_message" in parts:  # one message over the cut after each virtual stage (activation or gradient)
+        transfer = parts["p2p_message"]
+    else:  # the stage's transfers shared by its cuts
+        neighbours = np.full(len(forward), 2.0)
+        neighbours[0] -= 1.0
+        neighbours[-1] -= 1.0
+        transfer = p2p / np.maximum(neighbours, 1.0)
     stash = parts.get("weight_stash", nothing) if schedule.split_backward else nothing
     acts = parts.get("acts_per_microbatch", parts.get("acts", nothing))
     column = lambda values: np.asarray(values, dtype=float)[:, None]  # noqa: E731
@@ -292,8 +297,12 @@ def price_plan(cost_model: StageCostModel, plan: Plan, spans: bool = False) -> P
     chunks, at_one, at_two = (_rows(every, np.arange(a, b)) for a, b in
                               ((0, count), (count, count + pp), (count + pp, count + 2 * pp)))
     simulation = simulate(schedule, chunk_costs(chunks, schedule), at_one.delta_s[:, None], spans=spans)
-    slope = at_two.peak_memory_bytes - at_one.peak_memory_bytes
-    peak = at_one.peak_memory_bytes + (simulation.inflight[:, 0] - 1.0) * slope
+    if has_memory_parts(chunks) and "peak_step" in at_one.breakdown:  # each chunk as itself, over the action list
+        step = np.asarray(at_one.breakdown["peak_step"], dtype=float)[:, None]
+        peak = group_peaks(schedule, chunk_memory(chunks, schedule.split_backward), step)[:, 0]
+    else:  # a stage model without those parts: the group at its simulated in-flight count
+        slope = at_two.peak_memory_bytes - at_one.peak_memory_bytes
+        peak = at_one.peak_memory_bytes + (simulation.inflight[:, 0] - 1.0) * slope
     return PlanPrice(float(simulation.time_s[0]), simulation, chunks, at_one, peak, at_one.delta_s)
 
 

@@ -51,7 +51,8 @@ from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .loss_kernel import plain_loss_deltas
-from .memory import BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory, state_bytes_per_param
+from .memory import (SCHEDULE_MEMORY_PARTS, BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory,
+                     state_bytes_per_param)
 from .op_time import matmul_time, op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates, StageEstimates
@@ -487,6 +488,7 @@ class StageCostModel:
             "tp_comm": tp_exposed,
             "tp_forward": stage_sum("forward_tp"),
             "p2p": p2p,
+            "p2p_message": p2p_time(self.hardware, (1.0 - has_post) * layer["output"], inter_node),  # one, over the next cut
             # the backward's weight half (compute) and what it keeps from the input half: units with
             # tensor-parallel collectives keep their backward whole (passes/split_backward.py)
             "backward_weight": np.where(np.asarray(c.tp) > 1, 0.0, stage_sum("weight_compute")),
@@ -503,6 +505,8 @@ class StageCostModel:
             "acts": memory.acts,
             "acts_per_microbatch": acts_per_mb,
             "peak_forward_backward": np.where(unsupported, np.inf, memory.peak_forward_backward),
+            # for a schedule's walk over its actions (cost/schedule_memory.py)
+            **{name: getattr(memory, name) for name in SCHEDULE_MEMORY_PARTS},
         }
         return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak, breakdown=breakdown)
 

@@ -236,6 +236,8 @@ def merge_chunks(chunks: list[StageProgram]) -> StageProgram:
         merged.deferred.update(chunk.deferred)
         merged.tied |= chunk.tied
         merged.saved.update(chunk.saved)
+    for chunk in chunks:  # one table: a parameter made through the rank's program is gone from its chunk's too
+        chunk.deferred = merged.deferred  # (else every chunk keeps the source, e.g. the whole model, alive)
     return merged
 
 

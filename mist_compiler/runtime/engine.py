@@ -271,8 +271,7 @@ class Engine:
             if self.tied is not None:
                 self.tied.last_backward = last and self.chunks[action.chunk].interface.is_first
             if action.kind == W:
-                for unit, run in self.weight_grads.take((action.chunk, action.micro)):
-                    self.runtime.weight_backward(unit, run)
+                self._weight_halves(action.chunk, action.micro)
             else:
                 self.weight_grads.defer, self.weight_grads.key = action.kind == I, (action.chunk, action.micro)
                 try:
@@ -285,6 +284,15 @@ class Engine:
         self.runtime.finish_gradients()
         self.p2p.wait_sends()
         return self._step_outcome(state.loss_sum)
+
+    def _weight_halves(self, chunk: int, micro: int) -> None:
+        """A ``W`` action: the weight halves its input halves queued, each dropped (with the values it
+        kept from the input half) once it has run, as a whole backward frees a unit's saved tensors."""
+        queued = self.weight_grads.take((chunk, micro))
+        while queued:
+            unit, run = queued.pop(0)
+            self.runtime.weight_backward(unit, run)
+            del run
 
     def _weights(self, batch: dict[str, torch.Tensor]) -> list[float]:
         """This rank's micro-batch loss weights (1.0 but where rows count different numbers of labels)."""
