@@ -193,6 +193,13 @@ SCHEDULE_CONFIGS: list[PlanConfig] = [
                virtual=2),
     PlanConfig("llama-small", 256, 16, 4, _stages(StageSpec(2, dp=2, zero=1, ckpt=1), StageSpec(2, dp=2, zero=1)),
                schedule="zb-h1"),
+    # the same schedules on 2 ranks (a core each on a 2-core machine: a rank idle in a bubble hands no
+    # core to another, as a device would not; with 4 ranks on 2 cores the step is set by the total work)
+    PlanConfig("gpt-small", 256, 8, 4, _stages(StageSpec(2), StageSpec(2))),
+    PlanConfig("gpt-small", 256, 8, 4, _stages(StageSpec(2), StageSpec(2)), schedule="zb-h1"),
+    PlanConfig("gpt-small", 256, 8, 4, _stages(*(StageSpec(1) for _ in range(4))), schedule="interleaved", virtual=2),
+    PlanConfig("llama-small", 256, 8, 4, _stages(StageSpec(2), StageSpec(2))),
+    PlanConfig("llama-small", 256, 8, 4, _stages(*(StageSpec(1) for _ in range(4))), schedule="zbv", virtual=2),
 ]
 CONFIGS: list[PlanConfig] = ONE_RANK_CONFIGS + PLAN_CONFIGS + PRECISION_CONFIGS + TP_CONFIGS + SCHEDULE_CONFIGS
 QUICK: list[PlanConfig] = [ONE_RANK_CONFIGS[0], ONE_RANK_CONFIGS[14], PLAN_CONFIGS[3], PLAN_CONFIGS[7], PLAN_CONFIGS[11],
