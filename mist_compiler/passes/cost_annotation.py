@@ -518,8 +518,8 @@ class PricedGraphs:
     costs: ProgramCosts
     memory: dict[int, Any] = field(default_factory=dict)  # block class id -> memory_analysis.BlockMemory
     transient: frozenset = frozenset()  # values no kernel stores (intermediates of fused kernels, cost.compiled)
-    # each block's backward is one autograd node (a compiled unit, cost.compiled): its saved tensors and
-    # the gradients it returns are released when the whole block's backward is done, not op by op
+    # each block's backward is one autograd node (a compiled unit, cost.compiled): the parameter
+    # gradients it returns are handed over when the whole block's backward is done, not op by op
     block_nodes: bool = False
     weight_split: dict[int, Any] = field(default_factory=dict)  # block class id -> weight_gradients.WeightSplit
     sequence: Any = None  # the same priced with sequence parallelism (``sp_pricing.SequencePriced``), if it applies

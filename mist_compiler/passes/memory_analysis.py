@@ -248,8 +248,9 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
                    transient: frozenset[str] = frozenset(), block_nodes: bool = False) -> dict[str, BlockMemory]:
     """Liveness over the forward and backward graphs, results per block (module docstring).
     ``transient``: nodes whose values are never stored (intermediates of a fused kernel);
-    ``block_nodes``: each block's backward is one autograd node (a compiled unit), which frees the
-    block's saved tensors and hands over its parameter gradients only when it is done."""
+    ``block_nodes``: each block's backward is one autograd node (a compiled unit), which returns the
+    block's parameter gradients together when it is done (its saved tensors are still freed as the
+    compiled backward uses them: AOTAutograd clears them from the node early)."""
     fw_states, bw_states = costs.forward.states, costs.backward.states
     block_of = {name: label for label, names in blocks.items() for name in names}
     saved = _saved_storages(forward, backward, params, fw_states, block_of, symbols, backward_inputs or {})
@@ -313,7 +314,8 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
     release: dict[fx.Node, int] = {}  # forward saved base -> index of its last backward use
     bw_nodes = list(backward.graph.nodes)
     next_op = _next_ops(bw_nodes)
-    node_done = _block_ends(bw_nodes, block_of) if block_nodes else _autograd_node_ends(bw_nodes)
+    node_done = _autograd_node_ends(bw_nodes)
+    block_done = _block_ends(bw_nodes, block_of) if block_nodes else {}
     for base, holders in saved.holders.items():
         end = max(bw_last.get(h, -1) for h in holders)
         # autograd frees a node's saved tensors when the node is done: every op of its backward (same
@@ -375,7 +377,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
                      (g not in grad_outputs and bw_last.get(g, -1) <= index)]:
             grad_total -= grad_live.pop(dead)
         if node in grad_outputs or _base(node) in grad_outputs:
-            produced_at[node] = node_done.get(index, index) if block_nodes else index
+            produced_at[node] = block_done.get(index, index)
 
     results: dict[str, BlockMemory] = {}
     for label, names in blocks.items():

@@ -143,7 +143,13 @@ class FailureMonitor:
         return None
 
     def stop(self) -> None:
+        """Stop beating; wait for the thread to leave its store call (a daemon thread still inside the
+        store's C++ client when the interpreter exits aborts the process: "terminate called without
+        an active exception", seen under torchrun with the torch.compile backend)."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout=2 * HEARTBEAT_S + 1.0)
 
 
 def blame(error: BaseException, rank: int, world: int, timeout_s: float) -> str:

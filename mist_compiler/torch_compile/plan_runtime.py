@@ -35,6 +35,7 @@ the whole model is refused, naming where it ends.
 """
 from __future__ import annotations
 
+import atexit
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -212,9 +213,18 @@ def _training_for(model: nn.Module, settings: dict, gm: fx.GraphModule, example_
                                   optimizer=optimizer, **runtime).engine
     engine.source_model = model
     training = Training(model, engine, binding(model, engine), compiled.captured_from)
+    if not _trainings:
+        atexit.register(_close_trainings)
     _trainings.append(training)
     _install_optimizer_hooks()
     return training
+
+
+def _close_trainings() -> None:
+    """At exit: stop every engine's threads (its failure monitor) before the interpreter goes; the
+    user's loop never closes the engines the backend made."""
+    for training in _trainings:
+        training.engine.close()
 
 
 def _trainings_of(optimizer: torch.optim.Optimizer) -> list[Training]:
