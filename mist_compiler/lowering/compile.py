@@ -20,9 +20,11 @@ so the runtime's module hooks still fire around it, but its ``forward`` becomes 
   whose saved tensors its partitioner chose; they pass through ``saved_tensors_hooks`` like eager
   ones, so activation offload (hooks around the unit's forward) and non-reentrant checkpointing
   (around the unit call: the compiled forward runs again in the backward) hold for it.
-- **Caches on disk.** inductor's FX graph cache and the AOTAutograd cache (``TORCHINDUCTOR_CACHE_DIR``)
-  let a second run of the same plan load its kernels instead of compiling them;
-  :class:`CompileStats` says how long compilation took and how much came from the cache.
+- **Caches on disk.** inductor's FX graph cache (``TORCHINDUCTOR_CACHE_DIR``) lets a second run of the
+  same plan load its kernels instead of compiling them; :class:`CompileStats` says how long
+  compilation took and how much came from the cache. AOTAutograd's own cache is off for units: it keys
+  the unit's graph, not the code of the custom ops traced into it (``mist::linear_cross_entropy``), and
+  served a stale loss after the op changed; each start traces the units again (about a second each).
 
 ``compile_stage(..., enabled=False)`` (``--no-compile``) keeps the eager program, for debugging.
 """
