@@ -82,10 +82,10 @@ def _class_bytes(block: BlockAnalysis, phase: str, graph_costs, attention: str) 
     return nbytes
 
 
-def _class_flops(block: BlockAnalysis, phase: str, graph_costs, attention: str) -> dict[str, sympy.Expr]:
+def _class_flops(graph_costs, class_bytes: dict[str, sympy.Expr]) -> dict[str, sympy.Expr]:
     """FLOPs per op class, with a zero for every class that only has bytes (the time loop runs over these)."""
     flops = dict(graph_costs.flops_by_class())
-    for op_class in _class_bytes(block, phase, graph_costs, attention):
+    for op_class in class_bytes:
         flops.setdefault(op_class, sympy.Integer(0))
     return flops
 
@@ -94,9 +94,10 @@ def block_functions(block: BlockAnalysis, attention: str) -> BlockFunctions:
     # "weight": the backward's weight half (part of "backward"), for schedules that run it apart
     weight = block.weight_costs if block.weight_costs is not None else block.costs.backward.restrict(set())
     phases = {"forward": block.costs.forward, "backward": block.costs.backward, "weight": weight}
+    class_bytes = {p: _class_bytes(block, p, g, attention) for p, g in phases.items()}
     return BlockFunctions(
-        flops={p: {c: lambdify_bst(e) for c, e in _class_flops(block, p, g, attention).items()} for p, g in phases.items()},
-        nbytes={p: {c: lambdify_bst(e) for c, e in _class_bytes(block, p, g, attention).items()} for p, g in phases.items()},
+        flops={p: {c: lambdify_bst(e) for c, e in _class_flops(g, class_bytes[p]).items()} for p, g in phases.items()},
+        nbytes={p: {c: lambdify_bst(e) for c, e in class_bytes[p].items()} for p in phases},
         collectives={p: [(c.kind, lambdify_bst(c.bytes)) for c in g.collectives] for p, g in phases.items()},
         saved=lambdify_bst(block.memory.saved[attention]),
         input=lambdify_bst(block.memory.input),

@@ -8,6 +8,7 @@ finds (e, h, tail) minimising the squared log error of the predicted times.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import numpy as np
@@ -37,7 +38,7 @@ def measure_shapes(device: str, dtype_name: str, peak: float, timer: Callable[[C
     points = []
     for m, n, k in shapes:
         operands = _operand_sets(m, n, k, device, dtype)
-        turn = iter(range(1 << 62))
+        turn = itertools.count()
         seconds = timer(lambda: _multiply(operands, next(turn)))
         efficiency = 2.0 * m * n * k / seconds / peak
         points.append((m, n, k, round(float(efficiency), 4)))
