@@ -23,6 +23,9 @@ memory walked over its action list with each chunk priced as itself (``cost/sche
 """
 from __future__ import annotations
 
+import gc
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -79,14 +82,34 @@ def _action_lists(schedule: Schedule) -> tuple[tuple[tuple[str, int], ...], ...]
                  for s in range(schedule.stages))
 
 
+@contextmanager
+def _collector_paused():
+    """The cyclic garbage collector off while a long schedule's tables are built: they are tens of
+    thousands of small tuples with no cycles, and in a tuning process full of live objects the
+    collections their allocations trigger cost three times the building itself."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 @lru_cache(maxsize=256)
 def _structure(schedule: Schedule) -> _Structure:
+    with _collector_paused():
+        return _build_structure(schedule)
+
+
+def _build_structure(schedule: Schedule) -> _Structure:
     sends, receives = stage_messages(exchange_plan(schedule))
     lists = _action_lists(schedule)
     sent = {(m.src, m.dst, m.key): m for m in sends}
     previous: dict[tuple[int, int], int] = {}
     messages = []  # (id, sender, sent_in, receiver, posted_in, boundary, previous id on the channel)
     waits: dict[tuple[int, int], list[int]] = {}
+    needed_by = [message.needed_by for message in receives]
     for index, message in enumerate(receives):
         channel = (message.src, message.dst)
         messages.append((index, message.src, sent[(message.src, message.dst, message.key)].sent_in, message.dst,
@@ -94,72 +117,115 @@ def _structure(schedule: Schedule) -> _Structure:
         previous[channel] = index
         waits.setdefault((message.dst, message.needed_by), []).append(index)
     # Kahn's order over actions (after the previous action and their receives) and messages (after the
-    # sender's producing action, the receiver's action before the posting exchange, the channel's previous one)
+    # sender's producing action, the receiver's action before the posting exchange, the channel's previous
+    # one), driven by counts of unmet conditions so that each event is looked at once
+    unmet = [0] * len(messages)
+    on_action: dict[tuple[int, int], list[int]] = {}  # (stage, actions done) -> messages that condition frees
+    on_message: dict[int, list[int]] = {}  # message -> the next message of its channel
+    for index, sender, sent_in, receiver, posted_in, _, before in messages:
+        for stage, count in ((sender, sent_in), (receiver, posted_in)):
+            if count > 0:
+                unmet[index] += 1
+                on_action.setdefault((stage, count), []).append(index)
+        if before >= 0:
+            unmet[index] += 1
+            on_message.setdefault(before, []).append(index)
+    needs_left = {key: len(ids) for key, ids in waits.items()}
     done_actions = [0] * schedule.stages
-    done_messages: set[int] = set()
     events: list[tuple] = []
-    pending = list(messages)
-    progress = True
-    while progress:
-        progress = False
-        still = []
-        for m in pending:
-            _, sender, sent_in, receiver, posted_in, _, before = m
-            if done_actions[sender] >= sent_in and done_actions[receiver] >= posted_in and \
-                    (before < 0 or before in done_messages):
-                events.append(("message",) + m)
-                done_messages.add(m[0])
-                progress = True
-            else:
-                still.append(m)
-        pending = still
-        for stage, actions in enumerate(lists):
-            while done_actions[stage] < len(actions):
-                k = done_actions[stage]
-                needs = waits.get((stage, k), [])
-                if any(i not in done_messages for i in needs):
-                    break
-                events.append(("action", stage, k, actions[k][0], actions[k][1], tuple(needs)))
-                done_actions[stage] += 1
-                progress = True
-    if pending or any(done_actions[s] < len(lists[s]) for s in range(schedule.stages)):
+    ready = deque(index for index, count in enumerate(unmet) if count == 0)
+
+    def free(indices) -> None:
+        for index in indices:
+            unmet[index] -= 1
+            if unmet[index] == 0:
+                ready.append(index)
+
+    def advance(stage: int) -> None:
+        actions = lists[stage]
+        while done_actions[stage] < len(actions) and needs_left.get((stage, done_actions[stage]), 0) == 0:
+            k = done_actions[stage]
+            events.append(("action", stage, k, actions[k][0], actions[k][1], tuple(waits.get((stage, k), ()))))
+            done_actions[stage] = k + 1
+            free(on_action.get((stage, k + 1), ()))
+
+    for stage in range(schedule.stages):
+        advance(stage)
+    emitted = 0
+    while ready:
+        index = ready.popleft()
+        events.append(("message",) + messages[index])
+        emitted += 1
+        free(on_message.get(index, ()))
+        key = (messages[index][3], needed_by[index])
+        needs_left[key] -= 1
+        if needs_left[key] == 0:
+            advance(key[0])
+    if emitted < len(messages) or any(done_actions[s] < len(lists[s]) for s in range(schedule.stages)):
         raise RuntimeError(f"schedule {schedule.name!r} does not complete (ir.schedule.check_schedule)")
     return _Structure(tuple(events), lists)
 
 
 def simulate(schedule: Schedule, costs: ChunkCosts, delta: np.ndarray, spans: bool = False) -> Simulation:
     """Run ``schedule`` with ``costs`` (``delta``: [pp, n] per-iteration work of each stage after its
-    last action); ``spans``: also keep every action's start and end (for timelines)."""
+    last action); ``spans``: also keep every action's start and end (for timelines). Each candidate
+    column runs on Python floats (an action list holds thousands of events, and a numpy call per
+    event costs more than the event's arithmetic)."""
     structure = _structure(schedule)
     n = costs.forward.shape[1]
-    duration = {F: costs.forward, B: costs.backward, I: costs.backward - costs.weight, W: costs.weight}
     pp = schedule.stages
-    zero = np.zeros(n)
-    ends = [[] for _ in range(pp)]  # per stage, the end of each action so far
-    arrived: dict[int, np.ndarray] = {}
-    busy = np.zeros((pp, n))
-    kept: list[list[tuple[str, np.ndarray, np.ndarray]]] = [[] for _ in range(pp)]
+    finish, busy = np.zeros((pp, n)), np.zeros((pp, n))
+    starts: list[list[list[float]]] = [[] for _ in range(pp)]
+    for column in range(n):
+        column_finish, column_busy, column_starts = _run_column(structure, costs, column, pp)
+        finish[:, column], busy[:, column] = column_finish, column_busy
+        for stage in range(pp):
+            starts[stage].append(column_starts[stage])
+    time = np.max(finish + delta, axis=0)
+    held, inflight = held_activations(schedule, costs.acts, costs.stash)
+    kept: list[list[tuple[str, np.ndarray, np.ndarray]]] = []
+    if spans:
+        duration = _durations(costs)
+        for stage in range(pp):
+            kept.append([(kind, np.array([starts[stage][c][k] for c in range(n)]),
+                          np.array([starts[stage][c][k] for c in range(n)]) + duration[kind][virtual])
+                         for k, (kind, virtual) in enumerate(structure.actions[stage])])
+    return Simulation(schedule, time, finish, busy, inflight, held, kept)
+
+
+def _durations(costs: ChunkCosts) -> dict[str, np.ndarray]:
+    """[V, n] seconds of each action kind per virtual stage."""
+    return {F: costs.forward, B: costs.backward, I: costs.backward - costs.weight, W: costs.weight}
+
+
+def _run_column(structure: _Structure, costs: ChunkCosts, column: int,
+                pp: int) -> tuple[list[float], list[float], list[list[float]]]:
+    """One candidate's run: per stage its last action's end, its compute time and each action's start."""
+    duration = {kind: values[:, column].tolist() for kind, values in _durations(costs).items()}
+    transfer = costs.transfer[:, column].tolist()
+    ends: list[list[float]] = [[] for _ in range(pp)]  # per stage, the end of each action so far
+    starts: list[list[float]] = [[] for _ in range(pp)]
+    arrived: dict[int, float] = {}
+    busy = [0.0] * pp
     for event in structure.events:
         if event[0] == "message":
             _, index, sender, sent_in, receiver, posted_in, boundary, before = event
-            start = np.maximum(ends[sender][sent_in - 1], ends[receiver][posted_in - 1] if posted_in > 0 else zero)
+            start = ends[sender][sent_in - 1]
+            if posted_in > 0:
+                start = max(start, ends[receiver][posted_in - 1])
             if before >= 0:
-                start = np.maximum(start, arrived[before])
-            arrived[index] = start + costs.transfer[boundary]
+                start = max(start, arrived[before])
+            arrived[index] = start + transfer[boundary]
             continue
         _, stage, k, kind, virtual, needs = event
-        start = ends[stage][k - 1] if k > 0 else zero
+        start = ends[stage][k - 1] if k > 0 else 0.0
         for index in needs:
-            start = np.maximum(start, arrived[index])
+            start = max(start, arrived[index])
         length = duration[kind][virtual]
         ends[stage].append(start + length)
+        starts[stage].append(start)
         busy[stage] += length
-        if spans:
-            kept[stage].append((kind, start, start + length))
-    finish = np.stack([stage_ends[-1] if stage_ends else zero for stage_ends in ends])
-    time = np.max(finish + delta, axis=0)
-    held, inflight = held_activations(schedule, costs.acts, costs.stash)
-    return Simulation(schedule, time, finish, busy, inflight, held, kept if spans else [])
+    return [stage_ends[-1] if stage_ends else 0.0 for stage_ends in ends], busy, starts
 
 
 def held_activations(schedule: Schedule, acts: np.ndarray, stash: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -169,22 +235,24 @@ def held_activations(schedule: Schedule, acts: np.ndarray, stash: np.ndarray) ->
     lists = _action_lists(schedule)
     pp, n = schedule.stages, acts.shape[1]
     inflight, held_peak = np.zeros((pp, n)), np.zeros((pp, n))
-    for stage in range(pp):
-        held, peak = np.zeros(n), np.zeros(n)
-        for kind, virtual in lists[stage]:
-            if kind == F:
-                held = held + acts[virtual]
-                peak = np.maximum(peak, held)
-            elif kind == B:
-                held = held - acts[virtual]
-            elif kind == I:
-                held = held - acts[virtual] + stash[virtual]
-                peak = np.maximum(peak, held)
-            else:
-                held = held - stash[virtual]
-        unit = sum(acts[j] for j in schedule.chunks(stage))
-        held_peak[stage] = peak
-        inflight[stage] = np.where(unit > 0, peak / np.maximum(unit, 1e-30), 1.0)
+    for column in range(n):  # Python floats: one numpy call per action would cost more than its arithmetic
+        kept, stashed = acts[:, column].tolist(), stash[:, column].tolist()
+        for stage in range(pp):
+            held = peak = 0.0
+            for kind, virtual in lists[stage]:
+                if kind == F:
+                    held += kept[virtual]
+                    peak = max(peak, held)
+                elif kind == B:
+                    held -= kept[virtual]
+                elif kind == I:
+                    held += stashed[virtual] - kept[virtual]
+                    peak = max(peak, held)
+                else:
+                    held -= stashed[virtual]
+            unit = sum(kept[j] for j in schedule.chunks(stage))
+            held_peak[stage, column] = peak
+            inflight[stage, column] = peak / unit if unit > 0 else 1.0
     return held_peak, inflight
 
 

@@ -216,10 +216,16 @@ class StageCostModel:
         chosen = np.flatnonzero(policy >= 0)
         if not len(chosen):
             return out
-        keys = np.stack([policy[chosen], b[chosen], t[chosen], sp[chosen]], axis=1).astype(np.int64)
-        unique, inverse = np.unique(keys, axis=0, return_inverse=True)
-        for row, (index, batch, degree, with_sp) in enumerate(unique.tolist()):
-            key = (index, batch, degree, with_sp)
+        # one integer per (policy, micro-batch, tp, sp): a 1-D unique is much cheaper than one by rows
+        if b[chosen].max() >= 1 << 21 or t[chosen].max() >= 1 << 11:
+            raise StageModelError("micro-batch or tensor-parallel degree out of the range per-tensor policies price")
+        keys = ((policy[chosen].astype(np.int64) * (1 << 21) + b[chosen].astype(np.int64)) * (1 << 11)
+                + t[chosen].astype(np.int64)) * 2 + sp[chosen].astype(np.int64)
+        unique, inverse = np.unique(keys, return_inverse=True)
+        values = {name: np.zeros(len(unique)) for name in out}
+        for row, code in enumerate(unique.tolist()):
+            key = (code >> 33, (code >> 12) & ((1 << 21) - 1), (code >> 1) & ((1 << 11) - 1), code & 1)
+            index, batch, degree, with_sp = key
             if key not in self._policy_cache:
                 if (index, with_sp) not in self._policy_prices:
                     table = self.layer_table(bool(with_sp))
@@ -231,7 +237,9 @@ class StageCostModel:
                 self._policy_cache[key] = {name: float(value[0]) for name, value in price.terms(
                     self.hardware, self.dtype, batch * one, self.seq_len * one, degree * one).items()}
             for name in out:
-                out[name][chosen[inverse.reshape(-1) == row]] = self._policy_cache[key][name]
+                values[name][row] = self._policy_cache[key][name]
+        for name in out:
+            out[name][chosen] = values[name][inverse.reshape(-1)]
         return out
 
     def _block_terms(self, kind: str, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, np.ndarray]:

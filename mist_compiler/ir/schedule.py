@@ -225,8 +225,6 @@ def _zero_bubble(pp: int, v: int, g: int, where: tuple[int, ...]) -> list[list[A
     remaining = 3 * g * n
     t = 0
     while remaining:
-        if all(stage.busy <= t for stage in state) and t > max(stage.busy for stage in state) + max(UNIT_COSTS.values()):
-            raise ScheduleError(f"the zero-bubble list scheduler is stuck ({pp} stages, {v} chunks, {g} micro-batches)")
         for stage in state:
             if stage.busy > t:
                 continue
@@ -243,7 +241,11 @@ def _zero_bubble(pp: int, v: int, g: int, where: tuple[int, ...]) -> list[list[A
             stage.busy = done
             stage.order.append(Action(kind, c, m))
             remaining -= 1
-        t += 1
+        # nothing can start before the next action ends (what a stage waits for is another's action)
+        later = [stage.busy for stage in state if stage.busy > t]
+        if remaining and not later:
+            raise ScheduleError(f"the zero-bubble list scheduler is stuck ({pp} stages, {v} chunks, {g} micro-batches)")
+        t = min(later) if later else t + 1
     return [stage.order for stage in state]
 
 
@@ -300,10 +302,10 @@ class _StageState:
 
 # ----------------------------------------------------------------------------- transfers
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """One value set crossing cut ``boundary`` (between virtual stages ``boundary`` and
-    ``boundary + 1``) for micro-batch ``micro``; posted by its sender in exchange ``sent_in``."""
+    ``boundary + 1``) for micro-batch ``micro``; posted by its sender in exchange ``sent_in``.
+    (Named tuples, as ``Posting`` and ``ChannelMessage``: a long schedule makes tens of thousands.)"""
 
     direction: int
     boundary: int
@@ -314,8 +316,7 @@ class Message:
         return self.sent_in, self.direction, self.boundary, self.micro
 
 
-@dataclass(frozen=True)
-class Posting:
+class Posting(NamedTuple):
     """A stage's end of a message: it sends (``send``) to, or receives from, stage ``peer``; a
     receive says which of the stage's actions needs it (``needed_by``)."""
 
@@ -370,12 +371,16 @@ def exchange_plan(schedule: Schedule) -> Exchanges:
             needed = sends[message][1]
             position = min(position, needed)
             plan[receiver][position].append(Posting(False, sender, message, needed))
-    return tuple(tuple(tuple(sorted(exchange, key=lambda p: (p.peer, p.message.order(), p.send)))
+    return tuple(tuple(tuple(sorted(exchange, key=_posting_order) if len(exchange) > 1 else exchange)
                        for exchange in stage_plan) for stage_plan in plan)
 
 
-@dataclass(frozen=True)
-class ChannelMessage:
+def _posting_order(posting: Posting) -> tuple:
+    message = posting.message
+    return posting.peer, message.sent_in, message.direction, message.boundary, message.micro, posting.send
+
+
+class ChannelMessage(NamedTuple):
     """One transfer as the replay sees it: on channel ``src -> dst``, posted by the sender in its
     exchange ``sent_in`` and by the receiver in ``posted_in``, waited for before its action
     ``needed_by``; ``key`` names what it carries (both ends must agree)."""

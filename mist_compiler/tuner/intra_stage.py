@@ -14,9 +14,10 @@ and capacity at once (what the partition DP needs for in-flight counts between t
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -129,34 +130,27 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     bases, shapes = enumerate_bases(work, cluster, space, grad_accum, max_stages, sequence_parallel)
     rows, ckpt, offload = _candidate_knobs(model, bases, shapes, space, limit, stats, bound, trade) if len(bases) else (
         np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros((0, 4)))
-    if activation_policies is not None and len(rows):
-        bases, rows, ckpt, offload = _with_policies(model, bases, rows, ckpt, offload, shapes, space, limit, stats,
-                                                    bound, trade, activation_policies)
     table_bases = bases.take(rows)
-    ckpt = ckpt.copy()
-    # exact evaluation at k = 1 (times, memory) and, for stages that can hold more than one
-    # micro-batch, at their largest k (memory slope); raise the checkpoint count where a
-    # prediction fell short
-    first = evaluate(model, table_bases, shapes, ckpt, offload, 1)
-    mem1 = first.peak_memory_bytes.astype(float)
-    _, high = _knob_limits(space, table_bases.layers)
-    slope = _inflight_slope(model, table_bases, shapes, ckpt, offload, mem1, np.arange(len(rows)))
-    for _ in range(3):
-        short = ~_fits(mem1, limit) & (ckpt < high) if space.ckpt == "tune" else np.zeros(len(ckpt), bool)
-        if not short.any():
-            break
-        ckpt[short] += 1
-        redo_rows = np.flatnonzero(short)
-        redo = evaluate(model, table_bases.take(redo_rows), shapes, ckpt[short], offload[short], 1)
-        first.stable_s[short] = redo.stable_s
-        first.delta_s[short] = redo.delta_s
-        mem1[short] = redo.peak_memory_bytes
-        slope[short] = _inflight_slope(model, table_bases, shapes, ckpt, offload, mem1, redo_rows)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        fit_k = np.where(slope > 0, np.floor((limit * (1 + MEMORY_TOLERANCE) - mem1) / slope) + 1, np.inf)
-    fit_k = np.where(_fits(mem1, limit), np.minimum(fit_k, table_bases.max_inflight), 0).astype(int)
-    fit_k = _verify_fit(model, table_bases, shapes, ckpt, offload, fit_k, limit, stats)
-    stable, delta = first.stable_s.astype(float), first.delta_s.astype(float)
+    exact = _exact(model, table_bases, shapes, space, ckpt, offload, limit, stats)
+    if activation_policies is not None and len(rows):
+        variants = _policy_variants(bases, rows, ckpt, offload, activation_policies)
+        if len(variants):
+            # the policy chose what of each layer to offload: plain activation offload is not gridded
+            # again, and neither are weights and gradients (a policy is the finer alternative to
+            # checkpointing; the optimizer's offload, priced in closed form, stays)
+            policy_space = dataclasses.replace(space, offload_acts=False, offload_weights=False, offload_grads=False)
+            policy_trade = [f for f in trade or [] if f == 2]
+            variants = _undominated(model, variants, shapes, policy_space, table_bases, exact, policy_trade, limit, stats)
+        if len(variants):
+            more, more_ckpt, more_offload = _candidate_knobs(model, variants, shapes, policy_space, limit, stats, bound,
+                                                             policy_trade)
+            variant_bases = variants.take(more)
+            more_exact = _exact(model, variant_bases, shapes, space, more_ckpt, more_offload, limit, stats)
+            table_bases = Bases.concat([table_bases, variant_bases])
+            offload = np.concatenate([offload, more_offload])
+            exact = ExactRows(*(np.concatenate([a, b]) for a, b in zip(exact, more_exact)))
+    ckpt, stable, delta, mem1, slope, fit_k = exact
+    rows = np.arange(len(table_bases))
     stats["candidates_exact"] = len(rows)
     cells = _frontier_cells(table_bases, fit_k, stable, delta, mem1, space.max_frontier_points, stats)
     keep = np.unique(np.concatenate(list(cells.values()) + [np.flatnonzero(_capacity_pareto(table_bases, fit_k, stable, delta))]))
@@ -185,14 +179,50 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     )
 
 
-def _with_policies(model, bases: Bases, rows, ckpt, offload, shapes, space: SearchSpace, limit: float, stats: dict,
-                   bound: IncumbentBound, trade, policies: Callable[[int, bool], list[int]]):
-    """The bases that needed checkpointing or activation offload, once more with each per-tensor policy of
-    their layer's frontier (plain activation offload then only for the checkpointed layers' inputs):
-    appended to ``bases`` with their knob rows."""
+class ExactRows(NamedTuple):
+    """Candidates priced exactly: checkpoint counts (raised where a prediction fell short), times and
+    memory at one in-flight micro-batch, memory per extra one, and the verified in-flight capacity."""
+
+    ckpt: np.ndarray
+    stable: np.ndarray
+    delta: np.ndarray
+    memory_k1: np.ndarray
+    slope: np.ndarray
+    fit_k: np.ndarray
+
+
+def _exact(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], space: SearchSpace, ckpt: np.ndarray,
+           offload: np.ndarray, limit: float, stats: dict) -> ExactRows:
+    """Exact evaluation at k = 1 (times, memory) and, for stages that can hold more than one micro-batch,
+    at their largest k (memory slope); the checkpoint count raised where a prediction fell short."""
+    ckpt = ckpt.copy()
+    first = evaluate(model, bases, shapes, ckpt, offload, 1)
+    mem1 = first.peak_memory_bytes.astype(float)
+    _, high = _knob_limits(space, bases.layers)
+    slope = _inflight_slope(model, bases, shapes, ckpt, offload, mem1, np.arange(len(bases)))
+    for _ in range(3):
+        short = ~_fits(mem1, limit) & (ckpt < high) if space.ckpt == "tune" else np.zeros(len(ckpt), bool)
+        if not short.any():
+            break
+        ckpt[short] += 1
+        redo_rows = np.flatnonzero(short)
+        redo = evaluate(model, bases.take(redo_rows), shapes, ckpt[short], offload[short], 1)
+        first.stable_s[short] = redo.stable_s
+        first.delta_s[short] = redo.delta_s
+        mem1[short] = redo.peak_memory_bytes
+        slope[short] = _inflight_slope(model, bases, shapes, ckpt, offload, mem1, redo_rows)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fit_k = np.where(slope > 0, np.floor((limit * (1 + MEMORY_TOLERANCE) - mem1) / slope) + 1, np.inf)
+    fit_k = np.where(_fits(mem1, limit), np.minimum(fit_k, bases.max_inflight), 0).astype(int)
+    fit_k = _verify_fit(model, bases, shapes, ckpt, offload, fit_k, limit, stats)
+    return ExactRows(ckpt, first.stable_s.astype(float), first.delta_s.astype(float), mem1, slope, fit_k)
+
+
+def _policy_variants(bases: Bases, rows: np.ndarray, ckpt: np.ndarray, offload: np.ndarray,
+                     policies: Callable[[int, bool], list[int]]) -> Bases:
+    """The bases that needed checkpointing or activation offload, once per per-tensor policy of their
+    layer's frontier (plain activation offload then only for the checkpointed layers' inputs)."""
     needing = np.unique(rows[(ckpt > 0) | (offload[:, 3] > 0)])
-    if not len(needing):
-        return bases, rows, ckpt, offload
     tried = bases.take(needing)
     variants = []
     for tp, sp in sorted(set(zip(tried.tp.tolist(), tried.sp.tolist()))):
@@ -201,13 +231,67 @@ def _with_policies(model, bases: Bases, rows, ckpt, offload, shapes, space: Sear
             variant = tried.take(mode)
             variant.policy = np.full(len(mode), index)
             variants.append(variant)
-    if not variants:
-        return bases, rows, ckpt, offload
-    extra = Bases.concat(variants)
-    more, more_ckpt, more_offload = _candidate_knobs(model, extra, shapes, space, limit, stats, bound, trade)
-    stats["policy_bases"] = stats.get("policy_bases", 0) + len(extra)
-    return (Bases.concat([bases, extra]), np.concatenate([rows, more + len(bases)]),
-            np.concatenate([ckpt, more_ckpt]), np.concatenate([offload, more_offload]))
+    return Bases.concat(variants) if variants else bases.take(np.zeros(0, dtype=int))
+
+
+def _cell_key(bases: Bases) -> np.ndarray:
+    """A frontier cell's (layers, pre/post kind, device shape) per row, as one integer."""
+    return (bases.layers.astype(np.int64) * 4 + bases.pp) * 4096 + bases.shape
+
+
+def _undominated(model: StageCostModel, variants: Bases, shapes: list[DeviceShape], space: SearchSpace,
+                 priced: Bases, exact: ExactRows, trade: list[int] | None, limit: float, stats: dict) -> Bases:
+    """The policy variants some candidate of theirs could put on a frontier.
+
+    A variant's fastest form (its policy with no checkpointing and no offload, or a trade-off family at
+    its largest ratio: knobs are monotone otherwise) bounds every candidate it has from below. A
+    *witness* is a row that will be in the table, of the variant's cell (layers, pre/post kind, device
+    shape), and fits as many in-flight micro-batches as the variant's base can hold: a candidate
+    without a policy priced exactly, or a variant whose plain form fits on its own. Where a witness is
+    no slower in stable and delta than a variant's bound, every candidate of the variant is beaten in
+    stable, delta and capacity at once (what the table keeps, ``_capacity_pareto``), so the variant is
+    dropped before its knobs are searched: most policies save more memory, or less, than a stage
+    needs, at more recompute than one that fits it or than checkpointing a few layers."""
+    if not len(variants):
+        return variants
+    low, _ = _knob_limits(space, variants.layers)
+    plain = np.zeros((len(variants), 4))
+    fastest = evaluate(model, variants, shapes, low, plain, 1)
+    stable, delta = fastest.stable_s.astype(float), fastest.delta_s.astype(float)
+    combos = space.offload_combos()
+    for family in trade or []:
+        top = plain.copy()
+        top[:, family] = combos[:, family].max()
+        traded = evaluate(model, variants, shapes, low, top, 1)
+        stable, delta = np.minimum(stable, traded.stable_s), np.minimum(delta, traded.delta_s)
+    alone = _fits(evaluate(model, variants, shapes, low, plain, variants.max_inflight).peak_memory_bytes, limit)
+    holders = Bases.concat([priced, variants.take(np.flatnonzero(alone))])
+    w_stable = np.concatenate([exact.stable, fastest.stable_s[alone]])
+    w_delta = np.concatenate([exact.delta, fastest.delta_s[alone]])
+    w_fit = np.concatenate([exact.fit_k, variants.max_inflight[alone]])
+    front = np.flatnonzero(_capacity_pareto(holders, w_fit, w_stable, w_delta))  # a beaten witness's beater beats too
+    cells, w_stable, w_delta, w_fit = _cell_key(holders)[front], w_stable[front], w_delta[front], w_fit[front]
+    order = np.argsort(cells, kind="stable")
+    cells, w_stable, w_delta, w_fit = cells[order], w_stable[order], w_delta[order], w_fit[order]
+    variant_cells = _cell_key(variants)
+    starts = np.searchsorted(cells, variant_cells, side="left")
+    ends = np.searchsorted(cells, variant_cells, side="right")
+    keep = np.ones(len(variants), dtype=bool)
+    lengths = ends - starts
+    block = 4096
+    for first in range(0, len(variants), block):  # every (variant, witness of its cell) pair, a block at a time
+        owners = np.arange(first, min(first + block, len(variants)))
+        owner = np.repeat(owners, lengths[owners])
+        if not len(owner):
+            continue
+        offset = np.arange(len(owner)) - np.repeat(np.cumsum(lengths[owners]) - lengths[owners], lengths[owners])
+        witness = starts[owner] + offset
+        beaten = ((w_fit[witness] >= variants.max_inflight[owner]) & (w_stable[witness] <= stable[owner])
+                  & (w_delta[witness] <= delta[owner]))
+        keep[np.unique(owner[beaten])] = False
+    stats["policy_bases"] = stats.get("policy_bases", 0) + int(keep.sum())
+    stats["policy_bases_dominated"] = stats.get("policy_bases_dominated", 0) + int((~keep).sum())
+    return variants.take(np.flatnonzero(keep))
 
 
 def _inflight_slope(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
