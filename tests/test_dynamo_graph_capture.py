@@ -198,11 +198,30 @@ def test_empty_concatenations_are_dropped():
     assert [n.op for n in graph.nodes] == ["placeholder", "output"]
 
 
+@pytest.mark.parametrize("same_labels", [False, True])
+def test_a_static_graph_is_traced_again_with_symbolic_sizes(same_labels):
+    """torch.compile's default (static sizes), and labels=input_ids (one graph input): dynamo traces
+    the call again, from inside the backend, with symbolic sizes; the program cut is capture's."""
+    model, vocab = _fused_gpt()
+    ids = torch.randint(0, vocab, (4, 16))
+    got = _graph_of(model, ids, ids if same_labels else torch.randint(0, vocab, (4, 16)), dynamic=False,
+                    dtype="float32")
+    assert "why" not in got, got.get("why")
+    expected = capture(model, dtype="float32")
+    assert _summary(got["program"]) == _summary(expected)
+    assert _printed(got["program"]) == _printed(expected)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from mist_compiler.frontend.dynamo_graph import _call_model
+    assert _debug_get_cache_entry_list(_call_model.__code__) == []  # the second trace left no compiled code
+
+
 def test_graphs_a_plan_cannot_be_cut_from_say_why():
     model, vocab = _fused_gpt()
     ids = torch.randint(0, vocab, (4, 16))
-    assert "static batch and sequence" in _graph_of(model, ids, ids.clone(), dynamic=False)["why"]
-    assert "not input_ids and labels as two tensors" in _graph_of(model, ids, ids)["why"]  # labels=input_ids
+    static = _graph_of(model, ids, ids.clone(), dynamic=False, retrace=False)["why"]
+    assert "static batch and sequence" in static
+    assert "not input_ids and labels as two tensors" in _graph_of(model, ids, ids, retrace=False)["why"]
     assert "not the parameters' float32" in _graph_of(model, ids, ids.clone(), dtype="bfloat16")["why"]
 
 

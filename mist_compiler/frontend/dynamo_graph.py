@@ -22,15 +22,18 @@ starts there instead of tracing a fake copy of the module again (``capture.captu
 It applies where the graph holds what a plan needs: the batch and the sequence are symbols of their own
 (``torch.compile(..., dynamic=True)``, or dynamo's recompile once the batch size changed),
 ``input_ids`` and ``labels`` are two inputs, the parameters are in the plan's dtype with no autocast
-inside the graph, and every tensor comes from the compiled module. Elsewhere
-:class:`GraphCaptureUnsupported` says why and the caller captures the module itself: a graph traced
-with static shapes has the batch and sequence sizes written into its views, and a plan runs
-micro-batches of other sizes.
+inside the graph, and every tensor comes from the compiled module. A graph traced with static shapes
+(``torch.compile``'s default) has the batch and sequence sizes written into its views while a plan runs
+micro-batches of other sizes, and ``labels=input_ids`` makes one input of two: for those, dynamo traces
+the call once more from inside the backend with symbolic sizes and two inputs (:func:`symbolic_graph`)
+and that graph is cut. Elsewhere :class:`GraphCaptureUnsupported` says why and the caller captures the
+module itself.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -51,13 +54,94 @@ class GraphCaptureUnsupported(ValueError):
     """Dynamo's graph does not hold what a plan needs (the message says what); capture the module."""
 
 
+class _NeedsSymbolicTrace(GraphCaptureUnsupported):
+    """The graph is the model's, but traced with static sizes or with ``labels=input_ids`` (one input):
+    dynamo traces the call again with symbolic sizes and two batch inputs (:func:`symbolic_graph`)."""
+
+
+class _Recorded(Exception):
+    """Raised by :func:`symbolic_graph`'s backend once it holds the graph: nothing is installed or run."""
+
+
 def capture_graph(gm: fx.GraphModule, example_inputs: list, model: nn.Module, *, dtype: str | None = None,
-                  attention: str = "flash", seq_len: int | None = None, analyse: bool = True) -> MistProgram:
+                  attention: str = "flash", seq_len: int | None = None, analyse: bool = True,
+                  retrace: bool = True) -> MistProgram:
     """The captured program of ``model`` from ``gm``, the graph dynamo traced of a call of it, and the
     ``example_inputs`` it handed the backend (see the module docstring). ``dtype``: the plan's (the
-    parameters' own when None); ``analyse=False``: the torch-level program only, as ``capture``."""
+    parameters' own when None); ``analyse=False``: the torch-level program only, as ``capture``.
+    ``retrace``: a graph of the model traced with static sizes (``torch.compile``'s default) or with
+    ``labels=input_ids`` is traced again by dynamo, the sizes symbolic (:func:`symbolic_graph`), and cut
+    from that; else it is refused."""
     if attention not in ATTENTION_KERNELS:
         raise IRError(f"attention must be one of {list(ATTENTION_KERNELS)}, got {attention!r}")
+    options = dict(dtype=dtype, attention=attention, seq_len=seq_len, analyse=analyse)
+    try:
+        return _cut_program(gm, example_inputs, model, **options)
+    except _NeedsSymbolicTrace:
+        if not retrace:
+            raise
+        batch = _batch_tensors(gm, example_inputs)
+        ids = batch["input_ids"]
+        labels = batch.get("labels")
+        return symbolic_graph(model, ids, ids.clone() if labels is None else labels,
+                              lambda graph, inputs: _cut_program(graph, inputs, model, **options))
+
+
+def _batch_tensors(gm: fx.GraphModule, example_inputs: list) -> dict[str, torch.Tensor]:
+    """The call's ``input_ids`` and ``labels`` among the inputs dynamo handed the backend."""
+    found = {}
+    for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
+        name = _batch_name(getattr(node, "_dynamo_source", None))
+        if name is not None and isinstance(value, torch.Tensor):
+            found.setdefault(name, value)
+    if "input_ids" not in found:
+        raise GraphCaptureUnsupported("the graph has no input_ids input")
+    return found
+
+
+def _call_model(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, extra: dict):
+    return model(input_ids=input_ids, labels=labels, **extra)
+
+
+def symbolic_graph(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                   on_graph: Callable[[fx.GraphModule, list], Any]) -> Any:
+    """``on_graph(gm, example_inputs)`` for the graph dynamo hands a backend of the call
+    ``model(input_ids=, labels=)`` traced with ``dynamic=True`` (the batch and sequence symbols,
+    ``input_ids`` and ``labels`` two inputs, the parameters the module's own), and its result.
+
+    Called from inside a backend: dynamo traces a frame of its own there, and ``on_graph`` runs inside
+    that trace's context (aot_autograd finds its shape environment, not the outer trace's). The
+    recording backend then raises, so nothing runs and no compiled code is left behind. Module float
+    attributes stay constants and logging calls are dropped, as capture traces."""
+    from .joint import _logging_functions, model_call_kwargs
+
+    got: list = []
+
+    def record(graph_module, inputs, **_):
+        try:
+            got.append(("value", on_graph(graph_module, list(inputs))))
+        except GraphCaptureUnsupported as why:
+            got.append(("refused", why))
+        raise _Recorded
+
+    compiled = torch.compile(_call_model, backend=record, fullgraph=True, dynamic=True)
+    try:
+        with torch._dynamo.config.patch(specialize_float=True, ignore_logging_functions=_logging_functions()):
+            compiled(model, input_ids, labels, model_call_kwargs(model))
+    except Exception as error:  # dynamo wraps what the backend raised
+        if not got:
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise GraphCaptureUnsupported(f"dynamo could not trace the call again with symbolic sizes: {first}") from None
+    finally:
+        torch._dynamo.reset_code(_call_model.__code__)
+    kind, value = got[-1]
+    if kind == "refused":
+        raise value
+    return value
+
+
+def _cut_program(gm: fx.GraphModule, example_inputs: list, model: nn.Module, *, dtype: str | None, attention: str,
+                 seq_len: int | None, analyse: bool) -> MistProgram:
     graph, root, folded = _training_graph(gm, example_inputs, model)
     tensors, batch, sizes = _inputs_of(graph, root)
     param_dtype = _check_inputs(graph, tensors, batch, dtype)
@@ -234,6 +318,9 @@ def _inputs_of(graph: fx.GraphModule, root: tuple[str, list[str]]) -> tuple[dict
 
 def _check_inputs(graph: fx.GraphModule, tensors: dict, batch: dict, dtype: str | None) -> str:
     """The parameters' dtype, after refusing a graph a plan cannot be cut from (see the module docstring)."""
+    if sorted(batch.values()) == ["input_ids"]:
+        raise _NeedsSymbolicTrace("the graph's batch inputs are ['input_ids'], not input_ids and labels as two "
+                                  "tensors (labels=input_ids)")
     if sorted(batch.values()) != ["input_ids", "labels"]:
         raise GraphCaptureUnsupported(f"the graph's batch inputs are {sorted(batch.values())}, not input_ids and "
                                       "labels as two tensors")
@@ -242,7 +329,7 @@ def _check_inputs(graph: fx.GraphModule, tensors: dict, batch: dict, dtype: str 
     for name in batch:
         shape = nodes[name].meta["example_value"].shape
         if len(shape) != 2 or not all(isinstance(d, torch.SymInt) and d.node.expr.is_Symbol for d in shape):
-            raise GraphCaptureUnsupported("the graph was traced with static batch and sequence sizes "
+            raise _NeedsSymbolicTrace("the graph was traced with static batch and sequence sizes "
                                           "(torch.compile(..., dynamic=True) makes them symbols)")
         symbols.append(tuple(d.node.expr for d in shape))
     if len(set(symbols)) != 1 or symbols[0][0] == symbols[0][1]:

@@ -7,9 +7,9 @@ training: either ``plan`` (a Plan or a path) or what tuning needs (``hardware``,
 lifts the model's parameters into graph inputs whose sources lead back to a local (or global)
 of the frame being compiled: that object is the user's ``nn.Module`` (:func:`compiled_module`,
 no search of the heap). The driver cuts the program from the graph dynamo handed the backend
-where that graph can give it (``torch.compile(..., dynamic=True)``: batch and sequence symbolic;
-``frontend/dynamo_graph.py``), else captures the module (``Training.captured_from`` says which and
-why), tunes if needed, and builds this rank's engine from the module's own weights, once per module. The user's loop stays as it is::
+(``frontend/dynamo_graph.py``: a graph traced with static sizes, ``torch.compile``'s default, or with
+``labels=input_ids`` is first traced again by dynamo with symbolic sizes), else captures the module
+(``Training.captured_from`` says which and why), tunes if needed, and builds this rank's engine from the module's own weights, once per module. The user's loop stays as it is::
 
     out = compiled(input_ids=..., labels=...)    # the whole micro-batch schedule: forward and backward
     out.loss.backward()                          # nothing left to do (the gradients are in .grad)
