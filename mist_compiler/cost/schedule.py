@@ -246,7 +246,7 @@ def held_activations(schedule: Schedule, acts: np.ndarray, stash: np.ndarray) ->
                 elif kind == B:
                     held -= kept[virtual]
                 elif kind == I:
-                    held += stashed[virtual] - kept[virtual]
+                    held = held - kept[virtual] + stashed[virtual]
                     peak = max(peak, held)
                 else:
                     held -= stashed[virtual]

@@ -14,7 +14,6 @@ and capacity at once (what the partition DP needs for in-flight counts between t
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -135,15 +134,8 @@ def build_frontiers(model: StageCostModel, work: Workload, cluster: Cluster, spa
     if activation_policies is not None and len(rows):
         variants = _policy_variants(bases, rows, ckpt, offload, activation_policies)
         if len(variants):
-            # the policy chose what of each layer to offload: plain activation offload is not gridded
-            # again, and neither are weights and gradients (a policy is the finer alternative to
-            # checkpointing; the optimizer's offload, priced in closed form, stays)
-            policy_space = dataclasses.replace(space, offload_acts=False, offload_weights=False, offload_grads=False)
-            policy_trade = [f for f in trade or [] if f == 2]
-            variants = _undominated(model, variants, shapes, policy_space, table_bases, exact, policy_trade, limit, stats)
-        if len(variants):
-            more, more_ckpt, more_offload = _candidate_knobs(model, variants, shapes, policy_space, limit, stats, bound,
-                                                             policy_trade)
+            more, more_ckpt, more_offload = _candidate_knobs(model, variants, shapes, space, limit, stats, bound, trade)
+            stats["policy_bases"] = stats.get("policy_bases", 0) + len(variants)
             variant_bases = variants.take(more)
             more_exact = _exact(model, variant_bases, shapes, space, more_ckpt, more_offload, limit, stats)
             table_bases = Bases.concat([table_bases, variant_bases])
@@ -232,66 +224,6 @@ def _policy_variants(bases: Bases, rows: np.ndarray, ckpt: np.ndarray, offload: 
             variant.policy = np.full(len(mode), index)
             variants.append(variant)
     return Bases.concat(variants) if variants else bases.take(np.zeros(0, dtype=int))
-
-
-def _cell_key(bases: Bases) -> np.ndarray:
-    """A frontier cell's (layers, pre/post kind, device shape) per row, as one integer."""
-    return (bases.layers.astype(np.int64) * 4 + bases.pp) * 4096 + bases.shape
-
-
-def _undominated(model: StageCostModel, variants: Bases, shapes: list[DeviceShape], space: SearchSpace,
-                 priced: Bases, exact: ExactRows, trade: list[int] | None, limit: float, stats: dict) -> Bases:
-    """The policy variants some candidate of theirs could put on a frontier.
-
-    A variant's fastest form (its policy with no checkpointing and no offload, or a trade-off family at
-    its largest ratio: knobs are monotone otherwise) bounds every candidate it has from below. A
-    *witness* is a row that will be in the table, of the variant's cell (layers, pre/post kind, device
-    shape), and fits as many in-flight micro-batches as the variant's base can hold: a candidate
-    without a policy priced exactly, or a variant whose plain form fits on its own. Where a witness is
-    no slower in stable and delta than a variant's bound, every candidate of the variant is beaten in
-    stable, delta and capacity at once (what the table keeps, ``_capacity_pareto``), so the variant is
-    dropped before its knobs are searched: most policies save more memory, or less, than a stage
-    needs, at more recompute than one that fits it or than checkpointing a few layers."""
-    if not len(variants):
-        return variants
-    low, _ = _knob_limits(space, variants.layers)
-    plain = np.zeros((len(variants), 4))
-    fastest = evaluate(model, variants, shapes, low, plain, 1)
-    stable, delta = fastest.stable_s.astype(float), fastest.delta_s.astype(float)
-    combos = space.offload_combos()
-    for family in trade or []:
-        top = plain.copy()
-        top[:, family] = combos[:, family].max()
-        traded = evaluate(model, variants, shapes, low, top, 1)
-        stable, delta = np.minimum(stable, traded.stable_s), np.minimum(delta, traded.delta_s)
-    alone = _fits(evaluate(model, variants, shapes, low, plain, variants.max_inflight).peak_memory_bytes, limit)
-    holders = Bases.concat([priced, variants.take(np.flatnonzero(alone))])
-    w_stable = np.concatenate([exact.stable, fastest.stable_s[alone]])
-    w_delta = np.concatenate([exact.delta, fastest.delta_s[alone]])
-    w_fit = np.concatenate([exact.fit_k, variants.max_inflight[alone]])
-    front = np.flatnonzero(_capacity_pareto(holders, w_fit, w_stable, w_delta))  # a beaten witness's beater beats too
-    cells, w_stable, w_delta, w_fit = _cell_key(holders)[front], w_stable[front], w_delta[front], w_fit[front]
-    order = np.argsort(cells, kind="stable")
-    cells, w_stable, w_delta, w_fit = cells[order], w_stable[order], w_delta[order], w_fit[order]
-    variant_cells = _cell_key(variants)
-    starts = np.searchsorted(cells, variant_cells, side="left")
-    ends = np.searchsorted(cells, variant_cells, side="right")
-    keep = np.ones(len(variants), dtype=bool)
-    lengths = ends - starts
-    block = 4096
-    for first in range(0, len(variants), block):  # every (variant, witness of its cell) pair, a block at a time
-        owners = np.arange(first, min(first + block, len(variants)))
-        owner = np.repeat(owners, lengths[owners])
-        if not len(owner):
-            continue
-        offset = np.arange(len(owner)) - np.repeat(np.cumsum(lengths[owners]) - lengths[owners], lengths[owners])
-        witness = starts[owner] + offset
-        beaten = ((w_fit[witness] >= variants.max_inflight[owner]) & (w_stable[witness] <= stable[owner])
-                  & (w_delta[witness] <= delta[owner]))
-        keep[np.unique(owner[beaten])] = False
-    stats["policy_bases"] = stats.get("policy_bases", 0) + int(keep.sum())
-    stats["policy_bases_dominated"] = stats.get("policy_bases_dominated", 0) + int((~keep).sum())
-    return variants.take(np.flatnonzero(keep))
 
 
 def _inflight_slope(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
