@@ -14,8 +14,10 @@ moment of its action list (``ir/schedule.py``, run as ``runtime/engine.py`` does
   micro-batch held (the stage model's peak at one in flight, its own gradients included); an
   ``I`` the same without the micro-batch gradient buffer (its weight half makes none); a ``W``
   the same with that micro-batch's stash in place of its activations (the runtime drops each
-  unit's stash once its weight half has run, as a backward frees saved tensors); an ``F`` adds its
-  micro-batch to what is held.
+  unit's stash once its weight half has run, as a backward frees saved tensors) and, in a chunk of
+  eager layers, a layer's gradients, which its weight half returns together before they are added
+  to their buffer (a chunk with the pre or post block is priced from that block's backward peak,
+  which is above a layer's weight half); an ``F`` adds its micro-batch to what is held.
 
 The group's peak is the largest of these over its actions and of the optimizer step's point. For
 one chunk the walk is the stage model's 1F1B rule (the peak at one in flight plus what the
@@ -74,6 +76,8 @@ def chunk_memory(estimates: StageEstimates, split_backward: bool) -> ChunkMemory
     at_point = in_steps >= peak
     input_half = np.where(at_point, accumulators - parts.get("grads", 0.0), 0.0)
     weight_half = np.where(at_point, -parts.get("acts", 0.0), -held) + stash
+    if split_backward:  # a layer's gradients, returned together beside their buffer (eager layer chunks)
+        weight_half = weight_half + parts.get("weight_half_grads", np.zeros_like(static))
     column = lambda values: np.asarray(values, dtype=float)[:, None]  # noqa: E731
     return ChunkMemory(column(static), *(column(parts[f"peak_backward_{phase}"] - static)
                                          for phase in ("first", "middle", "last")),

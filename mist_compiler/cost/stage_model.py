@@ -501,6 +501,12 @@ class StageCostModel:
             # tensor-parallel collectives keep their backward whole (passes/split_backward.py)
             "backward_weight": np.where(np.asarray(c.tp) > 1, 0.0, stage_sum("weight_compute")),
             "weight_stash": np.where(np.asarray(c.tp) > 1, 0.0, stage_sum("stash")),
+            # a weight half returns its unit's gradients together, beside the buffer they are added to (an
+            # eager backward makes them one parameter at a time; a compiled unit's backward is priced so);
+            # counted for chunks of layers only: with the pre or post block, the backward's peak the weight
+            # half is priced from is that block's (the embedding's gradient, the loss), above a layer's
+            "weight_half_grads": np.where((np.asarray(c.tp) > 1) | (n <= 0) | (has_pre > 0) | (has_post > 0)
+                                          | self.compiled, 0.0, layer["params"] * grad_b),
             "exposed_comm": forward.exposed_s["collective"] + backward.exposed_s["collective"] + tp_exposed + p2p,
             "exposed_copy": (forward.exposed_s["h2d"] + forward.exposed_s["d2h"]
                              + backward.exposed_s["h2d"] + backward.exposed_s["d2h"]),
