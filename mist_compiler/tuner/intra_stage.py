@@ -249,7 +249,7 @@ def _verify_fit(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], 
         return fit_k
     check = evaluate(model, bases.take(claim), shapes, ckpt[claim], offload[claim], fit_k[claim])
     failed = claim[~_fits(check.peak_memory_bytes, limit)]
-    stats["fit_corrections"] = len(failed)
+    stats["fit_corrections"] = stats.get("fit_corrections", 0) + len(failed)
     low, high = np.full(len(failed), 2), fit_k[failed].copy()
     while len(failed) and (high - low > 1).any():
         active = high - low > 1
