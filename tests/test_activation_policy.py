@@ -371,4 +371,3 @@ def test_per_tensor_plans_keep_what_the_memory_model_predicts():
               f"ratio {ratios[-1][3]:.4f}")
     assert all(abs(ratio - 1) < 0.03 for *_, ratio in ratios), ratios
     assert recompute["peak"] < plain["peak"]
-

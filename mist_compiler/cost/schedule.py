@@ -175,20 +175,18 @@ def simulate(schedule: Schedule, costs: ChunkCosts, delta: np.ndarray, spans: bo
     n = costs.forward.shape[1]
     pp = schedule.stages
     finish, busy = np.zeros((pp, n)), np.zeros((pp, n))
-    starts: list[list[list[float]]] = [[] for _ in range(pp)]
+    starts = [[[] for _ in range(n)] for _ in range(pp)] if spans else None  # [stage][column][action]
     for column in range(n):
-        column_finish, column_busy, column_starts = _run_column(structure, costs, column, pp)
-        finish[:, column], busy[:, column] = column_finish, column_busy
-        for stage in range(pp):
-            starts[stage].append(column_starts[stage])
+        finish[:, column], busy[:, column] = _run_column(
+            structure, costs, column, pp, [stage[column] for stage in starts] if spans else None)
     time = np.max(finish + delta, axis=0)
     held, inflight = held_activations(schedule, costs.acts, costs.stash)
     kept: list[list[tuple[str, np.ndarray, np.ndarray]]] = []
     if spans:
         duration = _durations(costs)
         for stage in range(pp):
-            kept.append([(kind, np.array([starts[stage][c][k] for c in range(n)]),
-                          np.array([starts[stage][c][k] for c in range(n)]) + duration[kind][virtual])
+            begun = np.array(starts[stage], dtype=float).reshape(n, -1)  # [column, action]
+            kept.append([(kind, begun[:, k], begun[:, k] + duration[kind][virtual])
                          for k, (kind, virtual) in enumerate(structure.actions[stage])])
     return Simulation(schedule, time, finish, busy, inflight, held, kept)
 
@@ -198,13 +196,13 @@ def _durations(costs: ChunkCosts) -> dict[str, np.ndarray]:
     return {F: costs.forward, B: costs.backward, I: costs.backward - costs.weight, W: costs.weight}
 
 
-def _run_column(structure: _Structure, costs: ChunkCosts, column: int,
-                pp: int) -> tuple[list[float], list[float], list[list[float]]]:
-    """One candidate's run: per stage its last action's end, its compute time and each action's start."""
+def _run_column(structure: _Structure, costs: ChunkCosts, column: int, pp: int,
+                starts: list[list[float]] | None) -> tuple[list[float], list[float]]:
+    """One candidate's run: per stage its last action's end and its compute time; ``starts`` (per
+    stage, for timelines) gets each action's start."""
     duration = {kind: values[:, column].tolist() for kind, values in _durations(costs).items()}
     transfer = costs.transfer[:, column].tolist()
     ends: list[list[float]] = [[] for _ in range(pp)]  # per stage, the end of each action so far
-    starts: list[list[float]] = [[] for _ in range(pp)]
     arrived: dict[int, float] = {}
     busy = [0.0] * pp
     for event in structure.events:
@@ -223,9 +221,10 @@ def _run_column(structure: _Structure, costs: ChunkCosts, column: int,
             start = max(start, arrived[index])
         length = duration[kind][virtual]
         ends[stage].append(start + length)
-        starts[stage].append(start)
+        if starts is not None:
+            starts[stage].append(start)
         busy[stage] += length
-    return [stage_ends[-1] if stage_ends else 0.0 for stage_ends in ends], busy, starts
+    return [stage_ends[-1] if stage_ends else 0.0 for stage_ends in ends], busy
 
 
 def held_activations(schedule: Schedule, acts: np.ndarray, stash: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
