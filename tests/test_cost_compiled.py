@@ -65,6 +65,22 @@ def test_a_compiled_gpt_layer_saves_what_the_eager_one_does():
     assert sympy.expand(compiled["layer"].memory.saved["flash"] - eager["layer"].memory.saved["flash"]) == 0
 
 
+def test_a_compiled_layer_backward_holds_no_gradients_of_the_block_above():
+    """A compiled unit's backward returns its parameter gradients together at its end, so a layer's
+    backward peak may hold its own gradients longer than the eager one does, but not the head's: they
+    are added to ``.grad`` before the layer's backward starts, although an op labelled with the head
+    (the add of the residual's gradient) runs inside the layer's backward."""
+    program = capture_program("gpt-small", seq_len=64, dtype="float32")  # its head outweighs a layer
+    compiled, eager = (analyse_program(program, compiled=flag)[0] for flag in (True, False))
+    assert compiled["post"].params > compiled["layer"].params
+    sizes = {B: 2, S: 64, T: 1}
+
+    def backward_peak(block) -> float:
+        return max(float(sympy.sympify(point).subs(sizes)) for point in block.memory.backward_peaks["flash"])
+
+    assert backward_peak(compiled["layer"]) <= backward_peak(eager["layer"]) + compiled["layer"].params * 4
+
+
 def test_the_stage_model_prices_compiled_units_faster_and_leaner():
     program = capture_program("llama-tiny", seq_len=64, dtype="float32")
     models = {compiled: StageCostModel(*_model_args(program, compiled), compiled=compiled) for compiled in (True, False)}

@@ -200,7 +200,12 @@ def compile_segment(module: fx.GraphModule, inputs: list[torch.Tensor]) -> Calla
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    with _saved_tensor_hooks_off():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # the caller's dispatch modes (a memory tracker, a FLOP counter) must not shape the program: one
+    # that runs a custom op's body while AOTAutograd traces would inline it (the fused loss, whose
+    # backward the partitioner then half-moves into the forward, saving every vocabulary slice)
+    with _saved_tensor_hooks_off(), _disable_current_modes():
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
         for node in module.graph.nodes:

@@ -349,6 +349,9 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
         if node.op != "call_function" or is_view(node):
             continue
         label = block_of.get(node.name)
+        if block_nodes:  # a finished node's gradients were added to ``.grad`` before the next node runs
+            for dead in [g for g in grad_live if g in grad_outputs and produced_at.get(g, index) < index]:
+                grad_total -= grad_live.pop(dead)
         size = _node_bytes(node, bw_states, symbols, transient)
         if size != 0:
             grad_live[node] = size
@@ -474,12 +477,22 @@ def _autograd_node_ends(nodes: list[fx.Node]) -> dict[int, int]:
 
 
 def _block_ends(nodes: list[fx.Node], block_of: dict[str, str]) -> dict[int, int]:
-    """Index of each backward op -> index of the last op of its block (one autograd node per block)."""
-    last: dict[str, int] = {}
+    """Index of each backward op -> index of the op that ends its block's backward (one autograd node
+    per block). The blocks' backwards run one after another, in the order their first ops appear; a
+    block's is done when the next one's starts. An op labelled with a block that appears after the
+    next block started (the residual gradient's add of the block below, labelled with the block that
+    feeds it) runs inside that later node: it does not keep the earlier block's gradients alive."""
+    starts: list[tuple[int, str]] = []
     for index, node in enumerate(nodes):
-        if node.op == "call_function" and node.name in block_of:
-            last[block_of[node.name]] = index
-    return {index: last[block_of[node.name]] for index, node in enumerate(nodes)
+        label = block_of.get(node.name) if node.op == "call_function" else None
+        if label is not None and all(label != seen for _, seen in starts):
+            starts.append((index, label))
+    last: dict[str, int] = {}
+    for position, (start, label) in enumerate(starts):
+        stop = starts[position + 1][0] if position + 1 < len(starts) else len(nodes)
+        last[label] = max(i for i in range(start, stop)
+                          if nodes[i].op == "call_function" and block_of.get(nodes[i].name) == label)
+    return {index: max(index, last[block_of[node.name]]) for index, node in enumerate(nodes)
             if node.op == "call_function" and node.name in block_of}
 
 
