@@ -5,6 +5,7 @@ checked on exact byte counts; the distributed test is a small end-to-end version
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -124,6 +125,23 @@ def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype:
 ], ids=["zero3-ckpt", "zero2-offload-accumulate", "pipeline", "tp2-ckpt", "tp2-sp", "pipeline-bf16-accumulate",
         "pipeline-dp2-zero2-bf16", "interleaved", "zb-h1", "zbv"])
 def test_backend_peak_matches_the_memory_model(plan):
+    _assert_peaks_match(plan)
+
+
+@pytest.mark.heavy
+@pytest.mark.distributed
+@pytest.mark.parametrize("plan", [
+    _plan([{"layers": 4, "dp": 2, "zero": 3, "ckpt": 2}]),
+    _plan([{"layers": 2}, {"layers": 2}], grad_accum=4),  # the first stage's layers see the head's gradients
+], ids=["zero3-ckpt", "pipeline"])
+def test_compiled_peak_matches_the_memory_model(plan, monkeypatch):
+    """Units compiled by inductor (compiled inside the measuring tracker: it must not change them), priced
+    as compiled units: each one's backward is one autograd node returning its gradients together."""
+    monkeypatch.setenv("MIST_COMPILE", "1")  # the spawned ranks inherit it
+    _assert_peaks_match(dataclasses.replace(plan, compiled=True))
+
+
+def _assert_peaks_match(plan: Plan) -> None:
     from mist_compiler import analyze
     from mist_compiler.cost.hardware import load_profile
     from mist_compiler.ir.topology import Topology
