@@ -19,8 +19,9 @@ from torch import nn
 from mist_compiler.frontend.capture import capture
 from mist_compiler.frontend.dynamo_graph import (
     GraphCaptureUnsupported, _layer_edges, _one_layer_per_group, _skip_empty_concatenations, _training_graph,
-    _inputs_of, capture_graph,
+    capture_graph,
 )
+from mist_compiler.frontend.regions import classify_inputs
 from mist_compiler.ir.printer import format_program
 from mist_compiler.models import build_model
 
@@ -160,7 +161,7 @@ def test_one_layer_per_group_runs_the_representatives_back_to_back():
     model = _Stack("aab")
     graph, root, state = _cut_steps(model)
     assert state.layer_groups == ((0, 1), (2,))
-    tensors, batch, sizes = _inputs_of(graph, root)
+    tensors, batch, sizes = classify_inputs(graph, root[0], tuple(root[1]))
     edges = _layer_edges(graph, "layers", state.layer_groups)
     reduced, kept, named = _one_layer_per_group(graph, edges, "layers", state.layer_groups, tensors)
     assert sorted(kept.inputs) == [0, 1] and kept.inputs[1] == kept.outputs[0]

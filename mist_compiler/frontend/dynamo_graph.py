@@ -47,7 +47,7 @@ from ..passes.block_discovery import module_paths, normalize_module_path
 from .boundaries import Boundaries, LayerContractError
 from .capture import _max_seq, group_layers, passes_after_trace, run_capture_passes
 from .joint import graph_only_backend, joint_backend
-from .regions import RegionError, find_regions, layer_of_nodes, source_path
+from .regions import RegionError, batch_input_name, classify_inputs, find_regions, layer_of_nodes, source_path
 
 
 class GraphCaptureUnsupported(ValueError):
@@ -91,7 +91,7 @@ def _batch_tensors(gm: fx.GraphModule, example_inputs: list) -> dict[str, torch.
     """The call's ``input_ids`` and ``labels`` among the inputs dynamo handed the backend."""
     found = {}
     for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs):
-        name = _batch_name(getattr(node, "_dynamo_source", None))
+        name = batch_input_name(getattr(node, "_dynamo_source", None))
         if name is not None and isinstance(value, torch.Tensor):
             found.setdefault(name, value)
     if "input_ids" not in found:
@@ -143,7 +143,7 @@ def symbolic_graph(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
 def _cut_program(gm: fx.GraphModule, example_inputs: list, model: nn.Module, *, dtype: str | None, attention: str,
                  seq_len: int | None, analyse: bool) -> MistProgram:
     graph, root, folded = _training_graph(gm, example_inputs, model)
-    tensors, batch, sizes = _inputs_of(graph, root)
+    tensors, batch, sizes = classify_inputs(graph, root[0], tuple(root[1]), error=GraphCaptureUnsupported)
     param_dtype = _check_inputs(graph, tensors, batch, dtype)
     state = group_layers(CaptureState(model, type(model).__name__, attention, param_dtype, seq_len, model=model,
                                       analyse=analyse))
@@ -287,33 +287,6 @@ def _constant_float(graph: fx.Graph, node: fx.Node, value, folded: set) -> None:
             user.kwargs = fx.node.map_arg(user.kwargs, lambda a: number if a is item else a)
         graph.erase_node(item)
     graph.erase_node(node)
-
-
-def _batch_name(source) -> str | None:
-    local, path, _ = source_path(source)
-    name = path[-1] if local == "kwargs" and len(path) == 1 else local
-    return name if name in ("input_ids", "labels") else None
-
-
-def _inputs_of(graph: fx.GraphModule, root: tuple[str, list[str]]) -> tuple[dict, dict, dict]:
-    """What each graph input is, as :func:`.regions.classify_inputs` says it of capture's trace:
-    a tensor of the model (kind, path in it), a batch input or a batch input's size."""
-    tensors, batch, sizes = {}, {}, {}
-    for node in graph.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        source = getattr(node, "_dynamo_source", None)
-        local, path, kind = source_path(source)
-        if type(source).__name__ == "TensorPropertySource" and _batch_name(source.base) is not None:
-            sizes[node.name] = (_batch_name(source.base), int(source.idx))
-        elif (local, path[:len(root[1])]) == root and kind is not None:
-            tensors[node.name] = (kind, ".".join(path[len(root[1]):]))
-        elif _batch_name(source) is not None and isinstance(node.meta.get("example_value"), torch.Tensor):
-            batch[node.name] = _batch_name(source)
-        else:
-            raise GraphCaptureUnsupported(f"graph input {node.name} (from {source.name if source else None}) is "
-                                          "neither a tensor of the model, input_ids, labels nor one of their sizes")
-    return tensors, batch, sizes
 
 
 def _check_inputs(graph: fx.GraphModule, tensors: dict, batch: dict, dtype: str | None) -> str:

@@ -46,26 +46,41 @@ def source_path(source) -> tuple[str | None, list[str], str | None]:
     return None, list(reversed(parts)), kind
 
 
-def classify_inputs(gm: torch.fx.GraphModule, model_arg: str) -> tuple[dict, dict, dict]:
-    """Per placeholder of ``gm``: a parameter or buffer of the module in local ``model_arg``
-    (``tensors``: kind and path), a batch input (``batch``) or a batch input's size (``sizes``)."""
+def batch_input_name(source) -> str | None:
+    """``"input_ids"`` or ``"labels"`` when a graph input's dynamo ``source`` is that argument of the
+    call (a local, or a key of ``**kwargs``), else None."""
+    local, path, _ = source_path(source)
+    name = path[-1] if local == "kwargs" and len(path) == 1 else local
+    return name if name in ("input_ids", "labels") else None
+
+
+def _source_name(source) -> str | None:
+    name = getattr(source, "name", None)  # a method in older torch, a property in newer
+    return name() if callable(name) else name
+
+
+def classify_inputs(gm: torch.fx.GraphModule, model_arg: str, model_path: tuple[str, ...] = (),
+                    error: type[Exception] = RegionError) -> tuple[dict, dict, dict]:
+    """Per placeholder of ``gm``: a parameter or buffer of the module at ``model_path`` inside local
+    ``model_arg`` (``tensors``: kind and path below it), a batch input (``batch``: ``input_ids`` or
+    ``labels``) or a batch input's size (``sizes``: input and dimension). Any other input raises
+    ``error``: capture's trace and dynamo's graph (``dynamo_graph``) name their inputs alike."""
+    root = list(model_path)
     tensors, batch, sizes = {}, {}, {}
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
         source = getattr(node, "_dynamo_source", None)
         local, path, kind = source_path(source)
-        value = node.meta.get("example_value")
-        if type(source).__name__ == "TensorPropertySource":
-            base_local, _, _ = source_path(source.base)
-            sizes[node.name] = (base_local, int(source.idx))
-        elif local == model_arg and kind is not None:
-            tensors[node.name] = (kind, ".".join(path))
-        elif local in ("input_ids", "labels") and isinstance(value, torch.Tensor):
-            batch[node.name] = local
+        if type(source).__name__ == "TensorPropertySource" and batch_input_name(source.base) is not None:
+            sizes[node.name] = (batch_input_name(source.base), int(source.idx))
+        elif local == model_arg and path[:len(root)] == root and kind is not None:
+            tensors[node.name] = (kind, ".".join(path[len(root):]))
+        elif batch_input_name(source) is not None and isinstance(node.meta.get("example_value"), torch.Tensor):
+            batch[node.name] = batch_input_name(source)
         else:
-            raise RegionError(f"capture: graph input {node.name} (from {source}) is neither a parameter, a buffer, "
-                              "input_ids, labels nor one of their sizes")
+            raise error(f"capture: graph input {node.name} (from {_source_name(source)}) is neither a tensor of "
+                        "the model, input_ids, labels nor one of their sizes")
     return tensors, batch, sizes
 
 
@@ -182,4 +197,4 @@ def with_real_names(graph: ModelGraph, layer_groups: tuple) -> ModelGraph:
     return replace(graph, tensors=tensors)
 
 
-__all__ = ["LayerContractError", "RegionError", "classify_inputs", "find_regions", "layer_of_nodes", "source_path", "with_real_names"]
+__all__ = ["LayerContractError", "RegionError", "batch_input_name", "classify_inputs", "find_regions", "layer_of_nodes", "source_path", "with_real_names"]
