@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from mist_compiler.frontend.dynamo_graph import (
 from mist_compiler.frontend.regions import classify_inputs
 from mist_compiler.ir.printer import format_program
 from mist_compiler.models import build_model
+from user_loop import gpt2_setup, run_user_loop, write_gpt2_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -226,61 +226,11 @@ def test_graphs_a_plan_cannot_be_cut_from_say_why():
     assert "not the parameters' float32" in _graph_of(model, ids, ids.clone(), dtype="bfloat16")["why"]
 
 
-USER_LOOP = textwrap.dedent("""
-    import json, sys, torch
-    {setup}
-    options = json.loads(sys.argv[1])
-    torch.manual_seed(0)
-    batches = [(torch.randint(0, VOCAB, (4, 16)), torch.randint(0, VOCAB, (4, 16))) for _ in range(3)]
-
-    def train(compiled_backend, halves=False):
-        model = build()
-        run = torch.compile(model, backend="mist", dynamic=True, options=options) if compiled_backend else model
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-        losses = []
-        for ids, labels in batches:
-            if halves:
-                loss = 0.0
-                for i, l in zip(ids.chunk(2), labels.chunk(2)):
-                    out = model(input_ids=i, labels=l)
-                    half = (out.loss if hasattr(out, "loss") else out) / 2
-                    half.backward()
-                    loss += half.detach()
-            else:
-                out = run(input_ids=ids, labels=labels)
-                loss = out.loss if hasattr(out, "loss") else out
-                loss.backward()
-            opt.step(); opt.zero_grad()
-            losses.append(float(loss))
-        return losses, {{k: v.double() for k, v in model.state_dict().items()}}
-
-    def distance(a, b):
-        worst = max(abs(x - y) / abs(y) for x, y in zip(a[0], b[0]))
-        for name, value in b[1].items():
-            worst = max(worst, float((a[1][name] - value).norm() / value.norm().clamp(min=1e-12)))
-        return worst
-
-    compiled = train(True)
-    from mist_compiler.torch_compile import plan_runtime
-    route = plan_runtime._trainings[-1].captured_from
-    eager, halves = train(False), train(False, halves=True)
-    print(json.dumps({{"worst": distance(compiled, eager), "noise": distance(halves, eager), "route": route}}))
-""")
-
-
-def _run_user_loop(setup: str, options: dict, cwd) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", USER_LOOP.format(setup=setup), json.dumps(options)],
-                            capture_output=True, text=True, timeout=600, cwd=str(cwd), env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def test_torch_compile_dynamic_trains_from_dynamos_graph(tmp_path):
     """Tuned for the cluster the options name, trained by the user's AdamW: the program is the one cut
     from dynamo's graph (no second trace), and training matches eager within rounding noise."""
-    setup = "from tests.user_models import fused_gpt\nVOCAB = 96\ndef build():\n    torch.manual_seed(1)\n    return fused_gpt()\n"
-    result = _run_user_loop(setup, {"hardware": "cpu", "global_batch": 4, "seq_len": 16, "dtype": "float32"}, tmp_path)
+    result = run_user_loop({"hardware": "cpu", "global_batch": 4, "seq_len": 16, "dtype": "float32"}, cwd=tmp_path,
+                           dynamic=True)
     assert result["route"] == "graph", result
     assert result["worst"] <= max(10 * result["noise"], 1e-6), result
 
@@ -288,19 +238,7 @@ def test_torch_compile_dynamic_trains_from_dynamos_graph(tmp_path):
 def test_torch_compile_dynamic_runs_a_plan_on_a_hugging_face_model(tmp_path):
     """GPT-2 under a plan whose micro-batch (2) is not the user's batch (4): the symbolic graph runs."""
     pytest.importorskip("transformers")
-    setup = textwrap.dedent(f"""
-        from tests.hf_configs import write_config
-        from mist_compiler.models import build_model
-        SPEC = write_config("gpt2", {str(tmp_path / 'gpt2')!r}, dropout=False)
-        VOCAB = 128
-        def build():
-            return build_model(SPEC)
-    """)
-    plan = {"model": "gpt2", "seq_len": 16, "global_batch": 4, "dtype": "float32", "grad_accum": 2,
-            "stages": [{"layers": [0, 3], "nodes": 1, "gpus_per_node": 1, "micro_batch": 2, "dp": 1, "tp": 1,
-                        "zero": 1, "ckpt_layers": 1}]}
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    result = _run_user_loop(setup, {"plan": str(tmp_path / "plan.json")}, tmp_path)
+    result = run_user_loop({"plan": write_gpt2_plan(tmp_path)}, gpt2_setup(tmp_path / "gpt2"), tmp_path, dynamic=True)
     assert result["route"] == "graph", result
     assert result["worst"] <= max(10 * result["noise"], 1e-6), result
 
