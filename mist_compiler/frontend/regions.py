@@ -197,4 +197,5 @@ def with_real_names(graph: ModelGraph, layer_groups: tuple) -> ModelGraph:
     return replace(graph, tensors=tensors)
 
 
-__all__ = ["LayerContractError", "RegionError", "batch_input_name", "classify_inputs", "find_regions", "layer_of_nodes", "source_path", "with_real_names"]
+__all__ = ["LayerContractError", "RegionError", "batch_input_name", "classify_inputs", "find_regions", "layer_of_nodes",
+           "source_path", "with_real_names"]

@@ -479,9 +479,9 @@ def _autograd_node_ends(nodes: list[fx.Node]) -> dict[int, int]:
 def _block_ends(nodes: list[fx.Node], block_of: dict[str, str]) -> dict[int, int]:
     """Index of each backward op -> index of the op that ends its block's backward (one autograd node
     per block). The blocks' backwards run one after another, in the order their first ops appear; a
-    block's is done when the next one's starts. An op labelled with a block that appears after the
-    next block started (the residual gradient's add of the block below, labelled with the block that
-    feeds it) runs inside that later node: it does not keep the earlier block's gradients alive."""
+    block's is done when the next one's starts. An op labelled with a block whose backward is already
+    done (the add of the residual's gradient: labelled with the block above, run inside the layer's
+    backward) belongs to the node running then: it does not keep the earlier block's gradients alive."""
     starts: list[tuple[int, str]] = []
     for index, node in enumerate(nodes):
         label = block_of.get(node.name) if node.op == "call_function" else None
