@@ -77,7 +77,7 @@ def chunk_memory(estimates: StageEstimates, split_backward: bool) -> ChunkMemory
     input_half = np.where(at_point, accumulators - parts.get("grads", 0.0), 0.0)
     weight_half = np.where(at_point, -parts.get("acts", 0.0), -held) + stash
     if split_backward:  # a layer's gradients, returned together beside their buffer (eager layer chunks)
-        weight_half = weight_half + parts.get("weight_half_grads", np.zeros_like(static))
+        weight_half = weight_half + parts.get("weight_half_grads", 0.0)
     column = lambda values: np.asarray(values, dtype=float)[:, None]  # noqa: E731
     return ChunkMemory(column(static), *(column(parts[f"peak_backward_{phase}"] - static)
                                          for phase in ("first", "middle", "last")),

@@ -482,16 +482,16 @@ def _block_ends(nodes: list[fx.Node], block_of: dict[str, str]) -> dict[int, int
     block's is done when the next one's starts. An op labelled with a block whose backward is already
     done (the add of the residual's gradient: labelled with the block above, run inside the layer's
     backward) belongs to the node running then: it does not keep the earlier block's gradients alive."""
-    starts: list[tuple[int, str]] = []
+    started: set[str] = set()
+    current: str | None = None  # the block whose backward runs now: the last one to start
+    last: dict[str, int] = {}
     for index, node in enumerate(nodes):
         label = block_of.get(node.name) if node.op == "call_function" else None
-        if label is not None and all(label != seen for _, seen in starts):
-            starts.append((index, label))
-    last: dict[str, int] = {}
-    for position, (start, label) in enumerate(starts):
-        stop = starts[position + 1][0] if position + 1 < len(starts) else len(nodes)
-        last[label] = max(i for i in range(start, stop)
-                          if nodes[i].op == "call_function" and block_of.get(nodes[i].name) == label)
+        if label is not None and label not in started:
+            started.add(label)
+            current = label
+        if label is not None and label == current:
+            last[label] = index
     return {index: max(index, last[block_of[node.name]]) for index, node in enumerate(nodes)
             if node.op == "call_function" and node.name in block_of}
 
