@@ -14,7 +14,8 @@ Sections (each a printed table; ``--out DIR`` also writes them, with the device 
    step after warm-up: ``max_memory_allocated`` against the predicted peak, ``max_memory_reserved``
    beside it (what the headroom must cover);
 3. MFU of gpt2-1.3b and llama-1.3b at sequence 2048 on one device, each with the plan ``tune`` picks
-   for it (``cost.flops.model_flops_per_iteration`` / (step time x the profile's dense peak));
+   for it (``cost.flops.model_flops_per_iteration`` / (step time x the profile's dense peak)), trained
+   with compiled units and with eager ones, with each run's start-up (compile and first step);
 4. several devices (when there are 2+): DP, TP, PP and mixed plans over NCCL, checked and timed the same way.
 
 ``--dry-run`` runs the same code on the CPU: gloo ranks instead of NCCL, the ``cpu`` profile, tiny
@@ -23,7 +24,12 @@ models and short sequences (minutes on two cores), so CI exercises every path bu
 Docker image's command). Accuracy targets (time within 10 %, memory within 3 %, gpt2-1.3b MFU >= 41 %
 on an H100) apply to GPU runs; the dry run prints the same columns without a verdict.
 
-Usage: ``PYTHONPATH=. python benchmarks/gpu_check.py [--dry-run | --smoke] [--hardware NAME] [--out DIR]``
+A lent GPU's time is short: ``--sections`` runs sections in the order given, ``--kinds`` picks plan
+kinds, ``--deadline-s`` starts no row after that many seconds, and ``--out`` writes the tables after
+every row; a row that fails says why in the table and the run goes on.
+
+Usage: ``PYTHONPATH=. python benchmarks/gpu_check.py [--dry-run | --smoke] [--hardware NAME] [--out DIR]
+[--sections mfu,one] [--kinds "bf16,ZeRO-3"] [--deadline-s S]``
 """
 from __future__ import annotations
 
@@ -144,6 +150,7 @@ class Job:
     timed: int = 0
     check: bool = False  # rank 0 trains the same model on the CPU in fp32 and compares
     memory: bool = False
+    compile_units: bool | None = None  # None: as the plan says (compiled by default); False: eager units
 
 
 @dataclass
@@ -156,6 +163,7 @@ class Outcome:
     where: str = ""
     ok: bool | None = None
     kernel: str = ""
+    startup_s: float = float("nan")  # compile_model and the first step (units compile at their first call)
 
 
 def _sync(device: torch.device) -> None:
@@ -186,15 +194,19 @@ def run_job(rank: int, world: int, job: Job) -> dict:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if job.device == "cuda" else torch.device("cpu")
     result: dict = {"losses": [], "times": [], "allocated": float("nan"), "reserved": float("nan")}
     gradients = None
+    started = time.perf_counter()
     with DevicePeakMemory(device) as probe:  # entered before the model exists (CPU counts what it sees)
         compiled = driver.compile_model(plan.model, plan=plan, optimizer=AdamWConfig(**LR), device=device,
-                                        timeout_s=600.0)
+                                        timeout_s=600.0, compile_units=job.compile_units)
         engine = compiled.engine
         vocab = vocab_size(compiled.program)
         gc.collect()
         batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, step) for step in range(job.warmup + 1)]
         for step in range(job.warmup):
             result["losses"].append(engine.forward_backward(batches[step]))
+            if step == 0:
+                _sync(device)
+                result["startup_s"] = time.perf_counter() - started
             if step == 0 and job.check:
                 gradients = engine.gather_full_gradients()
             engine.optimizer_step()
@@ -229,6 +241,7 @@ def run(job: Job, world: int, settings: Settings) -> Outcome:
                         backend=settings.backend if world > 1 else "gloo")
     stages = Plan.from_dict(job.plan).pp
     outcome = Outcome(losses=results[0]["losses"], kernel=results[0]["kernel"],
+                      startup_s=max(r.get("startup_s", float("nan")) for r in results),
                       worst=results[0].get("worst", float("nan")), where=results[0].get("where", ""),
                       ok=results[0].get("ok"))
     if job.timed:
@@ -291,7 +304,7 @@ def accuracy_row(kind: str, plan_data: dict, outcome: Outcome, check: Outcome | 
 def format_table(title: str, rows: list[dict]) -> str:
     if not rows:
         return f"## {title}\n(nothing to run)\n"
-    columns = list(rows[0])
+    columns = list(dict.fromkeys(column for row in rows for column in row))  # an error row has fewer
 
     def cell(column: str, value) -> str:
         if isinstance(value, bool) or value is None:
@@ -299,11 +312,11 @@ def format_table(title: str, rows: list[dict]) -> str:
         if isinstance(value, float):
             if value != value:
                 return "-"
-            return f"{value:+.1%}" if "err" in column else f"{value:.1%}" if column == "MFU" else f"{value:,.4g}"
+            return f"{value:+.1%}" if "err" in column else f"{value:.1%}" if "MFU" in column else f"{value:,.4g}"
         return str(value)
 
     def render(row: dict) -> list[str]:
-        return [cell(column, row[column]) for column in columns]
+        return [cell(column, row.get(column, float("nan"))) for column in columns]
 
     lines = [f"## {title}", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(render(row)) + " |" for row in rows]
@@ -329,54 +342,127 @@ def environment(settings: Settings) -> list[dict]:
     return rows
 
 
-def one_device_section(settings: Settings, profile, log) -> list[dict]:
-    rows = []
+class Report:
+    """The sections so far, printed and (``--out``) written after every row: a run cut short by its
+    time limit still leaves what it measured. Rows start only before ``deadline`` (a monotonic time)."""
+
+    def __init__(self, settings: Settings, folder: str | None, deadline: float, log) -> None:
+        self.settings, self.folder, self.deadline, self.log = settings, folder, deadline, log
+        self.sections: list[tuple[str, list[dict]]] = []
+
+    def section(self, title: str) -> list[dict]:
+        self.sections.append((title, []))
+        return self.sections[-1][1]
+
+    def text(self) -> str:
+        return "\n".join(format_table(title, rows) for title, rows in self.sections)
+
+    def flush(self) -> None:
+        if self.folder:
+            _write(self.folder, self.settings, self.sections, self.text())
+
+    def add(self, rows: list[dict], label: str, measure) -> None:
+        """Append ``measure()``'s row; its failure becomes a row that says why, not the end of the run."""
+        if time.monotonic() > self.deadline:
+            self.log(f"{label}: skipped (past --deadline-s)")
+            return
+        self.log(label)
+        started = time.monotonic()
+        try:
+            row = measure()
+        except Exception as error:  # noqa: BLE001 - one plan kind failing must not hide the others
+            import traceback
+
+            self.log(traceback.format_exc())
+            row = {"kind": label, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        self.log(f"{label}: done in {time.monotonic() - started:.0f} s")
+        rows.append(row)
+        self.flush()
+
+
+def _wanted(kinds: list, only: set[str] | None) -> list:
+    return [kind for kind in kinds if only is None or kind[0] in only]
+
+
+def one_device_section(settings: Settings, profile, report: Report, only: set[str] | None) -> None:
+    rows = report.section("one device: every plan kind")
     checks = dict(one_device_kinds(settings.check_model, settings.check_seq, 8))
-    for kind, plan_data in one_device_kinds(settings.perf_model, settings.perf_seq, settings.perf_batch):
-        log(f"one device: {kind}")
+
+    def measure(kind: str, plan_data: dict) -> dict:
         check = run(Job(checks[kind], settings.device, warmup=3, check=True), 1, settings)
-        outcome = run(Job(plan_data, settings.device, warmup=settings.warmup, timed=settings.timed, memory=True), 1, settings)
-        rows.append(accuracy_row(kind, plan_data, outcome, check, profile, settings.device == "cuda"))
-    return rows
+        outcome = run(Job(plan_data, settings.device, warmup=settings.warmup, timed=settings.timed, memory=True), 1,
+                      settings)
+        return accuracy_row(kind, plan_data, outcome, check, profile, settings.device == "cuda")
+
+    for kind, plan_data in _wanted(one_device_kinds(settings.perf_model, settings.perf_seq, settings.perf_batch), only):
+        report.add(rows, f"one device: {kind}", lambda kind=kind, plan_data=plan_data: measure(kind, plan_data))
 
 
-def mfu_section(settings: Settings, profile, log) -> list[dict]:
+def tuning_space():
+    """The full search space; per-tensor activation policies only where python-mip can solve them (a
+    GPU image without its CBC wheel, too large to carry, tunes layer-level checkpointing instead)."""
+    import importlib.util
+
+    from mist_compiler.tuner.space import SearchSpace
+
+    return SearchSpace(per_tensor=importlib.util.find_spec("mip") is not None)
+
+
+def mfu_section(settings: Settings, profile, report: Report) -> None:
+    """Each model with the plan the tuner picks for it, trained with compiled units and with eager
+    ones (``compile_units=False``): the codegen's gain measured, and its start-up cost."""
+    from mist_compiler.cost.flops import model_flops_per_iteration
+    from mist_compiler.driver import tune_model
     from mist_compiler.ir.plan import Plan
     from mist_compiler.models import zoo_config
-    from mist_compiler.tuner.api import tune
-    from mist_compiler.cost.flops import model_flops_per_iteration
 
-    rows = []
+    rows = report.section("MFU on one device: compiled vs eager units")
     dtype = "bfloat16"
+    peak = profile.peak_flops.get(dtype, max(profile.peak_flops.values()))
     for model in settings.mfu_models:
-        log(f"MFU: tuning and training {model}")
-        plan = tune(model, profile, 1, 1, settings.mfu_batch, seq_len=settings.mfu_seq, dtype=dtype).plan
-        data = plan.to_dict()
-        outcome = run(Job(data, settings.device, warmup=settings.warmup, timed=settings.timed, memory=True), 1, settings)
-        flops = model_flops_per_iteration(zoo_config(model), Plan.from_dict(data))
-        peak = profile.peak_flops.get(dtype, max(profile.peak_flops.values()))
-        stage = plan.stages[0]
-        rows.append({"model": model, "seq": settings.mfu_seq, "global batch": settings.mfu_batch,
-                     "plan": f"mb {stage.micro_batch} x G {plan.grad_accum}, ckpt {stage.ckpt_layers}, ZeRO-{stage.zero}",
-                     "step s": outcome.step_s, "TFLOP/s": flops / outcome.step_s / 1e12,
-                     "MFU": flops / outcome.step_s / peak, "allocated MB": outcome.allocated[0] / 1e6,
-                     "reserved MB": outcome.reserved[0] / 1e6, "kernel": outcome.kernel})
-    return rows
+        tuned: dict = {}
+
+        def measure(model: str, units: str) -> dict:
+            if "plan" not in tuned:
+                tuning = tune_model(model, profile, gpus_per_node=1, global_batch=settings.mfu_batch,
+                                    seq_len=settings.mfu_seq, dtype=dtype, space=tuning_space())
+                tuned["plan"], tuned["predicted"], tuned["mfu"] = tuning.plan, tuning.predicted_time_s, tuning.mfu
+            plan = tuned["plan"]
+            data = plan.to_dict()
+            outcome = run(Job(data, settings.device, warmup=settings.warmup, timed=settings.timed, memory=True,
+                              compile_units=None if units == "compiled" else False), 1, settings)
+            flops = model_flops_per_iteration(zoo_config(model), Plan.from_dict(data))
+            stage = plan.stages[0]
+            predicted = tuned["predicted"] if units == "compiled" else float("nan")  # the tuner priced compiled units
+            return {"model": model, "units": units, "seq": settings.mfu_seq, "global batch": settings.mfu_batch,
+                    "plan": f"mb {stage.micro_batch} x G {plan.grad_accum}, ckpt {stage.ckpt_layers}, ZeRO-{stage.zero}",
+                    "predicted s": predicted, "step s": outcome.step_s,
+                    "time err": _error(predicted, outcome.step_s), "start-up s": outcome.startup_s,
+                    "TFLOP/s": flops / outcome.step_s / 1e12, "MFU": flops / outcome.step_s / peak,
+                    "predicted MFU": tuned["mfu"] if units == "compiled" else float("nan"),
+                    "allocated MB": outcome.allocated[0] / 1e6, "reserved MB": outcome.reserved[0] / 1e6,
+                    "kernel": outcome.kernel}
+
+        for units in ("compiled", "eager"):
+            report.add(rows, f"MFU: {model}, {units} units", lambda model=model, units=units: measure(model, units))
 
 
-def multi_device_section(settings: Settings, profile, log) -> list[dict]:
-    rows = []
+def multi_device_section(settings: Settings, profile, report: Report, only: set[str] | None) -> None:
+    rows = report.section(f"{settings.backend}: DP, TP, PP and mixed plans")
     checks = {kind: plan for kind, _, plan in multi_device_kinds(settings.check_model, settings.check_seq, 8,
                                                                    settings.devices, "float32")}
     dtype = "bfloat16" if settings.device == "cuda" else "float32"
-    for kind, world, plan_data in multi_device_kinds(settings.perf_model, settings.perf_seq, settings.perf_batch,
-                                                     settings.devices, dtype):
-        log(f"{world} devices: {kind}")
+
+    def measure(kind: str, world: int, plan_data: dict) -> dict:
         check = run(Job(checks[kind], settings.device, warmup=3, check=True), world, settings)
-        outcome = run(Job(plan_data, settings.device, warmup=settings.warmup, timed=settings.timed, memory=True), world, settings)
-        row = accuracy_row(kind, plan_data, outcome, check, profile, settings.device == "cuda")
-        rows.append({"ranks": world, **row})
-    return rows
+        outcome = run(Job(plan_data, settings.device, warmup=settings.warmup, timed=settings.timed, memory=True),
+                      world, settings)
+        return {"ranks": world, **accuracy_row(kind, plan_data, outcome, check, profile, settings.device == "cuda")}
+
+    for kind, world, plan_data in _wanted(multi_device_kinds(settings.perf_model, settings.perf_seq,
+                                                             settings.perf_batch, settings.devices, dtype), only):
+        report.add(rows, f"{world} devices: {kind}",
+                   lambda kind=kind, world=world, plan_data=plan_data: measure(kind, world, plan_data))
 
 
 def smoke() -> int:
@@ -413,26 +499,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hardware", help="hardware profile (default: the shipped profile of the GPU; cpu for --dry-run)")
     parser.add_argument("--perf-model", default="gpt2-1.3b", help="model of the timed plans on a GPU (default gpt2-1.3b)")
     parser.add_argument("--mfu-batch", type=int, default=16, help="global batch of the MFU runs on a GPU (default 16)")
-    parser.add_argument("--sections", default="one,mfu,multi", help="comma-separated: one, mfu, multi")
-    parser.add_argument("--out", help="directory to write the tables to (markdown and JSON)")
+    parser.add_argument("--sections", default="one,mfu,multi", help="comma-separated, run in this order: one, mfu, multi")
+    parser.add_argument("--kinds", help="comma-separated plan kinds of the one/multi sections (default: all)")
+    parser.add_argument("--deadline-s", type=float, default=float("inf"),
+                        help="start no row after this many seconds (a lent GPU's time is short); rows so far are kept")
+    parser.add_argument("--out", help="directory to write the tables to (markdown and JSON), after every row")
     args = parser.parse_args(argv)
     if args.smoke:
         return smoke()
     settings = settings_for(args)
     log = lambda message: print(f"[gpu_check] {message}", file=sys.stderr, flush=True)  # noqa: E731
+    report = Report(settings, args.out, time.monotonic() + args.deadline_s, log)
+    started = time.monotonic()
     profile = calibrated(settings)
-    sections = [("environment", environment(settings))]
-    wanted = set(args.sections.split(","))
-    if "one" in wanted:
-        sections.append(("one device: every plan kind", one_device_section(settings, profile, log)))
-    if "mfu" in wanted:
-        sections.append(("MFU on one device", mfu_section(settings, profile, log)))
-    if "multi" in wanted and settings.devices > 1:
-        sections.append((f"{settings.backend}: DP, TP, PP and mixed plans", multi_device_section(settings, profile, log)))
-    text = "\n".join(format_table(title, rows) for title, rows in sections)
-    print(text)
+    report.section("environment").extend(
+        environment(settings) + [{"item": "calibration", "value": f"{time.monotonic() - started:.0f} s"},
+                                 {"item": "per-tensor activation policies", "value": tuning_space().per_tensor}])
+    report.flush()
+    only = set(args.kinds.split(",")) if args.kinds else None
+    for name in args.sections.split(","):
+        if name == "one":
+            one_device_section(settings, profile, report, only)
+        elif name == "mfu":
+            mfu_section(settings, profile, report)
+        elif name == "multi" and settings.devices > 1:
+            multi_device_section(settings, profile, report, only)
+        elif name not in ("multi",):
+            raise SystemExit(f"gpu_check: --sections: unknown section {name!r} (one, mfu, multi)")
+    print(report.text())
     if args.out:
-        _write(args.out, settings, sections, text)
+        print(f"wrote the tables under {args.out}", file=sys.stderr)
     return 0
 
 
@@ -444,7 +540,6 @@ def _write(folder: str, settings: Settings, sections, text: str) -> None:
         handle.write(f"# gpu_check on {name}, {datetime.date.today().isoformat()}\n\n{text}")
     with open(stem + ".json", "w") as handle:
         json.dump({"settings": asdict(settings), "sections": dict(sections)}, handle, indent=2, default=str)
-    print(f"wrote {stem}.md and .json", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,9 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
                 made[key] = nn.Parameter(value, requires_grad=True) if kind == PARAMETER else value
         return made[key]
 
+    for graph in [stage.graph] + [unit.graph for unit in stage.units] + [
+            unit.saved.replay for unit in stage.units if unit.saved is not None and unit.saved.replay is not None]:
+        retarget_devices(graph, torch.device(device))
     ops = TensorParallelOps(group) if world > 1 else None
     root: dict[str, Any] = {}
     units, fqn, shards = [], {}, {}
@@ -210,6 +213,29 @@ def build_stage(stage: StageGraph, model: ModelGraph, source: TensorSource, *, d
     tied = {name for name, full_name in fqn.items() if full_name in tied_fqns}
     return StageProgram(module, stage.interface, units, offload, checkpointed, fqn, shards, pending, tied,
                         weight_grads=weight_grads, saved=saved)
+
+
+def retarget_devices(graph: fx.Graph, device: torch.device) -> None:
+    """Point the devices a captured graph names (``torch.arange(..., device=cpu)`` of position ids,
+    ``.to(cpu)``: the capture ran on the CPU) at ``device``, the rank's, in place. A graph never names
+    the host on purpose: offload copies are the runtime's, outside graphs."""
+    if device.type == "cpu":
+        return
+
+    def moved(value):
+        if isinstance(value, torch.device):
+            return device if value.type == "cpu" else value
+        if isinstance(value, (tuple, list)):
+            return type(value)(moved(item) for item in value)
+        if isinstance(value, dict):
+            return {key: moved(item) for key, item in value.items()}
+        return value
+
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            node.args, node.kwargs = moved(node.args), moved(node.kwargs)
+            if node.kwargs.get("device") == "cpu":
+                node.kwargs = {**node.kwargs, "device": device}
 
 
 def _split_unit(unit, parts: dict[str, Any], queue: WeightGradQueue, compile_graph: CompileGraph) -> fx.GraphModule:

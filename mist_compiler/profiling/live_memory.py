@@ -123,6 +123,7 @@ class DevicePeakMemory:
         if self._tracker is not None:
             self._tracker.__enter__()
         else:
+            torch.cuda.init()  # a fresh process's allocator has no device until CUDA is initialised
             torch.cuda.reset_peak_memory_stats(self.device)
         return self
 
