@@ -148,7 +148,7 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     """
     from mist_compiler.cost import matmul_shapes
     from mist_compiler.profiling.compiled import fused_bytes_per_s
-    from mist_compiler.profiling.profiler import ComputeMeasurements, _efficiencies, adamw_params_per_s
+    from mist_compiler.profiling.profiler import ComputeMeasurements, _efficiencies, adamw_params_per_s, stream_bytes_per_s
 
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -157,7 +157,7 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     model_rate = 2 * 1024 * 512 * 2048 / cpu_seconds_per_call(lambda: x @ w)
     q, k, v = (torch.randn(1, 4, 256, 64, requires_grad=True) for _ in range(3))
     attention_rate = 3 * 4 * 4 * 256 * 256 * 64 / cpu_seconds_per_call(
-        lambda: F.scaled_dot_product_attention(q, k, v).sum().backward())
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
     numel = 4 << 20
     src, other, dst = torch.randn(numel), torch.randn(numel), torch.empty(numel)
     nbytes = 4 * numel
@@ -170,7 +170,9 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     softmax_rate = 2 * nbytes / cpu_seconds_per_call(lambda: torch.softmax(rows, dim=1))
     tiny, tiny_out = torch.ones(1), torch.empty(1)
     overhead = cpu_seconds_per_call(lambda: torch.add(tiny, tiny, out=tiny_out))
-    adam_rate = adamw_params_per_s("cpu", 4 << 20, 0.15, timer=lambda fn, sync, target: cpu_seconds_per_call(fn, target))
+    cpu_timer = lambda fn, sync, target: cpu_seconds_per_call(fn, target)  # noqa: E731
+    adam_rate = adamw_params_per_s("cpu", 16 << 20, 0.15, timer=cpu_timer)
+    stream_rate = stream_bytes_per_s("cpu", 256 << 20, 0.15, timer=cpu_timer)
     base = load_profile(name)
     fused_rate = (fused_bytes_per_s("cpu", "float32", 1024, 512, lambda fn: cpu_seconds_per_call(fn), lambda m: None)
                   if compiled else 0.0)
@@ -185,7 +187,7 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     return dataclasses.replace(base, peak_flops=peaks, efficiency=_efficiencies(measured, peaks),
                                memory_bandwidth=copy_rate, op_overhead=overhead, optimizer_params_per_s=adam_rate,
                                host_optimizer_params_per_s=adam_rate, matmul_model=shape_model,
-                               matmul_points=tuple(shapes))
+                               matmul_points=tuple(shapes), stream_bandwidth=stream_rate)
 
 
 def mean_profile(profiles: list[HardwareProfile]) -> HardwareProfile:
@@ -202,7 +204,8 @@ def mean_profile(profiles: list[HardwareProfile]) -> HardwareProfile:
         memory_bandwidth=mean(p.memory_bandwidth for p in profiles),
         op_overhead=mean(p.op_overhead for p in profiles),
         optimizer_params_per_s=mean(p.optimizer_params_per_s for p in profiles),
-        host_optimizer_params_per_s=mean(p.host_optimizer_params_per_s for p in profiles))
+        host_optimizer_params_per_s=mean(p.host_optimizer_params_per_s for p in profiles),
+        stream_bandwidth=mean(p.stream_bandwidth for p in profiles))
 
 
 def _compute_share_rank(rank: int, world: int, seconds: float) -> float:

@@ -155,6 +155,20 @@ def test_gradient_buffer_passes_are_priced(model):
     assert growth[2] == pytest.approx(growth[0] / 4)
 
 
+def test_whole_buffer_passes_run_at_the_profiles_streaming_rate(model):
+    """``stream_gbps`` (one pass over buffers no cache holds, measured by ``mistc profile``) prices the
+    gradient buffer's zeroing and the accumulator's passes; autograd adding a gradient it has just made
+    keeps the elementwise rate. Without it, both run at the elementwise rate (the test above)."""
+    grad_bytes = 4.0 * _stage_params(model)
+    stream = 1e9
+    streaming = dataclasses.replace(model, hardware=dataclasses.replace(model.hardware, stream_bandwidth=stream))
+    elementwise_rate = model.hardware.memory_bandwidth * model.hardware.efficiency_of("elementwise")
+    extra = streaming.evaluate(one()).breakdown["compute"][0] - model.evaluate(one()).breakdown["compute"][0]
+    assert extra == pytest.approx(grad_bytes / stream - grad_bytes / elementwise_rate)
+    growth = streaming.evaluate(one(grad_accum=4)).delta_s[0] - streaming.evaluate(one(grad_accum=1)).delta_s[0]
+    assert growth == pytest.approx(3 * 3 * grad_bytes / stream)
+
+
 def test_bad_arguments_name_the_field(program):
     with pytest.raises(StageModelError, match="attention"):
         build_stage_cost_model(program, "l4", seq_len=SEQ, attention="paged")

@@ -27,6 +27,11 @@ Meaning of the fields the cost model reads:
   On a CPU the kernel is torch's several-pass AdamW and runs at about a third of that.
 * ``host_optimizer_gparams_per_s`` (optional): the same for optimizer states offloaded to the host
   (the update runs on the host CPU). Absent: ``DEFAULT_HOST_ADAM_PARAMS_PER_S``.
+* ``stream_gbps`` (optional): the memory rate of one pass over buffers far larger than the caches,
+  as the once-a-step passes over the model state run (zeroing the gradient buffers, adding the
+  micro-batches' gradients into the accumulator). Absent: ``memory_bandwidth_gbps``. A GPU's copy
+  rate is measured on such buffers already; a CPU's (cache-resident, like a layer's activations)
+  is about 3x the streaming rate here.
 * ``slowdown['A|B']``: factor by which channel A runs slower while channel B is active
   (channels ``compute``, ``collective``, ``h2d``, ``d2h``); missing pairs are 1. ``cost.overlap``
   simulates a phase with them.
@@ -77,7 +82,7 @@ FRAGMENTATION = 0.05  # reserved / allocated - 1 of the caching allocator in tra
 
 OPTIONAL_KEYS = {"description", "collective_factor", "slowdown", "op_overhead_s", "reduce_scatter_copies",
                  "optimizer_gparams_per_s", "host_optimizer_gparams_per_s", "memory_headroom_gb",
-                 "matmul_shape_model", "matmul_shapes", "mfu_ceiling", "sustained_compute"}
+                 "matmul_shape_model", "matmul_shapes", "mfu_ceiling", "sustained_compute", "stream_gbps"}
 
 
 def default_memory_headroom(device_memory: float, context: float = CUDA_CONTEXT_BYTES) -> float:
@@ -201,6 +206,7 @@ class HardwareProfile:
     reduce_scatter_copies: float = 0.0  # transient copies of its input a reduce-scatter allocates
     optimizer_params_per_s: float = 0.0  # measured AdamW rate on the device; 0: from memory_bandwidth
     host_optimizer_params_per_s: float = 0.0  # measured AdamW rate on the host; 0: the default
+    stream_bandwidth: float = 0.0  # bytes/s of one pass over buffers beyond the caches; 0: memory_bandwidth
     memory_headroom: float = 0.0  # bytes of device_memory a plan leaves free (context, NCCL, workspaces, fragmentation)
     memory_limit: float = 0.0  # bytes a plan may use when set on the command line (replaces the two above)
     matmul_model: MatmulShapeModel | None = None  # GEMM rate by shape; None: efficiency['matmul'] for all
@@ -220,6 +226,12 @@ class HardwareProfile:
     def device_adam_params_per_s(self) -> float:
         """AdamW parameters per second on the device: measured, else the fused kernel's roofline."""
         return self.optimizer_params_per_s or self.memory_bandwidth / FUSED_ADAM_BYTES_PER_PARAM
+
+    @property
+    def state_pass_bandwidth(self) -> float:
+        """Bytes/s of a once-a-step pass over the model state (gradient buffers, accumulators):
+        measured, else an elementwise op's rate."""
+        return self.stream_bandwidth or self.memory_bandwidth * self.efficiency_of("elementwise")
 
     @property
     def host_adam_params_per_s(self) -> float:
@@ -285,7 +297,7 @@ class HardwareProfile:
         _require(_number(copies) and 0 <= copies <= 8, "reduce_scatter_copies",
                  f"copies of the input, between 0 and 8, got {copies!r}")
         rates = {key: _positive(data[key], key) * 1e9 if key in data else 0.0
-                 for key in ("optimizer_gparams_per_s", "host_optimizer_gparams_per_s")}
+                 for key in ("optimizer_gparams_per_s", "host_optimizer_gparams_per_s", "stream_gbps")}
         device_memory_gb = _positive(data["device_memory_gb"], "device_memory_gb")
         headroom = data.get("memory_headroom_gb", 0.0)
         _require(_number(headroom) and 0 <= headroom < device_memory_gb, "memory_headroom_gb",
@@ -303,6 +315,7 @@ class HardwareProfile:
             sustained_compute=float(sustained),
             optimizer_params_per_s=rates["optimizer_gparams_per_s"],
             host_optimizer_params_per_s=rates["host_optimizer_gparams_per_s"],
+            stream_bandwidth=rates["stream_gbps"],
             op_overhead=float(op_overhead),
             reduce_scatter_copies=float(copies),
             name=data["name"],
@@ -339,6 +352,7 @@ class HardwareProfile:
             **({"optimizer_gparams_per_s": self.optimizer_params_per_s / 1e9} if self.optimizer_params_per_s else {}),
             **({"host_optimizer_gparams_per_s": self.host_optimizer_params_per_s / 1e9}
                if self.host_optimizer_params_per_s else {}),
+            **({"stream_gbps": self.stream_bandwidth / 1e9} if self.stream_bandwidth else {}),
             **({"memory_headroom_gb": self.memory_headroom / 1e9} if self.memory_headroom else {}),
             **({"matmul_shape_model": {"peak_efficiency": self.matmul_model.peak_efficiency,
                                        "half_intensity": self.matmul_model.half_intensity,

@@ -434,9 +434,11 @@ class StageCostModel:
         grad_bytes = stage_params * grad_b
         forward_compute = stage_sum("forward_compute")
         recompute = ckpt * layer["forward_compute"] + (n - ckpt) * policy["recompute"]
-        grad_buffer_s = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
-                                      np.where(low_grads, 0.0, grad_buffer_bytes_moved(grad_bytes, dp))
-                                      + AUTOGRAD_ACCUMULATE_PASSES * grad_bytes)
+        # zeroing and scaling pass over whole buffers no cache holds; autograd adds each gradient as the
+        # backward makes it (the new gradient is still in cache)
+        grad_buffer_s = (np.where(low_grads, 0.0, grad_buffer_bytes_moved(grad_bytes, dp)) / self.hardware.state_pass_bandwidth
+                         + op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
+                                         AUTOGRAD_ACCUMULATE_PASSES * grad_bytes))
         backward_compute = stage_sum("backward_compute") + recompute + grad_buffer_s
         tp_exposed = stage_sum("forward_tp") + stage_sum("backward_tp") + ckpt * layer["forward_tp"]
         gather = collective_time(self.hardware, "all_gather", weight_bytes, dp_nodes, dp_gpus)
@@ -471,9 +473,8 @@ class StageCostModel:
         host_step = offload_o * shard_params / self.hardware.host_adam_params_per_s
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
-        accumulate = op_class_time(self.hardware, self.dtype, "elementwise", 0.0,
-                                   np.where(low_grads, low_precision_bytes_moved(grad_bytes, stage_params, zero, dp),
-                                            accumulation_bytes_moved(stage_params, zero, dp, c.grad_accum)))
+        accumulate = np.where(low_grads, low_precision_bytes_moved(grad_bytes, stage_params, zero, dp),
+                              accumulation_bytes_moved(stage_params, zero, dp, c.grad_accum)) / self.hardware.state_pass_bandwidth
         step = optimizer_phase_s(_overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s,
                                  host_step, step_out, step_in, n + has_pre + has_post) + accumulate
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
