@@ -34,3 +34,23 @@ def test_a_stage_built_for_another_device_makes_every_tensor_there(name, gpt_tin
     batch = {key: value.to("meta") for key, value in synthetic_batch(512, BATCH, SEQ, 0).items()}
     loss = stage.module(**batch)
     assert loss.device.type == "meta"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_hugging_face_stage_built_for_another_device_runs_there(kind):
+    """Hugging Face graphs name devices in more places (position ids, masks, rotary tables)."""
+    transformers = pytest.importorskip("transformers")
+    from conftest import tiny_hf_config
+    from mist_compiler.frontend.capture import capture
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(kind))
+    program = capture(model, seq_len=SEQ)
+    plan = Plan.from_dict({"model": "hf", "seq_len": SEQ, "global_batch": BATCH, "dtype": "float32", "grad_accum": 1,
+                           "stages": [{"layers": [0, 2], "nodes": 1, "gpus_per_node": 1, "micro_batch": BATCH,
+                                       "dp": 1, "tp": 1}]})
+    stage = lower(program, plan, RankCoord(0, 0, 0), ModuleTensors(model), device=torch.device("meta"))
+    stage.materialize_all()
+    batch = {key: value.to("meta") for key, value in synthetic_batch(128, BATCH, SEQ, 0).items()}
+    loss = stage.module(**batch)
+    assert loss.device.type == "meta"
