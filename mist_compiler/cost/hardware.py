@@ -29,9 +29,10 @@ Meaning of the fields the cost model reads:
   (the update runs on the host CPU). Absent: ``DEFAULT_HOST_ADAM_PARAMS_PER_S``.
 * ``stream_gbps`` (optional): the memory rate of one pass over buffers far larger than the caches,
   as the once-a-step passes over the model state run (zeroing the gradient buffers, adding the
-  micro-batches' gradients into the accumulator). Absent: ``memory_bandwidth_gbps``. A GPU's copy
-  rate is measured on such buffers already; a CPU's (cache-resident, like a layer's activations)
-  is about 3x the streaming rate here.
+  micro-batches' gradients into the accumulator). Absent: an elementwise op's rate
+  (``memory_bandwidth_gbps`` x ``efficiency.elementwise``). A GPU's copy rate is measured on such
+  buffers already; a CPU's is measured on one its cache keeps (like a layer's activations) and is
+  about 3x the streaming rate on the machine that wrote this.
 * ``slowdown['A|B']``: factor by which channel A runs slower while channel B is active
   (channels ``compute``, ``collective``, ``h2d``, ``d2h``); missing pairs are 1. ``cost.overlap``
   simulates a phase with them.
@@ -206,7 +207,7 @@ class HardwareProfile:
     reduce_scatter_copies: float = 0.0  # transient copies of its input a reduce-scatter allocates
     optimizer_params_per_s: float = 0.0  # measured AdamW rate on the device; 0: from memory_bandwidth
     host_optimizer_params_per_s: float = 0.0  # measured AdamW rate on the host; 0: the default
-    stream_bandwidth: float = 0.0  # bytes/s of one pass over buffers beyond the caches; 0: memory_bandwidth
+    stream_bandwidth: float = 0.0  # bytes/s of one pass over buffers beyond the caches; 0: the elementwise rate
     memory_headroom: float = 0.0  # bytes of device_memory a plan leaves free (context, NCCL, workspaces, fragmentation)
     memory_limit: float = 0.0  # bytes a plan may use when set on the command line (replaces the two above)
     matmul_model: MatmulShapeModel | None = None  # GEMM rate by shape; None: efficiency['matmul'] for all
