@@ -43,6 +43,32 @@ def test_tables_show_errors_as_percentages():
     assert "| bf16 | -5.2% | 43.0% | 0.31 | yes | - |" in text
 
 
+def test_the_mfu_section_tunes_each_model_and_reports_both_units(monkeypatch):
+    """The MFU rows' own code (tuning, FLOPs, columns) with the training run stubbed out: it called
+    the tuner with an old signature once, and only the heavy dry run below would have said so."""
+    import argparse
+
+    from mist_compiler.cost.hardware import load_profile
+
+    check = _gpu_check()
+    settings = check.settings_for(argparse.Namespace(dry_run=True, hardware=None, perf_model="gpt2-1.3b", mfu_batch=16))
+    runs = []
+
+    def trained(job, world, settings):
+        runs.append(job.compile_units)
+        return check.Outcome(step_s=0.5, allocated=[1e8], reserved=[float("nan")], kernel="sdpa")
+
+    monkeypatch.setattr(check, "run", trained)
+    report = check.Report(settings, None, float("inf"), lambda message: None)
+    check.mfu_section(settings, load_profile("cpu"), report)
+    (title, rows), = report.sections
+    assert [row.get("error") for row in rows] == [None] * 4, rows
+    assert [(row["model"], row["units"]) for row in rows] == [("gpt-tiny", "compiled"), ("gpt-tiny", "eager"),
+                                                             ("llama-tiny", "compiled"), ("llama-tiny", "eager")]
+    assert runs == [None, False, None, False]
+    assert all(row["MFU"] > 0 and row["predicted s"] > 0 and row["predicted MFU"] > 0 for row in rows[::2])
+
+
 @pytest.mark.heavy
 def test_dry_run_executes_every_section(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
