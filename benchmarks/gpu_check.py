@@ -42,6 +42,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -371,8 +372,6 @@ class Report:
         try:
             row = measure()
         except Exception as error:  # noqa: BLE001 - one plan kind failing must not hide the others
-            import traceback
-
             self.log(traceback.format_exc())
             row = {"kind": label, "error": f"{type(error).__name__}: {str(error)[:300]}"}
         self.log(f"{label}: done in {time.monotonic() - started:.0f} s")
@@ -507,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         return smoke()
+    names = args.sections.split(",")
+    unknown = [name for name in names if name not in ("one", "mfu", "multi")]
+    if unknown:  # before the calibration: a lent GPU's minutes are not spent on a typo
+        raise SystemExit(f"gpu_check: --sections: unknown section {unknown[0]!r} (one, mfu, multi)")
     settings = settings_for(args)
     log = lambda message: print(f"[gpu_check] {message}", file=sys.stderr, flush=True)  # noqa: E731
     report = Report(settings, args.out, time.monotonic() + args.deadline_s, log)
@@ -517,15 +520,13 @@ def main(argv: list[str] | None = None) -> int:
                                  {"item": "per-tensor activation policies", "value": tuning_space().per_tensor}])
     report.flush()
     only = set(args.kinds.split(",")) if args.kinds else None
-    for name in args.sections.split(","):
+    for name in names:
         if name == "one":
             one_device_section(settings, profile, report, only)
         elif name == "mfu":
             mfu_section(settings, profile, report)
-        elif name == "multi" and settings.devices > 1:
+        elif settings.devices > 1:
             multi_device_section(settings, profile, report, only)
-        elif name not in ("multi",):
-            raise SystemExit(f"gpu_check: --sections: unknown section {name!r} (one, mfu, multi)")
     print(report.text())
     if args.out:
         print(f"wrote the tables under {args.out}", file=sys.stderr)

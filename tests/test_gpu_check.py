@@ -69,6 +69,11 @@ def test_the_mfu_section_tunes_each_model_and_reports_both_units(monkeypatch):
     assert all(row["MFU"] > 0 and row["predicted s"] > 0 and row["predicted MFU"] > 0 for row in rows[::2])
 
 
+def test_an_unknown_section_is_refused_before_anything_runs():
+    with pytest.raises(SystemExit, match="--sections: unknown section 'mfus'"):
+        _gpu_check().main(["--dry-run", "--sections", "one,mfus"])
+
+
 @pytest.mark.heavy
 def test_dry_run_executes_every_section(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
