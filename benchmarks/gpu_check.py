@@ -518,7 +518,14 @@ def main(argv: list[str] | None = None) -> int:
     report.section("environment").extend(
         environment(settings) + [{"item": "calibration", "value": f"{time.monotonic() - started:.0f} s"},
                                  {"item": "per-tensor activation policies", "value": tuning_space().per_tensor}])
+    report.section("calibrated compute side").extend(
+        [{"item": f"efficiency {name}", "value": f"{value:.3f}"} for name, value in sorted(profile.efficiency.items())]
+        + [{"item": "memory copy GB/s", "value": f"{profile.memory_bandwidth / 1e9:.0f}"}])
     report.flush()
+    if args.out:  # the measured profile itself, to re-anchor the shipped one without another run
+        from mist_compiler.cost.hardware import save_profile
+
+        save_profile(profile, os.path.join(args.out, f"calibrated-{settings.hardware}.yaml"))
     only = set(args.kinds.split(",")) if args.kinds else None
     for name in names:
         if name == "one":

@@ -25,8 +25,9 @@ Meaning of the fields the cost model reads:
   backend's flat-shard optimizer kernel on the device (``mistc profile`` times it). Absent: the fused
   kernel's ``FUSED_ADAM_BYTES_PER_PARAM`` of traffic at ``memory_bandwidth`` (the datasheet profiles).
   On a CPU the kernel is torch's several-pass AdamW and runs at about a third of that.
-* ``host_optimizer_gparams_per_s`` (optional): the same for optimizer states offloaded to the host
-  (the update runs on the host CPU). Absent: ``DEFAULT_HOST_ADAM_PARAMS_PER_S``.
+* ``host_optimizer_gparams_per_s`` (optional): the same for optimizer states offloaded to the host,
+  as the backend updates them there: split over its host worker threads (a rank's share of the
+  cores). Absent: ``DEFAULT_HOST_ADAM_PARAMS_PER_S``.
 * ``stream_gbps`` (optional): the memory rate of one pass over buffers far larger than the caches,
   as the once-a-step passes over the model state run (zeroing the gradient buffers, adding the
   micro-batches' gradients into the accumulator). Absent: an elementwise op's rate
