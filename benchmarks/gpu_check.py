@@ -152,6 +152,7 @@ class Job:
     check: bool = False  # rank 0 trains the same model on the CPU in fp32 and compares
     memory: bool = False
     compile_units: bool | None = None  # None: as the plan says (compiled by default); False: eager units
+    trace: str = ""  # path stem: rank 0 profiles one more step into <stem>.txt (top ops) and <stem>.json.gz
 
 
 @dataclass
@@ -225,6 +226,8 @@ def run_job(rank: int, world: int, job: Job) -> dict:
         engine.step(batches[step % len(batches)])
         _sync(device)
         result["times"].append(time.perf_counter() - start)
+    if job.trace and rank == 0:
+        trace_step(engine, batches[0], device, job.trace)
     result["stage"], result["kernel"] = engine.coord.stage, _attention_kernel(engine, plan)
     weights = engine.gather_full_state() if job.check else None
     engine.close()
@@ -232,6 +235,43 @@ def run_job(rank: int, world: int, job: Job) -> dict:
         verdict = check_run(plan.model, plan, batches[:job.warmup], Run(result["losses"], gradients, weights), LR)
         result["worst"], result["where"], result["ok"] = verdict.worst_ratio, verdict.where, verdict.ok
     return result
+
+
+def trace_step(engine, batch, device: torch.device, stem: str) -> None:
+    """One step under ``torch.profiler`` (CPU, and CUDA on a GPU): the ops by self time and the runtime's
+    own ranges (``mist.*``: host writes, host AdamW, offload copies) as text, the whole timeline as a
+    gzipped Chrome trace, for what a step's table cannot say (which copies are exposed, and why)."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:  # the host workers' threads too (an option of recent torch; without it, the main thread's)
+        threads = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except TypeError:
+        threads = {}
+    with profile(activities=activities, **threads) as prof:
+        engine.step(batch)
+        _sync(device)
+    averages = prof.key_averages()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    ours = [event for event in averages if event.key.startswith("mist.")]
+    with open(stem + ".txt", "w") as handle:
+        handle.write(averages.table(sort_by=sort, row_limit=40) + "\n\nthe runtime's ranges (mist.*), CPU time:\n")
+        handle.writelines(f"{event.key}: {event.count} calls, {event.cpu_time_total / 1e3:.1f} ms\n" for event in ours)
+    prof.export_chrome_trace(stem + ".json")
+    with open(stem + ".json", "rb") as raw, gzip.open(stem + ".json.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    os.remove(stem + ".json")
+
+
+def _trace_stem(report: "Report", kind: str) -> str:
+    """Where a traced kind's step goes (``--trace``): under ``--out``, named after the kind."""
+    if kind not in report.traced or not report.folder:
+        return ""
+    os.makedirs(report.folder, exist_ok=True)
+    return os.path.join(report.folder, "trace-" + "".join(ch if ch.isalnum() else "-" for ch in kind).strip("-"))
 
 
 def run(job: Job, world: int, settings: Settings) -> Outcome:
@@ -350,6 +390,7 @@ class Report:
     def __init__(self, settings: Settings, folder: str | None, deadline: float, log) -> None:
         self.settings, self.folder, self.deadline, self.log = settings, folder, deadline, log
         self.sections: list[tuple[str, list[dict]]] = []
+        self.traced: set[str] = set()  # kinds whose timed run also profiles a step (--trace)
 
     def section(self, title: str) -> list[dict]:
         self.sections.append((title, []))
@@ -389,8 +430,8 @@ def one_device_section(settings: Settings, profile, report: Report, only: set[st
 
     def measure(kind: str, plan_data: dict) -> dict:
         check = run(Job(checks[kind], settings.device, warmup=3, check=True), 1, settings)
-        outcome = run(Job(plan_data, settings.device, warmup=settings.warmup, timed=settings.timed, memory=True), 1,
-                      settings)
+        outcome = run(Job(plan_data, settings.device, warmup=settings.warmup, timed=settings.timed, memory=True,
+                          trace=_trace_stem(report, kind)), 1, settings)
         return accuracy_row(kind, plan_data, outcome, check, profile, settings.device == "cuda")
 
     for kind, plan_data in _wanted(one_device_kinds(settings.perf_model, settings.perf_seq, settings.perf_batch), only):
@@ -502,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", help="comma-separated plan kinds of the one/multi sections (default: all)")
     parser.add_argument("--deadline-s", type=float, default=float("inf"),
                         help="start no row after this many seconds (a lent GPU's time is short); rows so far are kept")
+    parser.add_argument("--trace", help="comma-separated kinds of the one-device section whose timed run also "
+                        "profiles one step (top ops as text, a gzipped Chrome trace) under --out")
     parser.add_argument("--out", help="directory to write the tables to (markdown and JSON), after every row")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -510,9 +553,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in names if name not in ("one", "mfu", "multi")]
     if unknown:  # before the calibration: a lent GPU's minutes are not spent on a typo
         raise SystemExit(f"gpu_check: --sections: unknown section {unknown[0]!r} (one, mfu, multi)")
+    known = [kind for kind, _ in one_device_kinds("gpt-tiny", 16, 8)] + \
+        [kind for kind, _, _ in multi_device_kinds("gpt-tiny", 16, 8, 64, "bfloat16")]
+    for option, value in (("--kinds", args.kinds), ("--trace", args.trace)):
+        wrong = [kind for kind in (value.split(",") if value else []) if kind not in known]
+        if wrong:
+            raise SystemExit(f"gpu_check: {option}: unknown plan kind {wrong[0]!r} (one of: {', '.join(known)})")
     settings = settings_for(args)
     log = lambda message: print(f"[gpu_check] {message}", file=sys.stderr, flush=True)  # noqa: E731
     report = Report(settings, args.out, time.monotonic() + args.deadline_s, log)
+    report.traced = set(args.trace.split(",")) if args.trace else set()
     started = time.monotonic()
     profile = calibrated(settings)
     report.section("environment").extend(

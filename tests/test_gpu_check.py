@@ -83,3 +83,23 @@ def test_dry_run_executes_every_section(tmp_path):
     for title in ("one device: every plan kind", "MFU on one device", "gloo: DP, TP, PP and mixed plans"):
         assert title in done.stdout
     assert "| NO |" not in done.stdout, done.stdout  # every check within its tolerance
+
+
+def test_an_unknown_plan_kind_is_refused_before_anything_runs():
+    with pytest.raises(SystemExit, match="--trace: unknown plan kind 'ZeRO-4'"):
+        _gpu_check().main(["--dry-run", "--trace", "ZeRO-4"])
+    with pytest.raises(SystemExit, match="--kinds: unknown plan kind 'bf 16'"):
+        _gpu_check().main(["--dry-run", "--kinds", "bf 16"])
+
+
+def test_a_traced_kind_leaves_its_step_profile(tmp_path):
+    """``--trace`` profiles one more step of the kind's timed run: the top ops, the runtime's own
+    ranges (here the host workers' gradient accumulation of a 50% gradient offload), a Chrome trace."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run", "--sections",
+                           "one", "--kinds", "offload grads 50%", "--trace", "offload grads 50%", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = (tmp_path / "trace-offload-grads-50.txt").read_text()
+    assert "Self CPU" in text and "mist.host_grad_accumulate" in text
+    assert (tmp_path / "trace-offload-grads-50.json.gz").stat().st_size > 0
