@@ -11,6 +11,7 @@ import sympy
 
 from ..passes.cost_annotation import B, S, T
 from .blocks import BlockAnalysis, StageModelError
+from .op_time import POINTWISE_PREFIX
 
 
 def lambdify_bst(expr: sympy.Expr) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
@@ -111,7 +112,8 @@ def block_functions(block: BlockAnalysis, attention: str) -> BlockFunctions:
         saved_offloadable=list(block.memory.saved_offloadable) if block.kind == "layer" else [],
         params_per_device=lambdify_bst(block.params_per_device),
         tp_supported=block.tp_supported,
-        op_count={p: sum(1 for c in g.nodes if c.op_class != "view") for p, g in phases.items()},
+        op_count={p: sum(1 for c in g.nodes if c.op_class != "view" and not c.op_class.startswith(POINTWISE_PREFIX))
+                  for p, g in phases.items()},
         tp_granularity=block.tp_granularity,
         tp_optional=block.tp_optional,
         gemms={p: [(lambdify_bst(c.flops), lambdify_bst(c.bytes)) for c in g.nodes if c.op_class == "matmul"]

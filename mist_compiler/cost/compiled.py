@@ -15,6 +15,10 @@ inductor through aot_autograd. Two things then differ from the eager program the
   units), prices each as one op of class ``fused`` (its inputs read once, its stored outputs written
   once; the profile's ``efficiency['fused']``, else ``elementwise``, of the copy rate; one kernel
   launch) and names the values that never reach memory (``transient``, for the memory analysis).
+  Where a member's math outlasts that pass (erf and exp on a CPU: ``COMPILED_POINTWISE_OPS``), the
+  region also carries one cost of class ``pointwise:<op>`` per such op, with the op's elements in the
+  place of bytes and no FLOPs: the profile's ``compiled_pointwise_ns`` prices it (``cost.op_time``),
+  zero where the profile has none.
 
 Matmuls, attention, the fused loss, grouped expert GEMMs and data-dependent ops (sort, top-k,
 histograms, ...) stay kernels of their own, as inductor calls them.
@@ -30,8 +34,13 @@ from ..ir.program import MistProgram
 from ..passes.cost_annotation import (GraphCosts, NodeCost, PricedGraphs, ProgramCosts, T, annotate_graphs, is_view,
                                       op_name, program_graphs, value_bytes)
 from ..passes.manager import PassResult, transforms
+from .op_time import POINTWISE_PREFIX
 
 FUSIBLE_CLASSES = ("elementwise", "norm", "softmax", "embedding")
+# pointwise ops whose vectorised math (erf, exp) a CPU's compiled kernel spends longer on than on
+# moving the op's bytes: 0.1-0.5 ns per element beyond the memory pass measured on the machine
+# that wrote this (inductor's erf runs at half the speed of eager's)
+COMPILED_POINTWISE_OPS = ("gelu", "gelu_backward", "silu", "silu_backward")
 # elementwise-classed ops inductor does not generate code for (library calls or data-dependent sizes)
 EXTERN_OPS = {"sort", "topk", "histc", "nonzero", "_unique2", "unique_dim", "masked_select", "bucketize",
               "embedding_dense_backward", "index_put", "scatter", "scatter_add"}
@@ -99,6 +108,12 @@ def _stored_bytes(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
     return size / T if states.get(node.name) == "S" else size
 
 
+def _elements(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
+    """Elements of ``node``'s value on one rank."""
+    value = node.meta.get("val")
+    return _stored_bytes(node, states, symbols) / (value.element_size() if value is not None else 4)
+
+
 def fuse_costs(graph: fx.Graph, costs: GraphCosts, block_of: dict[str, str], symbols) -> FusedGraph:
     """Group ``costs``' fusible ops into regions (connected through their values, within one block)
     and price each region as one ``fused`` op: FLOPs summed, bytes = its inputs once + its stored
@@ -125,6 +140,7 @@ def fuse_costs(graph: fx.Graph, costs: GraphCosts, block_of: dict[str, str], sym
             members.setdefault(root(node), []).append(node)
     transient: set[str] = set()
     fused: dict[fx.Node, NodeCost] = {}
+    extra: dict[fx.Node, list[NodeCost]] = {}
     for group in members.values():
         inside = set(group)
         reads: dict[fx.Node, sympy.Expr] = {}
@@ -139,12 +155,16 @@ def fuse_costs(graph: fx.Graph, costs: GraphCosts, block_of: dict[str, str], sym
             else:
                 transient.add(node.name)
         first = group[0]
+        extra[first] = [NodeCost(first.name, op_name(node), POINTWISE_PREFIX + op_name(node), sympy.Integer(0),
+                                 _elements(node, costs.states, symbols), by_name[node.name].tp)
+                        for node in group if op_name(node) in COMPILED_POINTWISE_OPS]
         fused[first] = NodeCost(first.name, "fused", "fused", sympy.expand(sum((by_name[n.name].flops for n in group),
                                                                                sympy.Integer(0))),
                                 sympy.expand(sympy.Add(*reads.values()) + writes), by_name[first.name].tp)
     kept = []
     for node in nodes:
-        if node in fused:
+        if node in fused:  # a region's extra costs first: by name, its fused cost is the one found last
+            kept.extend(extra[node])
             kept.append(fused[node])
         elif node not in fusible:
             kept.append(by_name[node.name])
@@ -171,4 +191,4 @@ def compiled_cost_annotation(program: MistProgram) -> PassResult:
     return PassResult(priced, False)
 
 
-__all__ = ["FUSIBLE_CLASSES", "FusedGraph", "compiled_cost_annotation", "compiled_partition", "fuse_costs"]
+__all__ = ["COMPILED_POINTWISE_OPS", "FUSIBLE_CLASSES", "FusedGraph", "compiled_cost_annotation", "compiled_partition", "fuse_costs"]

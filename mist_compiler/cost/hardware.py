@@ -34,6 +34,10 @@ Meaning of the fields the cost model reads:
   (``memory_bandwidth_gbps`` x ``efficiency.elementwise``). A GPU's copy rate is measured on such
   buffers already; a CPU's is measured on one its cache keeps (like a layer's activations) and is
   about 3x the streaming rate on the machine that wrote this.
+* ``compiled_pointwise_ns`` (optional): per pointwise op whose math a compiled kernel does not hide
+  under its memory pass (``gelu``, ``gelu_backward``, ``silu``, ``silu_backward``: erf and exp on a
+  CPU's vector units), nanoseconds per element beyond that pass (``cost.compiled`` adds them to the
+  fused region holding the op). Absent or 0: the math hides (a GPU's kernels are memory-bound).
 * ``slowdown['A|B']``: factor by which channel A runs slower while channel B is active
   (channels ``compute``, ``collective``, ``h2d``, ``d2h``); missing pairs are 1. ``cost.overlap``
   simulates a phase with them.
@@ -84,7 +88,8 @@ FRAGMENTATION = 0.05  # reserved / allocated - 1 of the caching allocator in tra
 
 OPTIONAL_KEYS = {"description", "collective_factor", "slowdown", "op_overhead_s", "reduce_scatter_copies",
                  "optimizer_gparams_per_s", "host_optimizer_gparams_per_s", "memory_headroom_gb",
-                 "matmul_shape_model", "matmul_shapes", "mfu_ceiling", "sustained_compute", "stream_gbps"}
+                 "matmul_shape_model", "matmul_shapes", "mfu_ceiling", "sustained_compute", "stream_gbps",
+                 "compiled_pointwise_ns"}
 
 
 def default_memory_headroom(device_memory: float, context: float = CUDA_CONTEXT_BYTES) -> float:
@@ -209,6 +214,7 @@ class HardwareProfile:
     optimizer_params_per_s: float = 0.0  # measured AdamW rate on the device; 0: from memory_bandwidth
     host_optimizer_params_per_s: float = 0.0  # measured AdamW rate on the host; 0: the default
     stream_bandwidth: float = 0.0  # bytes/s of one pass over buffers beyond the caches; 0: the elementwise rate
+    compiled_pointwise_ns: dict[str, float] = field(default_factory=dict)  # op -> ns per element beyond a memory pass
     memory_headroom: float = 0.0  # bytes of device_memory a plan leaves free (context, NCCL, workspaces, fragmentation)
     memory_limit: float = 0.0  # bytes a plan may use when set on the command line (replaces the two above)
     matmul_model: MatmulShapeModel | None = None  # GEMM rate by shape; None: efficiency['matmul'] for all
@@ -306,6 +312,10 @@ class HardwareProfile:
                  f"GB kept free, >= 0 and below device_memory_gb={device_memory_gb}, got {headroom!r}")
         sustained = data.get("sustained_compute", 1.0)
         _require(_number(sustained) and 0 < sustained <= 1, "sustained_compute", f"a fraction in (0, 1], got {sustained!r}")
+        pointwise = data.get("compiled_pointwise_ns", {})
+        _require(isinstance(pointwise, dict) and all(isinstance(op, str) and _number(ns) and 0 <= ns < 1e6
+                                                     for op, ns in pointwise.items()), "compiled_pointwise_ns",
+                 f"a mapping of op name to nanoseconds per element (>= 0), got {pointwise!r}")
         ceiling = data.get("mfu_ceiling")
         _require(ceiling is None or (_number(ceiling) and 0 < ceiling <= 1), "mfu_ceiling",
                  f"a fraction in (0, 1], got {ceiling!r}")
@@ -318,6 +328,7 @@ class HardwareProfile:
             optimizer_params_per_s=rates["optimizer_gparams_per_s"],
             host_optimizer_params_per_s=rates["host_optimizer_gparams_per_s"],
             stream_bandwidth=rates["stream_gbps"],
+            compiled_pointwise_ns={op: float(ns) for op, ns in pointwise.items()},
             op_overhead=float(op_overhead),
             reduce_scatter_copies=float(copies),
             name=data["name"],
@@ -355,6 +366,7 @@ class HardwareProfile:
             **({"host_optimizer_gparams_per_s": self.host_optimizer_params_per_s / 1e9}
                if self.host_optimizer_params_per_s else {}),
             **({"stream_gbps": self.stream_bandwidth / 1e9} if self.stream_bandwidth else {}),
+            **({"compiled_pointwise_ns": dict(self.compiled_pointwise_ns)} if self.compiled_pointwise_ns else {}),
             **({"memory_headroom_gb": self.memory_headroom / 1e9} if self.memory_headroom else {}),
             **({"matmul_shape_model": {"peak_efficiency": self.matmul_model.peak_efficiency,
                                        "half_intensity": self.matmul_model.half_intensity,

@@ -6,6 +6,8 @@ at least as long as their bytes take at the memory bandwidth; memory-bound class
 chain of them in one memory pass, ``cost.compiled``) move their bytes at
 ``memory_bandwidth * efficiency[class]`` and take at least their FLOPs at peak. No op ever runs
 faster than the profile's peak FLOP/s (efficiencies are at most 1): a prediction's MFU is at most 100%.
+A ``pointwise:<op>`` class is the time a compiled kernel spends on that op's math beyond its memory
+pass: its elements times the profile's ``compiled_pointwise_ns[op]`` (none: zero).
 Efficiencies come from the profile's table (measured by ``mistc profile``); a class the
 profile does not list falls back to its family (``norm``/``softmax`` -> ``reduction``,
 ``embedding``/``fused`` -> ``elementwise``) and then to ``default``. Everything is numpy-vectorised.
@@ -22,6 +24,7 @@ import numpy as np
 from .hardware import HardwareProfile
 
 COMPUTE_BOUND = ("matmul", "attention")
+POINTWISE_PREFIX = "pointwise:"  # a compiled pointwise op's math beyond its region's memory pass (cost.compiled)
 MEMORY_BOUND = ("elementwise", "norm", "softmax", "embedding", "fused")
 FALLBACK = {"norm": "reduction", "softmax": "reduction", "embedding": "elementwise", "fused": "elementwise"}
 
@@ -49,6 +52,9 @@ def op_class_time(profile: HardwareProfile, dtype: str, op_class: str, flops, nb
     """Seconds for ``flops`` and ``nbytes`` of one op class (arrays broadcast)."""
     if op_class == "view":
         return np.zeros(np.broadcast(np.asarray(flops), np.asarray(nbytes)).shape)
+    if op_class.startswith(POINTWISE_PREFIX):  # elements in the place of bytes (cost.compiled)
+        ns = profile.compiled_pointwise_ns.get(op_class[len(POINTWISE_PREFIX):], 0.0)
+        return np.asarray(nbytes, dtype=float) * ns * 1e-9 + np.zeros(np.shape(flops))
     flops = np.asarray(flops, dtype=float)
     nbytes = np.asarray(nbytes, dtype=float)
     efficiency = class_efficiency(profile, op_class)

@@ -5,6 +5,10 @@
   outputs once. Its bytes are counted as ``cost.compiled`` counts a fused region's (inputs once,
   stored outputs once), so the profile's ``efficiency['fused']`` is what the cost model needs. The
   same chain run eagerly is timed beside it for the log.
+* ``pointwise_extra_ns``: per op of ``cost.compiled.COMPILED_POINTWISE_OPS`` (GELU, SiLU and their
+  backwards), the time an inductor-compiled kernel of it takes beyond a compiled memory pass over
+  the same bytes, per element: the profile's ``compiled_pointwise_ns`` (a CPU's vectorised erf and
+  exp outlast the pass; inductor's erf ran at half the speed of eager's on the machine that wrote this).
 * ``sustained_fraction``: the large-GEMM rate after ``seconds`` of back-to-back GEMMs against the rate
   of the first ones (a GPU at its power limit settles below the clock short benchmarks run at); the
   profile's ``sustained_compute``.
@@ -46,6 +50,36 @@ def fused_bytes_per_s(device: str, dtype_name: str, tokens: int, hidden: int, ti
     log(f"fused layer chain (residual add + RMSNorm + SwiGLU, {tokens}x{hidden}, {dtype_name}) compiled by inductor "
         f"in {compile_s:.0f} s: {fused / 1e9:.2f} GB/s of one memory pass (eager ops: {eager / 1e9:.2f})")
     return fused
+
+
+def _pointwise_programs():
+    """(op, compiled function, compiled memory pass over the same bytes) for every priced op."""
+    import torch
+    from torch.ops import aten
+
+    unary_pass = torch.compile(lambda x, g: x * 2.0, backend="inductor", fullgraph=True, dynamic=False)
+    binary_pass = torch.compile(lambda x, g: x + g, backend="inductor", fullgraph=True, dynamic=False)
+    ops = {"gelu": (lambda x, g: aten.gelu(x), unary_pass), "gelu_backward": (lambda x, g: aten.gelu_backward(g, x), binary_pass),
+           "silu": (lambda x, g: aten.silu(x), unary_pass), "silu_backward": (lambda x, g: aten.silu_backward(g, x), binary_pass)}
+    return [(op, torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False), memory_pass)
+            for op, (fn, memory_pass) in ops.items()]
+
+
+def pointwise_extra_ns(device: str, dtype_name: str, tokens: int, width: int, timer: Callable[[Callable], float],
+                       log: Callable[[str], None]) -> dict[str, float]:
+    """Nanoseconds per element each compiled op takes beyond a compiled memory pass of the same bytes."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    x, g = (torch.randn(tokens, width, device=device, dtype=dtype) for _ in range(2))
+    extra = {}
+    for op, compiled, memory_pass in _pointwise_programs():
+        compiled(x, g), memory_pass(x, g)  # compile outside the timing
+        beyond = timer(lambda: compiled(x, g)) - timer(lambda: memory_pass(x, g))
+        extra[op] = round(max(0.0, beyond) / x.numel() * 1e9, 4)
+    log(f"compiled pointwise math beyond a memory pass ({tokens}x{width}, {dtype_name}), ns per element: "
+        + ", ".join(f"{op} {ns:.3f}" for op, ns in extra.items()))
+    return extra
 
 
 def sustained_fraction(device: str, dtype_name: str, size: int, seconds: float, sync: Callable[[], None],

@@ -43,7 +43,7 @@ from .comm import (
     run_collective_group,
     time_group_collectives,
 )
-from .compiled import fused_bytes_per_s, sustained_fraction
+from .compiled import fused_bytes_per_s, pointwise_extra_ns, sustained_fraction
 from .timing import ProfilerOptions, _sync_for, seconds_per_call
 
 # Dense datasheet peaks (TFLOP/s) of GPUs we know; anything else gets its measured matmul rate.
@@ -84,6 +84,7 @@ class ComputeMeasurements:
     fused_bytes_per_s: float = 0.0  # one memory pass of an inductor-compiled elementwise chain (0: not measured)
     sustained: float = 1.0  # large-GEMM rate held under sustained load / the first GEMMs' rate
     stream_bytes_per_s: float = 0.0  # one pass over buffers far beyond the caches (0: not measured)
+    pointwise_extra_ns: dict = field(default_factory=dict)  # compiled GELU/SiLU math beyond a memory pass (CPU)
 
 
 def _dtypes(device: str) -> list[str]:
@@ -156,15 +157,18 @@ def measure_compute(device: str, options: ProfilerOptions) -> ComputeMeasurement
     overhead = seconds_per_call(lambda: torch.add(tiny, tiny, out=tiny_out), sync, target)
     log(f"per-op overhead (one-element add): {overhead * 1e6:.2f} us")
     adam_rate, host_adam_rate = measure_adamw(device, options)
-    fused_rate = 0.0
+    fused_rate, pointwise = 0.0, {}
     if options.compiled if options.compiled is not None else not options.quick:
         chain = (8192, 4096) if on_gpu else ((256, 256) if options.quick else (1024, 512))
         fused_rate = fused_bytes_per_s(device, main_dtype, *chain, lambda fn: seconds_per_call(fn, sync, target), log)
+        if not on_gpu:  # a GPU's compiled pointwise kernels are memory-bound: their math hides under the pass
+            pointwise = pointwise_extra_ns(device, main_dtype, *((256, 1024) if options.quick else (512, 3072)),
+                                           lambda fn: seconds_per_call(fn, sync, target), log)
     sustain = options.sustain_s if options.sustain_s is not None else (20.0 if on_gpu and not options.quick else 0.0)
     sustained = sustained_fraction(device, main_dtype, 8192 if on_gpu else 512, sustain, sync, log) if sustain > 0 else 1.0
     return ComputeMeasurements(matmul, model_rate, attention_rate, copy_rate, add_rate, reduce_rate,
                                h2d_rate, d2h_rate, main_dtype, norm_rate, softmax_rate, overhead,
-                               adam_rate, host_adam_rate, shape_points, fused_rate, sustained, stream_rate)
+                               adam_rate, host_adam_rate, shape_points, fused_rate, sustained, stream_rate, pointwise)
 
 
 def stream_bytes_per_s(device: str, total_bytes: int, target_s: float, timer: Callable = seconds_per_call) -> float:
@@ -406,6 +410,7 @@ def _assemble(options: ProfilerOptions, device: str, per_node: int, measured: Co
         "efficiency": _efficiencies(measured, peaks),
         "memory_bandwidth_gbps": round(measured.copy_bytes_per_s / 1e9, 3),
         **({"stream_gbps": round(measured.stream_bytes_per_s / 1e9, 3)} if measured.stream_bytes_per_s else {}),
+        **({"compiled_pointwise_ns": measured.pointwise_extra_ns} if measured.pointwise_extra_ns else {}),
         "collectives": links,
         "collective_factor": factors,
         "h2d_gbps": round(measured.h2d_bytes_per_s / 1e9, 3),
@@ -508,6 +513,7 @@ def recalibrate_compute(base: HardwareProfile, options: ProfilerOptions | None =
         matmul_points=tuple(tuple(p) for p in shape.get("matmul_shapes", ())) or base.matmul_points,
         memory_bandwidth=measured.copy_bytes_per_s, op_overhead=measured.op_overhead_s,
         stream_bandwidth=measured.stream_bytes_per_s or base.stream_bandwidth,
+        compiled_pointwise_ns=measured.pointwise_extra_ns or base.compiled_pointwise_ns,
         optimizer_params_per_s=measured.adam_params_per_s or base.optimizer_params_per_s,
         host_optimizer_params_per_s=measured.host_adam_params_per_s or base.host_optimizer_params_per_s,
         description=f"{base.description} Compute side re-measured by recalibrate_compute ({peak_note}; {_load_note()}).")
