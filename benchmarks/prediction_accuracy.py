@@ -144,10 +144,11 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     time so that other work on the shared machine does not distort them; links and copies stay
     as shipped; GEMMs by shape (``mistc profile``'s CPU shapes, operands cycled through so that they
     come from memory, fitted to the profile's ``matmul_shape_model``). ``compiled``: the inductor-compiled layer chain too (``efficiency['fused']``, what
-    compiled units' elementwise kernels run at; compiled once per process, cached on disk).
+    compiled units' elementwise kernels run at; compiled once per process, cached on disk) and the
+    compiled GELU/SiLU math beyond a memory pass (``compiled_pointwise_ns``).
     """
     from mist_compiler.cost import matmul_shapes
-    from mist_compiler.profiling.compiled import fused_bytes_per_s
+    from mist_compiler.profiling.compiled import fused_bytes_per_s, pointwise_extra_ns
     from mist_compiler.profiling.profiler import ComputeMeasurements, _efficiencies, adamw_params_per_s, stream_bytes_per_s
 
     n = 1024
@@ -176,6 +177,8 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     base = load_profile(name)
     fused_rate = (fused_bytes_per_s("cpu", "float32", 1024, 512, lambda fn: cpu_seconds_per_call(fn), lambda m: None)
                   if compiled else 0.0)
+    pointwise = (pointwise_extra_ns("cpu", "float32", 512, 3072, lambda fn: cpu_seconds_per_call(fn), lambda m: None)
+                 if compiled else {})
     # GEMMs by shape, operands cycled through as a model's GEMMs read them (cost.matmul_shapes)
     shapes = matmul_shapes.measure_shapes("cpu", "float32", peak, lambda fn: cpu_seconds_per_call(fn, 0.08),
                                           matmul_shapes.CPU_SHAPES, lambda line: None)
@@ -187,7 +190,8 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     return dataclasses.replace(base, peak_flops=peaks, efficiency=_efficiencies(measured, peaks),
                                memory_bandwidth=copy_rate, op_overhead=overhead, optimizer_params_per_s=adam_rate,
                                host_optimizer_params_per_s=adam_rate, matmul_model=shape_model,
-                               matmul_points=tuple(shapes), stream_bandwidth=stream_rate)
+                               matmul_points=tuple(shapes), stream_bandwidth=stream_rate,
+                               compiled_pointwise_ns=pointwise or base.compiled_pointwise_ns)
 
 
 def mean_profile(profiles: list[HardwareProfile]) -> HardwareProfile:
@@ -205,7 +209,9 @@ def mean_profile(profiles: list[HardwareProfile]) -> HardwareProfile:
         op_overhead=mean(p.op_overhead for p in profiles),
         optimizer_params_per_s=mean(p.optimizer_params_per_s for p in profiles),
         host_optimizer_params_per_s=mean(p.host_optimizer_params_per_s for p in profiles),
-        stream_bandwidth=mean(p.stream_bandwidth for p in profiles))
+        stream_bandwidth=mean(p.stream_bandwidth for p in profiles),
+        compiled_pointwise_ns={op: mean(p.compiled_pointwise_ns.get(op, 0.0) for p in profiles)
+                               for op in first.compiled_pointwise_ns})
 
 
 def _compute_share_rank(rank: int, world: int, seconds: float) -> float:

@@ -2,6 +2,7 @@
 chains cost one memory pass, and a stage model prices a unit compiled or eager as asked."""
 from __future__ import annotations
 
+import pytest
 import sympy
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -129,3 +130,41 @@ def test_a_plan_says_whether_its_units_are_compiled_and_analyze_prices_that():
     with pytest.raises(PlanError, match="plan field compiled: True, but the cost model given prices eager units"):
         analyze(program, Plan.from_dict({**data, "compiled": True}), "cpu", cost_model=eager)
     assert analyze(program, Plan.from_dict({**data, "compiled": True}), "cpu").compiled
+
+
+def _gelu_chain(x, w):
+    return torch.nn.functional.gelu(x @ w) @ w
+
+
+def test_a_region_holding_gelu_also_pays_the_profiles_compiled_math_per_element():
+    """Inductor's erf on a CPU outlasts the region's memory pass; the profile's ``compiled_pointwise_ns``
+    prices the excess per element, and a profile without it (a GPU's) adds nothing."""
+    import dataclasses
+
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    graph = make_fx(_gelu_chain)(x, w).graph
+    fused = fuse_costs(graph, propagate_costs(graph, {}, None, "forward"), {}, None)
+    extra = [c for c in fused.costs.nodes if c.op_class.startswith("pointwise:")]
+    assert [(c.op_class, int(c.bytes), int(c.flops)) for c in extra] == [("pointwise:gelu", 8 * 16, 0)]
+    region = next(c for c in fused.costs.nodes if c.op_class == "fused")
+    assert extra[0].name == region.name  # found with its region (by name the region's cost comes last)
+    profile = load_profile("cpu")
+    priced = dataclasses.replace(profile, compiled_pointwise_ns={"gelu": 0.5})
+    assert op_class_time(priced, "float32", "pointwise:gelu", 0.0, 1e6) == 0.5e-3
+    assert op_class_time(dataclasses.replace(profile, compiled_pointwise_ns={}), "float32", "pointwise:gelu", 0.0, 1e6) == 0
+
+
+def test_the_stage_model_prices_a_compiled_gpt_layers_gelu_beyond_its_memory_pass():
+    import dataclasses
+
+    program = capture_program("gpt-tiny", seq_len=64, dtype="float32")
+    blocks, layers = analyse_program(program, compiled=True)
+    base = dataclasses.replace(load_profile("cpu"), compiled_pointwise_ns={})
+    priced = dataclasses.replace(base, compiled_pointwise_ns={"gelu": 1.0, "gelu_backward": 2.0})
+    candidate = StageCandidates(num_layers=2, has_pre=True, has_post=True, nodes=1, gpus_per_node=1, micro_batch=4,
+                                dp=1, tp=1, zero=0, ckpt_layers=0, offload_weights=0, offload_grads=0,
+                                offload_opt=0, offload_acts=0, inflight=1)
+    plain, slower = (StageCostModel(blocks, p, 64, "float32", "flash", program.model_name, layers,
+                                    compiled=True).evaluate(candidate) for p in (base, priced))
+    expected = 2 * 4 * 64 * zoo_config("gpt-tiny").ffn * (1.0 + 2.0) * 1e-9  # two layers, forward GELU + its backward, per element
+    assert slower.stable_s[0] - plain.stable_s[0] == pytest.approx(expected, rel=1e-6)

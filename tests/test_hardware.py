@@ -216,3 +216,17 @@ def test_tune_command_defaults_to_bf16_and_applies_the_memory_limit():
     assert args.dtype == "bfloat16"
     assert hardware_from_args(args).usable_memory == 10e9
     assert hardware_from_args(parser.parse_args(base)) == "l4"
+
+
+def test_compiled_pointwise_rates_round_trip_and_bad_ones_are_named(tmp_path):
+    import dataclasses
+
+    from mist_compiler.cost.hardware import HardwareProfile, ProfileError, load_profile, save_profile
+
+    profile = dataclasses.replace(load_profile("cpu"), compiled_pointwise_ns={"gelu": 0.29, "silu_backward": 0.04})
+    path = tmp_path / "p.yaml"
+    save_profile(profile, str(path))
+    assert load_profile(str(path)).compiled_pointwise_ns == {"gelu": 0.29, "silu_backward": 0.04}
+    data = {**profile.to_dict(), "compiled_pointwise_ns": {"gelu": -1}}
+    with pytest.raises(ProfileError, match="compiled_pointwise_ns"):
+        HardwareProfile.from_dict(data)
