@@ -26,10 +26,13 @@ on an H100) apply to GPU runs; the dry run prints the same columns without a ver
 
 A lent GPU's time is short: ``--sections`` runs sections in the order given, ``--kinds`` picks plan
 kinds, ``--deadline-s`` starts no row after that many seconds, and ``--out`` writes the tables after
-every row; a row that fails says why in the table and the run goes on.
+every row; a row that fails says why in the table and the run goes on. ``--out`` also gets the profile
+the run calibrated (``calibrated-<profile>.yaml``), and ``--trace KINDS`` profiles one more step of those
+one-device kinds (``trace-<kind>.txt``: top ops and the runtime's ``mist.*`` ranges from every thread;
+``trace-<kind>.json.gz``: the Chrome trace), for what a table row cannot say.
 
 Usage: ``PYTHONPATH=. python benchmarks/gpu_check.py [--dry-run | --smoke] [--hardware NAME] [--out DIR]
-[--sections mfu,one] [--kinds "bf16,ZeRO-3"] [--deadline-s S]``
+[--sections mfu,one] [--kinds "bf16,ZeRO-3"] [--trace "offload weights 50%"] [--deadline-s S]``
 """
 from __future__ import annotations
 
