@@ -191,4 +191,5 @@ def compiled_cost_annotation(program: MistProgram) -> PassResult:
     return PassResult(priced, False)
 
 
-__all__ = ["COMPILED_POINTWISE_OPS", "FUSIBLE_CLASSES", "FusedGraph", "compiled_cost_annotation", "compiled_partition", "fuse_costs"]
+__all__ = ["COMPILED_POINTWISE_OPS", "FUSIBLE_CLASSES", "FusedGraph", "compiled_cost_annotation", "compiled_partition",
+           "fuse_costs"]

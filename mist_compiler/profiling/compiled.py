@@ -53,16 +53,22 @@ def fused_bytes_per_s(device: str, dtype_name: str, tokens: int, hidden: int, ti
 
 
 def _pointwise_programs():
-    """(op, compiled function, compiled memory pass over the same bytes) for every priced op."""
+    """(op, compiled function, compiled memory pass over the same bytes) for every op the cost model
+    prices beyond its pass (``cost.compiled.COMPILED_POINTWISE_OPS``); ``g`` is the incoming gradient."""
     import torch
     from torch.ops import aten
 
-    unary_pass = torch.compile(lambda x, g: x * 2.0, backend="inductor", fullgraph=True, dynamic=False)
-    binary_pass = torch.compile(lambda x, g: x + g, backend="inductor", fullgraph=True, dynamic=False)
-    ops = {"gelu": (lambda x, g: aten.gelu(x), unary_pass), "gelu_backward": (lambda x, g: aten.gelu_backward(g, x), binary_pass),
-           "silu": (lambda x, g: aten.silu(x), unary_pass), "silu_backward": (lambda x, g: aten.silu_backward(g, x), binary_pass)}
-    return [(op, torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False), memory_pass)
-            for op, (fn, memory_pass) in ops.items()]
+    from ..cost.compiled import COMPILED_POINTWISE_OPS
+
+    def compiled(fn):
+        return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False)
+
+    unary_pass, binary_pass = compiled(lambda x, g: x * 2.0), compiled(lambda x, g: x + g)
+    ops = {"gelu": (lambda x, g: aten.gelu(x), unary_pass),
+           "gelu_backward": (lambda x, g: aten.gelu_backward(g, x), binary_pass),
+           "silu": (lambda x, g: aten.silu(x), unary_pass),
+           "silu_backward": (lambda x, g: aten.silu_backward(g, x), binary_pass)}
+    return [(op, compiled(ops[op][0]), ops[op][1]) for op in COMPILED_POINTWISE_OPS]
 
 
 def pointwise_extra_ns(device: str, dtype_name: str, tokens: int, width: int, timer: Callable[[Callable], float],
