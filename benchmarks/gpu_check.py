@@ -244,9 +244,6 @@ def trace_step(engine, batch, device: torch.device, stem: str) -> None:
     """One step under ``torch.profiler`` (CPU, and CUDA on a GPU): the ops by self time and the runtime's
     own ranges (``mist.*``: host writes, host AdamW, offload copies) as text, the whole timeline as a
     gzipped Chrome trace, for what a step's table cannot say (which copies are exposed, and why)."""
-    import gzip
-    import shutil
-
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -263,10 +260,7 @@ def trace_step(engine, batch, device: torch.device, stem: str) -> None:
     with open(stem + ".txt", "w") as handle:
         handle.write(averages.table(sort_by=sort, row_limit=40) + "\n\nthe runtime's ranges (mist.*), CPU time:\n")
         handle.writelines(f"{event.key}: {event.count} calls, {event.cpu_time_total / 1e3:.1f} ms\n" for event in ours)
-    prof.export_chrome_trace(stem + ".json")
-    with open(stem + ".json", "rb") as raw, gzip.open(stem + ".json.gz", "wb") as packed:
-        shutil.copyfileobj(raw, packed)
-    os.remove(stem + ".json")
+    prof.export_chrome_trace(stem + ".json.gz")  # torch gzips by the suffix
 
 
 def _trace_stem(report: "Report", kind: str) -> str:

@@ -190,34 +190,33 @@ def stream_bytes_per_s(device: str, total_bytes: int, target_s: float, timer: Ca
 def adamw_params_per_s(device: str, numel: int, target_s: float, timer: Callable = seconds_per_call) -> float:
     """Parameters per second of one step of the backend's flat-shard AdamW (``kernels.adamw``, the
     fused Triton kernel on a GPU, torch's update elsewhere) over ``numel`` fp32 parameters."""
+    update = _adamw_update(numel, device)
+    return numel / timer(lambda: update(0, numel), _sync_for(device), target_s)
+
+
+def _adamw_update(numel: int, device: str) -> Callable[[int, int], None]:
+    """``update(lo, hi)``: one ``kernels.adamw`` step over elements ``[lo, hi)`` of a flat fp32 shard."""
     import torch
 
     from ..runtime import kernels
 
     param, grad = torch.randn(numel, device=device), torch.randn(numel, device=device)
     exp_avg, exp_avg_sq = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
-    step = lambda: kernels.adamw(param, grad, exp_avg, exp_avg_sq, step=10, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                                 weight_decay=0.01)
-    return numel / timer(step, _sync_for(device), target_s)
+
+    def update(lo: int, hi: int) -> None:
+        kernels.adamw(param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], step=10, lr=1e-3,
+                      betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+    return update
 
 
 def host_adamw_params_per_s(numel: int, target_s: float, timer: Callable = seconds_per_call) -> float:
     """Parameters per second of the offloaded optimizer states' update as ``runtime.optimizer`` runs
     it: ``kernels.adamw`` over the flat host shard, chunked over the backend's host worker threads
     (``runtime.streams.HostWorkers``, ``host_threads()`` of them: this rank's share of the cores)."""
-    import torch
-
-    from ..runtime import kernels
     from ..runtime.streams import HostWorkers
 
-    param, grad = torch.randn(numel), torch.randn(numel)
-    exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
-    workers = HostWorkers()
-
-    def update(lo: int, hi: int) -> None:
-        kernels.adamw(param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], step=10, lr=1e-3,
-                      betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-
+    update, workers = _adamw_update(numel, "cpu"), HostWorkers()
     try:
         return numel / timer(lambda: HostWorkers.wait(workers.chunks(numel, update), 600.0, "host AdamW"),
                              lambda: None, target_s)
