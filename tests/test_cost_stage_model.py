@@ -206,3 +206,33 @@ def test_memory_knobs_are_monotone(model):
         assert (after.delta_s >= before.delta_s * (1 - 1e-9)).all(), knob
         if knob != "offload_weights":  # moved weights need transient full copies (and an fp32 master of their own)
             assert (after.peak_memory_bytes <= before.peak_memory_bytes * (1 + 1e-9)).all(), knob
+
+
+def test_peak_memory_alone_is_the_full_evaluations_peak(program):
+    """The tuner's memory-only question (``peak_memory``, with and without optimizer-offload ratios)
+    gives exactly ``evaluate``'s peaks, the plain-or-fused loss choice included: the limit is set
+    between the two losses' peaks, so the choice goes both ways."""
+    from mist_compiler.cost.hardware import load_profile, with_memory_limit
+    from mist_compiler.cost.stage_api import LOSS_CHOOSE, LOSS_PLAIN
+
+    rng = np.random.default_rng(1)
+    n = 4000
+    candidates = StageCandidates(
+        num_layers=rng.integers(1, 5, n), has_pre=rng.random(n) < 0.5, has_post=rng.random(n) < 0.7,
+        nodes=np.ones(n, int), gpus_per_node=np.full(n, 8), micro_batch=rng.choice([1, 2, 4, 8, 16, 64], n),
+        dp=rng.choice([1, 2, 4], n), tp=rng.choice([1, 2], n), zero=rng.integers(0, 4, n),
+        ckpt_layers=rng.integers(0, 2, n), offload_weights=rng.choice([0.0, 0.5], n),
+        offload_grads=rng.choice([0.0, 0.5], n), offload_opt=rng.choice([0.0, 0.25, 1.0], n),
+        offload_acts=rng.choice([0.0, 0.5, 1.0], n), inflight=rng.integers(1, 4, n), grad_accum=rng.integers(1, 5, n),
+        fused_loss=np.where(rng.random(n) < 0.9, LOSS_CHOOSE, LOSS_PLAIN), low_precision_grads=rng.random(n) < 0.3)
+    probe = build_stage_cost_model(program, "l4", seq_len=SEQ)
+    limit = float(np.median(probe.evaluate(candidates).peak_memory_bytes))
+    model = build_stage_cost_model(program, with_memory_limit(load_profile("l4"), limit), seq_len=SEQ)
+    full = model.evaluate(candidates)
+    assert 0.0 < float(full.breakdown["fused_loss"][np.asarray(candidates.has_post)].mean()) < 1.0
+    assert np.array_equal(model.peak_memory(candidates), full.peak_memory_bytes)
+    ratios = (0.0, 0.5, 1.0)
+    by_ratio = model.peak_memory(candidates, ratios)
+    for i, ratio in enumerate(ratios):
+        moved = dataclasses.replace(candidates, offload_opt=np.full(n, ratio))
+        assert np.array_equal(by_ratio[i], model.evaluate(moved).peak_memory_bytes), ratio

@@ -124,7 +124,7 @@ def test_offloaded_gradients_are_added_on_host_threads_during_the_backward():
 def test_cost_model_prices_the_host_adamw_as_overlapping_the_device():
     import numpy as np
 
-    from mist_compiler.cost.stage_model import optimizer_phase_s
+    from mist_compiler.cost.state_traffic import optimizer_phase_s
 
     # host-bound: the host update plus one unit's copy out and back (the units pipeline)
     assert optimizer_phase_s(np.array([0.1]), np.array([1.0]), np.array([0.4]), np.array([0.2]), np.array([6]))[0] \

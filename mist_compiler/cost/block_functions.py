@@ -140,3 +140,13 @@ def _weights_free_points(block: BlockAnalysis, phase: str, attention: str) -> li
     if block.kind != "post":
         return []
     return getattr(block.memory, f"{phase}_peaks_weights_free", {}).get(attention) or []
+
+
+def costliest_layer(classes: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The terms of a layer when a model's layers differ (dense and mixture-of-experts, alternating
+    attention kinds): each quantity at its largest over the classes, so wherever the tuner cuts
+    the stages their time and memory are upper bounds (each class is analysed on its own)."""
+    if len(classes) == 1:
+        return classes[0]
+    names = {name for terms in classes for name in terms}
+    return {name: np.max(np.stack([terms[name] for terms in classes if name in terms]), axis=0) for name in names}

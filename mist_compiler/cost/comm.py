@@ -196,3 +196,14 @@ def copy_time(profile: HardwareProfile, nbytes: ArrayLike, direction: str) -> np
         raise CommError(f"copy direction {direction!r} unknown; use one of {list(COPY_DIRECTIONS)}")
     bandwidth = profile.h2d_bandwidth if direction == "h2d" else profile.d2h_bandwidth
     return _nbytes(nbytes) / bandwidth
+
+
+def group_shapes(tp: np.ndarray, dp: np.ndarray, nodes: np.ndarray, gpus_per_node: np.ndarray):
+    """(tp group nodes, gpus per node), (dp group nodes, gpus per node): TP packed inside nodes."""
+    tp_in_node = tp <= gpus_per_node
+    tp_nodes = np.where(tp_in_node, 1, np.maximum(tp // np.maximum(gpus_per_node, 1), 1))
+    tp_gpus = np.where(tp_in_node, tp, gpus_per_node)
+    dp_nodes = np.where(tp_in_node, nodes, dp)
+    dp_gpus = np.where(tp_in_node, np.maximum(gpus_per_node // np.maximum(tp, 1), 1), 1)
+    dp_nodes = np.where(tp_in_node, np.maximum(dp // dp_gpus, 1), dp_nodes)
+    return (tp_nodes, tp_gpus), (dp_nodes, dp_gpus)

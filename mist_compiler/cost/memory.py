@@ -37,6 +37,7 @@ shrink, so both ends of the layer range are points), and the optimizer step.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,10 +119,10 @@ class StageConfig:
 @dataclass
 class StageMemory:
     weights: np.ndarray  # static weights (shard / device part)
-    grads: np.ndarray  # gradients held at the optimizer step
+    grads: np.ndarray | None  # gradients held at the optimizer step (None: asked for the peak only)
     opt: np.ndarray  # master + moments on the device
-    buffers: np.ndarray  # transient weights / gradient buffers at the peak point
-    acts: np.ndarray  # activations at the peak point
+    buffers: np.ndarray | None  # transient weights / gradient buffers at the peak point (None: the peak only)
+    acts: np.ndarray | None  # activations at the peak point (None: the peak only)
     acts_per_microbatch: np.ndarray  # one micro-batch's saved activations
     peak: np.ndarray
     peak_forward_backward: np.ndarray | None = None  # the peak over the micro-batches' forward/backward only
@@ -229,8 +230,13 @@ def greedy_offload(saved_sequence: list[np.ndarray], offloadable: list[bool], fr
 
 
 def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationTerms, layer: BlockActivationTerms,
-                 post: BlockActivationTerms, layer_offloaded: np.ndarray | None = None) -> StageMemory:
-    """Device memory of one stage rank per candidate: the parts at the peak point and the peak."""
+                 post: BlockActivationTerms, layer_offloaded: np.ndarray | None = None,
+                 peak_only: bool = False, opt_ratios: tuple[float, ...] | None = None) -> StageMemory:
+    """Device memory of one stage rank per candidate: the parts at the peak point and the peak
+    (``peak_only``: the peak, the static parts and a micro-batch's activations; the rest None).
+    ``opt_ratios`` (with ``peak_only``): the peak for each of these optimizer-offload ratios in place
+    of ``config.offload_opt``, shape (ratios, candidates): optimizer states change only the static
+    part and the step, so the program points are summed once for all of them."""
     weight_b, grad_b, _ = state_bytes_per_param(config.dtype)
     zero = np.asarray(config.zero)
     dp, w, o, a, n, ckpt, inflight = _arrays(config.dp, config.offload_weights, config.offload_opt, config.offload_acts,
@@ -247,8 +253,12 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     persistent = (zero < 3) & (w == 0)
     weights = np.where(persistent, total * weight_b, (1.0 - w) * total * weight_b * np.where(zero >= 3, 1.0 / dp, 1.0))
     shard = np.where(zero >= 1, 1.0 / dp, 1.0)
-    master_aliased = fp32 & ((persistent & (o == 0)) | ((zero == 3) & (o == w)))
-    opt = (1.0 - o) * total * shard * np.where(master_aliased, 8.0, 12.0)
+
+    def optimizer_states(o: np.ndarray) -> np.ndarray:
+        master_aliased = fp32 & ((persistent & (o == 0)) | ((zero == 3) & (o == w)))
+        return (1.0 - o) * total * shard * np.where(master_aliased, 8.0, 12.0)
+
+    opt = optimizer_states(o)
 
     # ---- transient weights at a block's points (ZeRO-3 gather / weights brought in) ----------
     transient = np.where(persistent, 0.0, weight_b)
@@ -371,6 +381,26 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
                                    np.where(has_pre > 0, pre_last, p_layer), False), 0.0)))]
     points = [(held_count * one_held + posted_receive + acts, weights_here, grad)
               for held_count, phase_points in phases for acts, weights_here, grad in phase_points]
+    # fp32 gradients: torch's fused AdamW, no temporary; param-dtype gradients: the chunked torch AdamW's
+    # temporaries (the denominator, and an fp32 copy of the gradient chunk)
+    low_at_step = (np.asarray(config.low_precision_grads, dtype=bool) & (zero == 0) & (grad_b < ACCUMULATOR_BYTES)
+                   & (np.asarray(config.offload_grads, dtype=float) == 0))
+
+    def step_point(o: np.ndarray) -> np.ndarray:
+        largest_unit_shard = np.maximum(np.maximum(p_pre, p_layer), p_post) * shard * (1.0 - o)
+        return at_step + np.minimum(largest_unit_shard, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES * 2.0 * low_at_step
+
+    step = step_point(o)
+    if peak_only:  # the tuner's question: the same largest sum, without the (points, candidates) tables
+        in_steps = functools.reduce(np.maximum, (acts + weights_here + grad for acts, weights_here, grad in points))
+        if opt_ratios is None:
+            peak = weights + opt + np.maximum(in_steps, step)
+        else:
+            ratios = [np.full(np.shape(o), float(ratio)) for ratio in opt_ratios]
+            peak = np.stack([np.broadcast_to(weights + optimizer_states(r) + np.maximum(in_steps, step_point(r)),
+                                             np.shape(in_steps)) for r in ratios])
+        return StageMemory(weights=weights, grads=None, opt=opt, buffers=None, acts=None,
+                           acts_per_microbatch=per_microbatch, peak=peak)
     shape = np.broadcast_shapes(*(np.shape(part) for point in points for part in point))
     # one (points, candidates) array per part; the peak point's parts are read off at its index
     acts_by_point, weights_by_point, grads_by_point = (
@@ -382,12 +412,6 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     acts_at_peak, weights_at_peak, grads_at_peak = (
         np.take_along_axis(parts, largest, axis=0)[0] for parts in (acts_by_point, weights_by_point, grads_by_point))
     in_steps = np.take_along_axis(sums, largest, axis=0)[0]
-    largest_unit_shard = np.maximum(np.maximum(p_pre, p_layer), p_post) * shard * (1.0 - o)
-    # fp32 gradients: torch's fused AdamW, no temporary; param-dtype gradients: the chunked torch AdamW's
-    # temporaries (the denominator, and an fp32 copy of the gradient chunk)
-    low_at_step = (np.asarray(config.low_precision_grads, dtype=bool) & (zero == 0) & (grad_b < ACCUMULATOR_BYTES)
-                   & (np.asarray(config.offload_grads, dtype=float) == 0))
-    step = at_step + np.minimum(largest_unit_shard, ADAMW_CHUNK_ELEMENTS) * ACCUMULATOR_BYTES * 2.0 * low_at_step
     peak = weights + opt + np.maximum(in_steps, step)
     at_step_wins = step > in_steps
     return StageMemory(

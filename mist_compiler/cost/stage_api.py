@@ -74,7 +74,8 @@ class StageEstimates:
 
 
 class StageCostModel(Protocol):
-    """What the tuner needs from the cost model."""
+    """What the tuner needs from the cost model (and, optionally, ``peak_memory(candidates)``: the
+    peaks ``evaluate`` gives, priced without the times where it can be)."""
 
     device_memory_bytes: float
 

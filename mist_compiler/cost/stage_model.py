@@ -46,9 +46,9 @@ from ..ir.vocabulary import COMPILED_DEFAULT, DEFAULT_DTYPE
 from ..passes.memory_analysis import ATTENTION_KERNELS
 from .activation_policy import CopyRates, PolicyPrice, rows_at
 from .analysis import analyse_program
-from .block_functions import SEQUENCE_LAYER, BlockFunctions, block_functions
+from .block_functions import SEQUENCE_LAYER, BlockFunctions, block_functions, costliest_layer
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
-from .comm import collective_time, copy_time, p2p_time
+from .comm import collective_time, copy_time, group_shapes, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .loss_kernel import plain_loss_deltas
 from .memory import (SCHEDULE_MEMORY_PARTS, BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory,
@@ -56,30 +56,14 @@ from .memory import (SCHEDULE_MEMORY_PARTS, BlockActivationTerms, StageConfig, S
 from .op_time import matmul_time, op_class_time
 from .overlap import OverlapResult, overlap
 from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates, StageEstimates
+from .state_traffic import (AUTOGRAD_ACCUMULATE_PASSES, accumulation_bytes_moved, grad_buffer_bytes_moved,
+                            low_precision_bytes_moved, optimizer_phase_s)
 
+# stable times of the plain and the fused loss this close are equal (the overlap simulation rounds: a
+# plain loss computing less can come out an ulp slower where its compute hides under communication)
+LOSS_TIE = 1e-12
 MAX_MICRO_BATCH = 1 << 20  # the largest micro-batch (sequences) and group size the cost model prices
 MAX_GROUP = 1 << 14
-
-
-def _group_shapes(tp: np.ndarray, dp: np.ndarray, nodes: np.ndarray, gpus_per_node: np.ndarray):
-    """(tp group nodes, gpus per node), (dp group nodes, gpus per node): TP packed inside nodes."""
-    tp_in_node = tp <= gpus_per_node
-    tp_nodes = np.where(tp_in_node, 1, np.maximum(tp // np.maximum(gpus_per_node, 1), 1))
-    tp_gpus = np.where(tp_in_node, tp, gpus_per_node)
-    dp_nodes = np.where(tp_in_node, nodes, dp)
-    dp_gpus = np.where(tp_in_node, np.maximum(gpus_per_node // np.maximum(tp, 1), 1), 1)
-    dp_nodes = np.where(tp_in_node, np.maximum(dp // dp_gpus, 1), dp_nodes)
-    return (tp_nodes, tp_gpus), (dp_nodes, dp_gpus)
-
-
-def _costliest_layer(classes: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The terms of a layer when a model's layers differ (dense and mixture-of-experts, alternating
-    attention kinds): each quantity at its largest over the classes, so wherever the tuner cuts
-    the stages their time and memory are upper bounds (each class is analysed on its own)."""
-    if len(classes) == 1:
-        return classes[0]
-    names = {name for terms in classes for name in terms}
-    return {name: np.max(np.stack([terms[name] for terms in classes if name in terms]), axis=0) for name in names}
 
 
 def _warm_up_candidate() -> StageCandidates:
@@ -303,7 +287,7 @@ class StageCostModel:
         b = np.asarray(c.micro_batch, dtype=np.int64)
         tp = np.asarray(c.tp, dtype=np.int64)
         sp = (np.asarray(c.sp, dtype=bool) & (tp > 1) & self.sp_supported).astype(np.int64)
-        (tp_nodes, tp_gpus), dp_shape = _group_shapes(tp, np.asarray(c.dp, dtype=np.int64),
+        (tp_nodes, tp_gpus), dp_shape = group_shapes(tp, np.asarray(c.dp, dtype=np.int64),
                                                       np.asarray(c.nodes, dtype=np.int64),
                                                       np.asarray(c.gpus_per_node, dtype=np.int64))
         if len(c) and (b.max() >= MAX_MICRO_BATCH or tp.max() >= MAX_GROUP // 2 or tp_nodes.max() >= MAX_GROUP
@@ -326,7 +310,7 @@ class StageCostModel:
                 else:
                     fresh = {kind: self._block_terms(kind, batch, degree, shape)
                              for kind in self._functions if kind != SEQUENCE_LAYER}
-                    fresh["layer"] = _costliest_layer([terms for kind, terms in fresh.items() if kind.startswith("layer")])
+                    fresh["layer"] = costliest_layer([terms for kind, terms in fresh.items() if kind.startswith("layer")])
                 for i, key in enumerate(keys[pick]):
                     self._terms_cache[int(key)] = {kind: {name: value[i] for name, value in terms.items()}
                                                    for kind, terms in fresh.items()}
@@ -353,6 +337,16 @@ class StageCostModel:
                 infeasible |= here & (functions.tp_granularity % tp != 0)
         return infeasible
 
+    def _unsupported(self, c: StageCandidates) -> np.ndarray:
+        """Candidates the stage cannot run: ``_infeasible`` tensor parallelism, or sequence parallelism
+        without tp > 1 and the sequence split evenly."""
+        present = {"layer": np.asarray(c.num_layers) > 0, "pre": np.asarray(c.has_pre, dtype=bool),
+                   "post": np.asarray(c.has_post, dtype=bool)}
+        unsupported = self._infeasible(np.asarray(c.tp, dtype=np.int64), present)
+        asked_sp = np.asarray(c.sp, dtype=bool)
+        return unsupported | (asked_sp & ((np.asarray(c.tp) <= 1) | (self.seq_len % np.asarray(c.tp) != 0)
+                                          | (not self.sp_supported)))
+
     def evaluate(self, candidates: StageCandidates) -> StageEstimates:
         """Every candidate's time and memory; a last stage's head + loss priced as its ``fused_loss``
         says, or (``-1``) both ways, keeping the plain loss where it fits and is faster
@@ -371,7 +365,7 @@ class StageCostModel:
             post[name] = post[name] + post[f"plain_loss_{name}"]
         plain = self._estimate(candidates.select(wanted), subset, tuple(part[wanted] for part in dp_shape))
         better = (choice[wanted] == LOSS_PLAIN) | ((plain.peak_memory_bytes <= self.device_memory_bytes)
-                                             & (plain.stable_s <= fused.stable_s[wanted]))
+                                             & (plain.stable_s <= fused.stable_s[wanted] * (1.0 + LOSS_TIE)))
         chosen = wanted[better]
         fused.stable_s[chosen] = plain.stable_s[better]
         fused.delta_s[chosen] = plain.delta_s[better]
@@ -383,33 +377,69 @@ class StageCostModel:
         fused.breakdown["fused_loss"][chosen] = 0.0
         return fused
 
-    def _estimate(self, c: StageCandidates, per_kind: dict, dp_shape: tuple) -> StageEstimates:
-        count = len(c)
-        dp = np.asarray(c.dp, dtype=np.int64)
-        nodes = np.asarray(c.nodes, dtype=np.int64)
-        dp_nodes, dp_gpus = dp_shape
+    def peak_memory(self, candidates: StageCandidates, opt_ratios: tuple[float, ...] | None = None) -> np.ndarray:
+        """``evaluate(candidates).peak_memory_bytes``, pricing time only where the loss choice needs it:
+        a last stage whose plain loss fits, computes no more than the fused one in forward and
+        backward and offloads no activations by fraction takes the plain loss (its stable time can
+        only be lower: the phases' overlap is monotone in compute); the other rows that could take
+        it are evaluated in full.
+        ``opt_ratios``: the peaks with each of these optimizer-offload ratios in place of the
+        candidates' own, shape (ratios, candidates), summed over the program points once."""
+        ratios = (None,) if opt_ratios is None else tuple(float(r) for r in opt_ratios)
+        count = len(candidates)
+        per_kind, _ = self._candidate_terms(candidates)
+        peak = self._memory(candidates, per_kind, peak_only=True, opt_ratios=opt_ratios)[0].peak
+        peaks = np.broadcast_to(np.asarray(peak, dtype=float), (len(ratios), count)).copy()
+        choice = np.broadcast_to(np.asarray(candidates.fused_loss), (count,))
+        wanted = np.flatnonzero((np.asarray(candidates.has_post, dtype=bool)) & (choice != LOSS_FUSED)
+                                & ("plain_loss_saved" in per_kind["post"]))
+        if len(wanted):
+            subset = {kind: {name: value[wanted] for name, value in terms.items()}
+                      for kind, terms in per_kind.items()}
+            post = subset["post"]
+            # (offloaded activations move the post block's saved tensors too, unless a per-tensor policy says what moves)
+            quicker = ((post["plain_loss_forward_compute"] <= 0) & (post["plain_loss_backward_compute"] <= 0)
+                       & ((np.asarray(candidates.offload_acts, dtype=float)[wanted] == 0)
+                          | (np.asarray(candidates.act_policy)[wanted] >= 0)))
+            for name in ("forward_compute", "backward_compute", "saved", "forward_peak", "backward_peak"):
+                post[name] = post[name] + post[f"plain_loss_{name}"]
+            chosen = candidates.select(wanted)
+            plain = np.broadcast_to(np.asarray(self._memory(chosen, subset, True, opt_ratios)[0].peak, dtype=float),
+                                    (len(ratios), len(wanted)))
+            forced = choice[wanted] == LOSS_PLAIN
+            for i, ratio in enumerate(ratios):
+                fits = plain[i] <= self.device_memory_bytes
+                take = forced | (fits & quicker)
+                peaks[i, wanted[take]] = plain[i, take]
+                unsure = np.flatnonzero(~forced & fits & ~quicker)
+                if len(unsure):
+                    check = chosen.select(unsure)
+                    if ratio is not None:
+                        check.offload_opt = np.full(len(unsure), ratio)
+                    peaks[i, wanted[unsure]] = self.evaluate(check).peak_memory_bytes
+        peaks = np.where(self._unsupported(candidates), np.inf, peaks)
+        return peaks[0] if opt_ratios is None else peaks
+
+    def _memory(self, c: StageCandidates, per_kind: dict, peak_only: bool = False, opt_ratios=None):
+        """The stage's memory (``cost.memory``) and the per-tensor policy terms; ``peak_only``: the
+        peak alone (``StageMemory.peak``, the parts at the peak point left out), for each of
+        ``opt_ratios`` if given."""
         layer, pre, post = per_kind["layer"], per_kind["pre"], per_kind["post"]
         n = np.asarray(c.num_layers, dtype=float)
-        ckpt = np.asarray(c.ckpt_layers, dtype=float)
         has_pre = np.asarray(c.has_pre, dtype=float)
         has_post = np.asarray(c.has_post, dtype=float)
-
-        def stage_sum(name: str) -> np.ndarray:
-            return n * layer[name] + has_pre * pre[name] + has_post * post[name]
-
-        # ---- memory ---------------------------------------------------------------------------
-        weight_b, grad_b, _ = state_bytes_per_param(self.dtype)
+        _, grad_b, _ = state_bytes_per_param(self.dtype)
         zero = np.asarray(c.zero)
         # low-precision gradients (ZeRO 0/1 keep them in the param dtype): the plan's or the candidate's
         low_grads = ((np.asarray(c.low_precision_grads, dtype=bool) | (self.grad_dtype != "float32"))
                      & (zero <= 1) & (grad_b < 4.0) & (np.asarray(c.offload_grads, dtype=float) == 0))
-        stage_params = stage_sum("params")
         # units: the post block's backward ends with its first unit in forward order (the final norm), the pre
         # block's with its first (the token embedding), after its second (the positions)
         layout = StageLayout(pre["params"], layer["params"], post["params"], n, has_pre, has_post,
                              post_last=post["unit_0"], pre_last=pre["unit_0"], pre_previous=pre["unit_1"])
-        config = StageConfig(self.dtype, c.zero, dp, c.grad_accum, c.inflight, ckpt, c.offload_weights,
-                             c.offload_grads, c.offload_opt, c.offload_acts, self.hardware.reduce_scatter_copies,
+        config = StageConfig(self.dtype, c.zero, np.asarray(c.dp, dtype=np.int64), c.grad_accum, c.inflight,
+                             np.asarray(c.ckpt_layers, dtype=float), c.offload_weights, c.offload_grads,
+                             c.offload_opt, c.offload_acts, self.hardware.reduce_scatter_copies,
                              low_precision_grads=low_grads)
         terms = {kind: BlockActivationTerms(v["saved"], v["input"], v["forward_peak"], v["backward_peak"],
                                             v["forward_peaks_weights_free"], v["backward_peaks_weights_free"],
@@ -426,7 +456,28 @@ class StageCostModel:
         with_policy = act >= 0
         terms["layer"].saved = np.where(with_policy, policy["kept"] + policy["offloaded"], terms["layer"].saved)
         layer_offloaded = np.where(with_policy, policy["offloaded"], layer_offloaded)
-        memory = stage_memory(layout, config, terms["pre"], terms["layer"], terms["post"], layer_offloaded)
+        memory = stage_memory(layout, config, terms["pre"], terms["layer"], terms["post"], layer_offloaded,
+                              peak_only=peak_only, opt_ratios=opt_ratios)
+        return memory, policy, with_policy, low_grads
+
+    def _estimate(self, c: StageCandidates, per_kind: dict, dp_shape: tuple) -> StageEstimates:
+        count = len(c)
+        dp = np.asarray(c.dp, dtype=np.int64)
+        nodes = np.asarray(c.nodes, dtype=np.int64)
+        dp_nodes, dp_gpus = dp_shape
+        layer, pre, post = per_kind["layer"], per_kind["pre"], per_kind["post"]
+        n = np.asarray(c.num_layers, dtype=float)
+        ckpt = np.asarray(c.ckpt_layers, dtype=float)
+        has_pre = np.asarray(c.has_pre, dtype=float)
+        has_post = np.asarray(c.has_post, dtype=float)
+
+        def stage_sum(name: str) -> np.ndarray:
+            return n * layer[name] + has_pre * pre[name] + has_post * post[name]
+
+        weight_b, grad_b, _ = state_bytes_per_param(self.dtype)
+        zero = np.asarray(c.zero)
+        stage_params = stage_sum("params")
+        memory, policy, with_policy, low_grads = self._memory(c, per_kind)
         acts_per_mb, peak = memory.acts_per_microbatch, memory.peak
 
         # ---- stable phase: one micro-batch forward + backward ----------------------------------
@@ -481,10 +532,7 @@ class StageCostModel:
                                                            dp_nodes, dp_gpus), 0.0)
         delta = sync + step + after_step_gather + first_gather + self._overflow_check_s(shard_params)
 
-        present = {"layer": n > 0, "pre": has_pre > 0, "post": has_post > 0}
-        unsupported = self._infeasible(np.asarray(c.tp, dtype=np.int64), present)
-        asked_sp = np.asarray(c.sp, dtype=bool)  # sequence parallelism needs tp > 1 and the sequence split evenly
-        unsupported |= asked_sp & ((np.asarray(c.tp) <= 1) | (self.seq_len % np.asarray(c.tp) != 0) | (not self.sp_supported))
+        unsupported = self._unsupported(c)
         stable = np.where(unsupported, np.inf, stable)
         peak = np.where(unsupported, np.inf, peak)
 
@@ -524,52 +572,6 @@ class StageCostModel:
             **{name: getattr(memory, name) for name in SCHEDULE_MEMORY_PARTS},
         }
         return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak, breakdown=breakdown)
-
-
-def optimizer_phase_s(device_and_copies: np.ndarray, host_step: np.ndarray, step_out: np.ndarray,
-                      step_in: np.ndarray, units: np.ndarray) -> np.ndarray:
-    """The optimizer step as ``runtime.optimizer.FlatAdamW`` runs it: the device parts' update overlaps
-    the offloaded parts' copies (``device_and_copies``) and the host threads' AdamW, which starts when the
-    first unit's gradients have arrived and ends with the last unit's weights going back (the units'
-    copies pipeline with the host updates)."""
-    units = np.maximum(np.asarray(units, dtype=float), 1.0)
-    host_chain = np.where(host_step > 0, host_step + (step_out + step_in) / units, 0.0)
-    return np.maximum(device_and_copies, host_chain)
-
-
-# Every micro-batch, autograd adds each parameter's new gradient into the ``.grad`` view the runtime
-# bound into its flat buffer (``runtime.flat_buffer.bind_grads``): two reads and a write of the gradients,
-# on top of the backward the captured graph holds (which ends at the gradients it returns).
-AUTOGRAD_ACCUMULATE_PASSES = 3.0
-
-
-def grad_buffer_bytes_moved(grad_bytes: np.ndarray, dp: np.ndarray) -> np.ndarray:
-    """Bytes the backend moves over a micro-batch's gradient buffers besides the backward itself:
-    zeroing them before the backward (one write), and with data parallelism scaling them by
-    ``1/dp`` in place before the reduction (a read and a write)."""
-    return grad_bytes * (1.0 + np.where(np.asarray(dp) > 1, 2.0, 0.0))
-
-
-def low_precision_bytes_moved(grad_bytes: np.ndarray, stage_params: np.ndarray, zero: np.ndarray,
-                              dp: np.ndarray) -> np.ndarray:
-    """Per iteration, low-precision gradients (ZeRO 0/1, ``runtime/zero.py``): the buffer zeroed once,
-    cast to an fp32 copy for the reduction (a read and an fp32 write), and under ZeRO-0 with data
-    parallelism the mean cast back (an fp32 read and a write). Autograd's in-place accumulation of the
-    micro-batches is priced with the backward (``AUTOGRAD_ACCUMULATE_PASSES``), as on the fp32 path."""
-    dp = np.asarray(dp, dtype=float)
-    cast = grad_bytes + 4.0 * stage_params
-    back = np.where((np.asarray(zero) == 0) & (dp > 1), cast, 0.0)
-    return grad_bytes + cast + back
-
-
-def accumulation_bytes_moved(stage_params: np.ndarray, zero: np.ndarray, dp: np.ndarray,
-                             grad_accum: np.ndarray) -> np.ndarray:
-    """Bytes of adding the micro-batches' gradients into the fp32 accumulator, per iteration:
-    every micro-batch after the first reads the accumulator and its gradients and writes the sum
-    (levels 0-1 hold the whole stage's gradients, levels 2-3 the rank's reduced shard)."""
-    zero, dp = np.asarray(zero), np.asarray(dp, dtype=float)
-    accumulator_bytes = 4.0 * stage_params * np.where(zero >= 2, 1.0 / dp, 1.0)
-    return 3.0 * accumulator_bytes * np.maximum(np.asarray(grad_accum, dtype=float) - 1.0, 0.0)
 
 
 def build_stage_cost_model(program: MistProgram, hardware, *, seq_len: int, dtype: str | None = None,

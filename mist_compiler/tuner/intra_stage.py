@@ -33,6 +33,7 @@ from .stage_configs import (
     enumerate_bases,
     evaluate,
     inflight_samples,
+    peak_memory,
 )
 
 
@@ -234,7 +235,7 @@ def _inflight_slope(model: StageCostModel, bases: Bases, shapes: list[DeviceShap
     if len(deep):
         picked = rows[deep]
         k = bases.max_inflight[picked]
-        top = evaluate(model, bases.take(picked), shapes, ckpt[picked], offload[picked], k).peak_memory_bytes
+        top = peak_memory(model, bases.take(picked), shapes, ckpt[picked], offload[picked], k)
         slope[deep] = np.maximum((top - mem1[picked]) / (k - 1), 0.0)
     return slope
 
@@ -247,16 +248,16 @@ def _verify_fit(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], 
     claim = np.flatnonzero(fit_k >= 3)
     if len(claim) == 0:
         return fit_k
-    check = evaluate(model, bases.take(claim), shapes, ckpt[claim], offload[claim], fit_k[claim])
-    failed = claim[~_fits(check.peak_memory_bytes, limit)]
+    check = peak_memory(model, bases.take(claim), shapes, ckpt[claim], offload[claim], fit_k[claim])
+    failed = claim[~_fits(check, limit)]
     stats["fit_corrections"] = stats.get("fit_corrections", 0) + len(failed)
     low, high = np.full(len(failed), 2), fit_k[failed].copy()
     while len(failed) and (high - low > 1).any():
         active = high - low > 1
         mid = (low + high) // 2
         rows = failed[active]
-        probe = evaluate(model, bases.take(rows), shapes, ckpt[rows], offload[rows], mid[active])
-        ok = _fits(probe.peak_memory_bytes, limit)
+        probe = peak_memory(model, bases.take(rows), shapes, ckpt[rows], offload[rows], mid[active])
+        ok = _fits(probe, limit)
         low[np.flatnonzero(active)[ok]] = mid[active][ok]
         high[np.flatnonzero(active)[~ok]] = mid[active][~ok]
     fit_k[failed] = low

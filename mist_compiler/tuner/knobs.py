@@ -27,7 +27,7 @@ import numpy as np
 
 from ..cost.stage_api import StageCostModel
 from .space import Cluster, DeviceShape, SearchSpace
-from .stage_configs import PP_BOTH, Bases, _fits, _knob_limits, evaluate, inflight_samples
+from .stage_configs import PP_BOTH, Bases, _fits, _knob_limits, evaluate, inflight_samples, peak_memory
 
 @dataclass
 class IncumbentBound:
@@ -127,14 +127,14 @@ def _fits_most_saving(model: StageCostModel, bases: Bases, shapes: list[DeviceSh
     """Fits one micro-batch with every knob at its maximum (weights offload also tried at 0: its
     prefetch buffer can cost more than it frees on a small stage)."""
     most = combos.max(axis=0)
-    alive = _fits(evaluate(model, bases, shapes, high, np.tile(most, (len(bases), 1)), 1).peak_memory_bytes, limit)
+    alive = _fits(peak_memory(model, bases, shapes, high, np.tile(most, (len(bases), 1)), 1), limit)
     if most[0] > 0:
         no_weights = most.copy()
         no_weights[0] = 0.0
         rest = np.flatnonzero(~alive)
         if len(rest):
-            other = evaluate(model, bases.take(rest), shapes, high[rest], np.tile(no_weights, (len(rest), 1)), 1)
-            alive[rest[_fits(other.peak_memory_bytes, limit)]] = True
+            other = peak_memory(model, bases.take(rest), shapes, high[rest], np.tile(no_weights, (len(rest), 1)), 1)
+            alive[rest[_fits(other, limit)]] = True
     return alive
 
 
@@ -189,7 +189,7 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
     n = len(tight)
     low_base, high_base = _knob_limits(space, tight.layers)
     if deepest is None:
-        deepest = evaluate(model, tight, shapes, low_base, np.zeros((n, 4)), tight.max_inflight).peak_memory_bytes
+        deepest = peak_memory(model, tight, shapes, low_base, np.zeros((n, 4)), tight.max_inflight)
     relevant = [_frees_memory(model, tight, shapes, low_base, family, float(grid[-1]), deepest)
                 for family, grid in zip((0, 1, 3), rest_grid)]
     rest = np.array(list(product(*rest_grid)), dtype=float).reshape(-1, 3)  # (w, g, a) grid points
@@ -205,25 +205,27 @@ def _minimal_knobs(model: StageCostModel, tight: Bases, shapes: list[DeviceShape
     offload = np.zeros((len(pairs), 4))
     offload[:, 0], offload[:, 1], offload[:, 3] = rest[point_of, 0], rest[point_of, 1], rest[point_of, 2]
     low, high = low_base[base_of], high_base[base_of]
-    moved = offload.copy()
-    moved[:, 2] = opt_top
+    # memory with none (False) and with all (True) of the optimizer states offloaded, summed over the program
+    # points once for both (without optimizer offload, only the True corners, at ratio 0)
+    opt_on = (True,) if opt_top <= 0 else (False, True)
+    opt_values = tuple(opt_top if on else 0.0 for on in opt_on)
     # the most-saving corner first: pairs that do not fit even then need no other evaluation
-    top_high1 = evaluate(model, sub, shapes, high, moved, 1).peak_memory_bytes.astype(float)
+    high1 = peak_memory(model, sub, shapes, high, offload, 1, opt_values).astype(float)
+    top_high1 = high1[-1]
     alive = np.flatnonzero(_fits(top_high1, limit))
     corners = {}  # (opt offloaded?, ckpt corner, k) -> memory
+    for i, on in enumerate(opt_on):
+        corners[(on, "high", 1)] = np.full(len(sub), np.inf)
+        corners[(on, "high", 1)][alive] = high1[i, alive]
+    corners[(True, "high", 1)] = top_high1
     deep = alive[sub.max_inflight[alive] >= 2]  # stages that never hold two micro-batches need no k = 2 corner
-    for opt_on, ratios in ((False, offload), (True, moved)):
-        for corner, knob in (("low", low), ("high", high)):
-            for k in (1, 2):
-                if opt_on and corner == "high" and k == 1:
-                    corners[(True, "high", 1)] = top_high1
-                    continue
-                if not opt_on and opt_top <= 0:
-                    continue
-                rows = alive if k == 1 else deep
-                values = corners[(opt_on, corner, 1)].copy() if k == 2 else np.full(len(sub), np.inf)
-                values[rows] = evaluate(model, sub.take(rows), shapes, knob[rows], ratios[rows], k).peak_memory_bytes
-                corners[(opt_on, corner, k)] = values
+    for corner, knob, k in (("low", low, 1), ("low", low, 2), ("high", high, 2)):
+        rows = alive if k == 1 else deep
+        found = peak_memory(model, sub.take(rows), shapes, knob[rows], offload[rows], k, opt_values)
+        for i, on in enumerate(opt_on):
+            values = corners[(on, corner, 1)].copy() if k == 2 else np.full(len(sub), np.inf)
+            values[rows] = found[i]
+            corners[(on, corner, k)] = values
     if opt_top <= 0:  # no optimizer offload: the "offloaded" corners are the plain ones
         for key in list(corners):
             corners[(False,) + key[1:]] = corners[key]
@@ -290,12 +292,8 @@ def _least_opt(model: StageCostModel, sub: Bases, shapes: list[DeviceShape], off
     todo = np.flatnonzero(opts > 0)
     if opt_top <= 0 or len(todo) == 0:
         return result
-    rows = sub.take(pair[todo])
-    ratios = offload[pair[todo]].copy()
-    ratios[:, 2] = 0.0
-    plain = evaluate(model, rows, shapes, ckpts[todo], ratios, ks[todo]).peak_memory_bytes
-    ratios[:, 2] = opt_top
-    offloaded = evaluate(model, rows, shapes, ckpts[todo], ratios, ks[todo]).peak_memory_bytes
+    plain, offloaded = peak_memory(model, sub.take(pair[todo]), shapes, ckpts[todo], offload[pair[todo]], ks[todo],
+                                   (0.0, opt_top))
     with np.errstate(divide="ignore", invalid="ignore"):
         share = np.where(plain > offloaded, (plain - limit * (1 - 1e-7)) / (plain - offloaded), 0.0)
     least = np.clip(np.where(np.isfinite(share), share, 1.0), 0.0, 1.0) * opt_top
@@ -316,7 +314,7 @@ def _frees_memory(model: StageCostModel, bases: Bases, shapes: list[DeviceShape]
         return np.zeros(len(bases), dtype=bool)
     moved = np.zeros((len(bases), 4))
     moved[:, family] = ratio
-    return evaluate(model, bases, shapes, ckpt, moved, bases.max_inflight).peak_memory_bytes < plain * (1 - 1e-9)
+    return peak_memory(model, bases, shapes, ckpt, moved, bases.max_inflight) < plain * (1 - 1e-9)
 
 
 def _needed_ckpt(space: SearchSpace, m_low: np.ndarray, m_high: np.ndarray, span: np.ndarray, room: np.ndarray,

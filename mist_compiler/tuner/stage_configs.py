@@ -47,20 +47,16 @@ class Bases:
         return len(self.layers)
 
 
-def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
-             offload: np.ndarray, inflight: np.ndarray | int) -> StageEstimates:
-    """Evaluate bases with knobs (``offload`` is [n, 4]) in chunks; returns concatenated estimates."""
+def _candidates(bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray, offload: np.ndarray,
+                inflight: np.ndarray | int):
+    """The bases with knobs (``offload`` is [n, 4]) as stage candidates, in chunks of ``EVAL_CHUNK``."""
     n = len(bases)
-    if n == 0:
-        empty = np.zeros(0)
-        return StageEstimates(empty, empty, empty, {})
     nodes = np.array([s.nodes for s in shapes])[bases.shape]
     gpus = np.array([s.gpus for s in shapes])[bases.shape]
     inflight_arr = np.broadcast_to(np.asarray(inflight), (n,))
-    parts = []
     for start in range(0, n, EVAL_CHUNK):
         window = slice(start, min(n, start + EVAL_CHUNK))
-        candidates = StageCandidates(
+        yield StageCandidates(
             num_layers=bases.layers[window], has_pre=(bases.pp[window] & 1).astype(bool),
             has_post=(bases.pp[window] >= PP_POST), nodes=nodes[window], gpus_per_node=gpus[window],
             micro_batch=bases.micro_batch[window], dp=bases.dp[window], tp=bases.tp[window],
@@ -70,13 +66,45 @@ def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckp
             grad_accum=bases.grad_accum[window], fused_loss=LOSS_CHOOSE,
             sp=bases.sp[window].astype(bool), act_policy=bases.policy[window],
         )
-        parts.append(model.evaluate(candidates))
+
+
+def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
+             offload: np.ndarray, inflight: np.ndarray | int) -> StageEstimates:
+    """Evaluate bases with knobs (``offload`` is [n, 4]) in chunks; returns concatenated estimates."""
+    if len(bases) == 0:
+        empty = np.zeros(0)
+        return StageEstimates(empty, empty, empty, {})
+    parts = [model.evaluate(candidates) for candidates in _candidates(bases, shapes, ckpt, offload, inflight)]
     if len(parts) == 1:
         return parts[0]
     return StageEstimates(
         np.concatenate([p.stable_s for p in parts]), np.concatenate([p.delta_s for p in parts]),
         np.concatenate([p.peak_memory_bytes for p in parts]), {},
     )
+
+
+def peak_memory(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckpt: np.ndarray,
+                offload: np.ndarray, inflight: np.ndarray | int, opt_ratios: tuple[float, ...] | None = None) -> np.ndarray:
+    """``evaluate(...).peak_memory_bytes`` at a fraction of its cost (the model prices no time it need not);
+    ``opt_ratios``: one row of peaks per optimizer-offload ratio, in place of ``offload[:, 2]``."""
+    if len(bases) == 0:
+        return np.zeros(0) if opt_ratios is None else np.zeros((len(opt_ratios), 0))
+    return np.concatenate([_peak(model, candidates, opt_ratios)
+                           for candidates in _candidates(bases, shapes, ckpt, offload, inflight)], axis=-1)
+
+
+def _peak(model: StageCostModel, candidates: StageCandidates, opt_ratios: tuple[float, ...] | None = None) -> np.ndarray:
+    """The model's ``peak_memory`` where it has one (it is optional), else its full evaluation's peak."""
+    peak = getattr(model, "peak_memory", None)
+    if peak is not None:
+        return peak(candidates, opt_ratios)
+    if opt_ratios is None:
+        return model.evaluate(candidates).peak_memory_bytes
+    rows = []
+    for ratio in opt_ratios:
+        candidates.offload_opt = np.full(len(candidates), float(ratio))
+        rows.append(model.evaluate(candidates).peak_memory_bytes)
+    return np.stack(rows)
 
 
 def enumerate_bases(work: Workload, cluster: Cluster, space: SearchSpace, grad_accum: int,
@@ -183,5 +211,9 @@ class CountingModel:
     def evaluate(self, candidates: StageCandidates) -> StageEstimates:
         self.rows += len(candidates)
         return self.model.evaluate(candidates)
+
+    def peak_memory(self, candidates: StageCandidates, opt_ratios: tuple[float, ...] | None = None) -> np.ndarray:
+        self.rows += len(candidates) * (1 if opt_ratios is None else len(opt_ratios))
+        return _peak(self.model, candidates, opt_ratios)
 
 

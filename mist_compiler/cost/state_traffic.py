@@ -1,0 +1,54 @@
+"""What the backend does to gradient and optimizer state besides the captured graphs, priced per
+candidate: the passes over gradient buffers (zeroing, scaling, autograd's in-place accumulation, the
+fp32 accumulator, low-precision casts) and the optimizer step's device and host halves
+(``runtime/zero.py``, ``runtime/flat_buffer.py``, ``runtime/optimizer.py``). The stage model adds
+these to the phases the graphs' costs make."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def optimizer_phase_s(device_and_copies: np.ndarray, host_step: np.ndarray, step_out: np.ndarray,
+                      step_in: np.ndarray, units: np.ndarray) -> np.ndarray:
+    """The optimizer step as ``runtime.optimizer.FlatAdamW`` runs it: the device parts' update overlaps
+    the offloaded parts' copies (``device_and_copies``) and the host threads' AdamW, which starts when the
+    first unit's gradients have arrived and ends with the last unit's weights going back (the units'
+    copies pipeline with the host updates)."""
+    units = np.maximum(np.asarray(units, dtype=float), 1.0)
+    host_chain = np.where(host_step > 0, host_step + (step_out + step_in) / units, 0.0)
+    return np.maximum(device_and_copies, host_chain)
+
+
+# Every micro-batch, autograd adds each parameter's new gradient into the ``.grad`` view the runtime
+# bound into its flat buffer (``runtime.flat_buffer.bind_grads``): two reads and a write of the gradients,
+# on top of the backward the captured graph holds (which ends at the gradients it returns).
+AUTOGRAD_ACCUMULATE_PASSES = 3.0
+
+
+def grad_buffer_bytes_moved(grad_bytes: np.ndarray, dp: np.ndarray) -> np.ndarray:
+    """Bytes the backend moves over a micro-batch's gradient buffers besides the backward itself:
+    zeroing them before the backward (one write), and with data parallelism scaling them by
+    ``1/dp`` in place before the reduction (a read and a write)."""
+    return grad_bytes * (1.0 + np.where(np.asarray(dp) > 1, 2.0, 0.0))
+
+
+def low_precision_bytes_moved(grad_bytes: np.ndarray, stage_params: np.ndarray, zero: np.ndarray,
+                              dp: np.ndarray) -> np.ndarray:
+    """Per iteration, low-precision gradients (ZeRO 0/1, ``runtime/zero.py``): the buffer zeroed once,
+    cast to an fp32 copy for the reduction (a read and an fp32 write), and under ZeRO-0 with data
+    parallelism the mean cast back (an fp32 read and a write). Autograd's in-place accumulation of the
+    micro-batches is priced with the backward (``AUTOGRAD_ACCUMULATE_PASSES``), as on the fp32 path."""
+    dp = np.asarray(dp, dtype=float)
+    cast = grad_bytes + 4.0 * stage_params
+    back = np.where((np.asarray(zero) == 0) & (dp > 1), cast, 0.0)
+    return grad_bytes + cast + back
+
+
+def accumulation_bytes_moved(stage_params: np.ndarray, zero: np.ndarray, dp: np.ndarray,
+                             grad_accum: np.ndarray) -> np.ndarray:
+    """Bytes of adding the micro-batches' gradients into the fp32 accumulator, per iteration:
+    every micro-batch after the first reads the accumulator and its gradients and writes the sum
+    (levels 0-1 hold the whole stage's gradients, levels 2-3 the rank's reduced shard)."""
+    zero, dp = np.asarray(zero), np.asarray(dp, dtype=float)
+    accumulator_bytes = 4.0 * stage_params * np.where(zero >= 2, 1.0 / dp, 1.0)
+    return 3.0 * accumulator_bytes * np.maximum(np.asarray(grad_accum, dtype=float) - 1.0, 0.0)
