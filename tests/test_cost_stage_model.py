@@ -209,8 +209,8 @@ def test_memory_knobs_are_monotone(model):
 
 
 def test_peak_memory_alone_is_the_full_evaluations_peak(program):
-    """The tuner's memory-only question (``peak_memory``, with and without optimizer-offload ratios)
-    gives exactly ``evaluate``'s peaks, the plain-or-fused loss choice included: the limit is set
+    """The tuner's questions (``totals``; ``peak_memory``, with and without optimizer-offload ratios)
+    give exactly ``evaluate``'s times and peaks, the plain-or-fused loss choice included: the limit is set
     between the two losses' peaks, so the choice goes both ways."""
     from mist_compiler.cost.hardware import load_profile, with_memory_limit
     from mist_compiler.cost.stage_api import LOSS_CHOOSE, LOSS_PLAIN
@@ -231,6 +231,10 @@ def test_peak_memory_alone_is_the_full_evaluations_peak(program):
     full = model.evaluate(candidates)
     assert 0.0 < float(full.breakdown["fused_loss"][np.asarray(candidates.has_post)].mean()) < 1.0
     assert np.array_equal(model.peak_memory(candidates), full.peak_memory_bytes)
+    totals = model.totals(candidates)  # the tuner's evaluation: the same numbers, no breakdown
+    assert set(totals.breakdown) == {"fused_loss"}  # the loss choice alone
+    for name in ("stable_s", "delta_s", "peak_memory_bytes"):
+        assert np.array_equal(getattr(totals, name), getattr(full, name)), name
     ratios = (0.0, 0.5, 1.0)
     by_ratio = model.peak_memory(candidates, ratios)
     for i, ratio in enumerate(ratios):

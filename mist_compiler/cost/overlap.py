@@ -106,3 +106,21 @@ def overlapped_time(profile: HardwareProfile, compute_s: ArrayLike, collective_s
                     h2d_s: ArrayLike = 0.0, d2h_s: ArrayLike = 0.0) -> np.ndarray:
     """Duration of a phase whose channels run concurrently (see :func:`overlap`)."""
     return overlap(profile, compute_s, collective_s, h2d_s, d2h_s).total_s
+
+
+def overlap_where_busy(profile: HardwareProfile, compute, collective, h2d, d2h) -> OverlapResult:
+    """The overlap model, run only where a channel besides compute has work (the rest is compute)."""
+    compute, collective, h2d, d2h = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, collective, h2d, d2h)))
+    busy = (collective > 0) | (h2d > 0) | (d2h > 0)
+    zeros = np.zeros(compute.shape)
+    total = compute.copy()
+    finish = {"compute": compute.copy(), "collective": zeros.copy(), "h2d": zeros.copy(), "d2h": zeros.copy()}
+    exposed = {"collective": zeros.copy(), "h2d": zeros.copy(), "d2h": zeros.copy()}
+    if busy.any():
+        part = overlap(profile, compute[busy], collective[busy], h2d[busy], d2h[busy])
+        total[busy] = part.total_s
+        for name in finish:
+            finish[name][busy] = part.finish_s[name]
+        for name in exposed:
+            exposed[name][busy] = part.exposed_s[name]
+    return OverlapResult(total, finish, exposed, finish["compute"] - compute)

@@ -74,8 +74,9 @@ class StageEstimates:
 
 
 class StageCostModel(Protocol):
-    """What the tuner needs from the cost model (and, optionally, ``peak_memory(candidates)``: the
-    peaks ``evaluate`` gives, priced without the times where it can be)."""
+    """What the tuner needs from the cost model (and, optionally, ``totals(candidates)``: ``evaluate``
+    without the breakdown, and ``peak_memory(candidates)``: its peaks, priced without the times
+    where they can be)."""
 
     device_memory_bytes: float
 

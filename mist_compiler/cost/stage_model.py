@@ -54,7 +54,7 @@ from .loss_kernel import plain_loss_deltas
 from .memory import (SCHEDULE_MEMORY_PARTS, BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory,
                      state_bytes_per_param)
 from .op_time import matmul_time, op_class_time
-from .overlap import OverlapResult, overlap
+from .overlap import overlap_where_busy
 from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates, StageEstimates
 from .state_traffic import (AUTOGRAD_ACCUMULATE_PASSES, accumulation_bytes_moved, grad_buffer_bytes_moved,
                             low_precision_bytes_moved, optimizer_phase_s)
@@ -70,24 +70,6 @@ def _warm_up_candidate() -> StageCandidates:
     return StageCandidates(num_layers=1, has_pre=True, has_post=True, nodes=1, gpus_per_node=2, micro_batch=1, dp=1,
                            tp=2, zero=3, ckpt_layers=1, offload_weights=0.5, offload_grads=0.5, offload_opt=0.5,
                            offload_acts=0.5, inflight=1)
-
-
-def _overlap(profile: HardwareProfile, compute, collective, h2d, d2h) -> OverlapResult:
-    """The overlap model, run only where a channel besides compute has work (the rest is compute)."""
-    compute, collective, h2d, d2h = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, collective, h2d, d2h)))
-    busy = (collective > 0) | (h2d > 0) | (d2h > 0)
-    zeros = np.zeros(compute.shape)
-    total = compute.copy()
-    finish = {"compute": compute.copy(), "collective": zeros.copy(), "h2d": zeros.copy(), "d2h": zeros.copy()}
-    exposed = {"collective": zeros.copy(), "h2d": zeros.copy(), "d2h": zeros.copy()}
-    if busy.any():
-        part = overlap(profile, compute[busy], collective[busy], h2d[busy], d2h[busy])
-        total[busy] = part.total_s
-        for name in finish:
-            finish[name][busy] = part.finish_s[name]
-        for name in exposed:
-            exposed[name][busy] = part.exposed_s[name]
-    return OverlapResult(total, finish, exposed, finish["compute"] - compute)
 
 
 @dataclass
@@ -347,12 +329,12 @@ class StageCostModel:
         return unsupported | (asked_sp & ((np.asarray(c.tp) <= 1) | (self.seq_len % np.asarray(c.tp) != 0)
                                           | (not self.sp_supported)))
 
-    def evaluate(self, candidates: StageCandidates) -> StageEstimates:
+    def evaluate(self, candidates: StageCandidates, breakdown: bool = True) -> StageEstimates:
         """Every candidate's time and memory; a last stage's head + loss priced as its ``fused_loss``
         says, or (``-1``) both ways, keeping the plain loss where it fits and is faster
-        (``breakdown["fused_loss"]``: 1.0 fused, 0.0 plain)."""
+        (``breakdown["fused_loss"]``: 1.0 fused, 0.0 plain; with ``breakdown=False`` the only part)."""
         per_kind, dp_shape = self._candidate_terms(candidates)
-        fused = self._estimate(candidates, per_kind, dp_shape)
+        fused = self._estimate(candidates, per_kind, dp_shape, breakdown)
         fused.breakdown["fused_loss"] = np.ones(len(candidates))
         choice = np.asarray(candidates.fused_loss)
         wanted = np.flatnonzero((np.asarray(candidates.has_post, dtype=bool)) & (choice != LOSS_FUSED)
@@ -363,7 +345,7 @@ class StageCostModel:
         post = subset["post"]
         for name in ("forward_compute", "backward_compute", "saved", "forward_peak", "backward_peak"):
             post[name] = post[name] + post[f"plain_loss_{name}"]
-        plain = self._estimate(candidates.select(wanted), subset, tuple(part[wanted] for part in dp_shape))
+        plain = self._estimate(candidates.select(wanted), subset, tuple(part[wanted] for part in dp_shape), breakdown)
         better = (choice[wanted] == LOSS_PLAIN) | ((plain.peak_memory_bytes <= self.device_memory_bytes)
                                              & (plain.stable_s <= fused.stable_s[wanted] * (1.0 + LOSS_TIE)))
         chosen = wanted[better]
@@ -377,14 +359,16 @@ class StageCostModel:
         fused.breakdown["fused_loss"][chosen] = 0.0
         return fused
 
+    def totals(self, candidates: StageCandidates) -> StageEstimates:
+        """``evaluate`` without the breakdown: what the tuner reads (times and peaks)."""
+        return self.evaluate(candidates, breakdown=False)
+
     def peak_memory(self, candidates: StageCandidates, opt_ratios: tuple[float, ...] | None = None) -> np.ndarray:
-        """``evaluate(candidates).peak_memory_bytes``, pricing time only where the loss choice needs it:
-        a last stage whose plain loss fits, computes no more than the fused one in forward and
-        backward and offloads no activations by fraction takes the plain loss (its stable time can
-        only be lower: the phases' overlap is monotone in compute); the other rows that could take
-        it are evaluated in full.
-        ``opt_ratios``: the peaks with each of these optimizer-offload ratios in place of the
-        candidates' own, shape (ratios, candidates), summed over the program points once."""
+        """``evaluate(candidates).peak_memory_bytes``, timing only what the loss choice needs: a plain loss
+        that fits, computes no more than the fused one and offloads no activations by fraction is taken
+        (its stable time can only be lower: overlap is monotone in compute); other rows that could take
+        it are evaluated in full. ``opt_ratios``: the peaks with each of these optimizer-offload ratios
+        instead of the candidates' own, (ratios, candidates), the program points summed once."""
         ratios = (None,) if opt_ratios is None else tuple(float(r) for r in opt_ratios)
         count = len(candidates)
         per_kind, _ = self._candidate_terms(candidates)
@@ -460,7 +444,7 @@ class StageCostModel:
                               peak_only=peak_only, opt_ratios=opt_ratios)
         return memory, policy, with_policy, low_grads
 
-    def _estimate(self, c: StageCandidates, per_kind: dict, dp_shape: tuple) -> StageEstimates:
+    def _estimate(self, c: StageCandidates, per_kind: dict, dp_shape: tuple, breakdown: bool = True) -> StageEstimates:
         count = len(c)
         dp = np.asarray(c.dp, dtype=np.int64)
         nodes = np.asarray(c.nodes, dtype=np.int64)
@@ -477,7 +461,7 @@ class StageCostModel:
         weight_b, grad_b, _ = state_bytes_per_param(self.dtype)
         zero = np.asarray(c.zero)
         stage_params = stage_sum("params")
-        memory, policy, with_policy, low_grads = self._memory(c, per_kind)
+        memory, policy, with_policy, low_grads = self._memory(c, per_kind, peak_only=not breakdown)
         acts_per_mb, peak = memory.acts_per_microbatch, memory.peak
 
         # ---- stable phase: one micro-batch forward + backward ----------------------------------
@@ -511,8 +495,8 @@ class StageCostModel:
         inter_node = nodes > 1
         p2p_bytes = (1.0 - has_post) * layer["output"] + (1.0 - has_pre) * layer["input"]
         p2p = p2p_time(self.hardware, p2p_bytes, inter_node)
-        forward = _overlap(self.hardware, forward_compute, forward_collective, weights_in, acts_out)
-        backward = _overlap(self.hardware, backward_compute, backward_collective, weights_in + acts_in, grads_out)
+        forward = overlap_where_busy(self.hardware, forward_compute, forward_collective, weights_in, acts_out)
+        backward = overlap_where_busy(self.hardware, backward_compute, backward_collective, weights_in + acts_in, grads_out)
         stable = forward.total_s + backward.total_s + tp_exposed + p2p
 
         # ---- delta: once per iteration ---------------------------------------------------------
@@ -526,7 +510,7 @@ class StageCostModel:
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
         accumulate = np.where(low_grads, low_precision_bytes_moved(grad_bytes, stage_params, zero, dp),
                               accumulation_bytes_moved(stage_params, zero, dp, c.grad_accum)) / self.hardware.state_pass_bandwidth
-        step = optimizer_phase_s(_overlap(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s,
+        step = optimizer_phase_s(overlap_where_busy(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s,
                                  host_step, step_out, step_in, n + has_pre + has_post) + accumulate
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
                                                            dp_nodes, dp_gpus), 0.0)
@@ -536,6 +520,8 @@ class StageCostModel:
         stable = np.where(unsupported, np.inf, stable)
         peak = np.where(unsupported, np.inf, peak)
 
+        if not breakdown:
+            return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak)
         compute = forward_compute + backward_compute
         breakdown = {
             "compute": compute,

@@ -74,7 +74,7 @@ def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckp
     if len(bases) == 0:
         empty = np.zeros(0)
         return StageEstimates(empty, empty, empty, {})
-    parts = [model.evaluate(candidates) for candidates in _candidates(bases, shapes, ckpt, offload, inflight)]
+    parts = [_totals(model, candidates) for candidates in _candidates(bases, shapes, ckpt, offload, inflight)]
     if len(parts) == 1:
         return parts[0]
     return StageEstimates(
@@ -91,6 +91,12 @@ def peak_memory(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], 
         return np.zeros(0) if opt_ratios is None else np.zeros((len(opt_ratios), 0))
     return np.concatenate([_peak(model, candidates, opt_ratios)
                            for candidates in _candidates(bases, shapes, ckpt, offload, inflight)], axis=-1)
+
+
+def _totals(model: StageCostModel, candidates: StageCandidates) -> StageEstimates:
+    """The model's ``totals`` (times and peaks, no breakdown) where it has one (it is optional), else ``evaluate``."""
+    totals = getattr(model, "totals", None)
+    return totals(candidates) if totals is not None else model.evaluate(candidates)
 
 
 def _peak(model: StageCostModel, candidates: StageCandidates, opt_ratios: tuple[float, ...] | None = None) -> np.ndarray:
@@ -211,6 +217,10 @@ class CountingModel:
     def evaluate(self, candidates: StageCandidates) -> StageEstimates:
         self.rows += len(candidates)
         return self.model.evaluate(candidates)
+
+    def totals(self, candidates: StageCandidates) -> StageEstimates:
+        self.rows += len(candidates)
+        return _totals(self.model, candidates)
 
     def peak_memory(self, candidates: StageCandidates, opt_ratios: tuple[float, ...] | None = None) -> np.ndarray:
         self.rows += len(candidates) * (1 if opt_ratios is None else len(opt_ratios))
