@@ -272,7 +272,10 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     forward_grads = np.where(inflight < accum, between, 0.0)
     # a block finished in the iteration's first backward keeps its accumulator (or, without
     # accumulation, its reduced gradient); in a later one it adds what the last micro-batch leaves
-    first_done = lambda numel: np.where(grads.accumulating, grads.accumulator(numel), grads.finished(numel))  # noqa: E731
+    if grads.accumulating.all() or not grads.accumulating.any():  # (one G for every candidate: the usual case)
+        first_done = grads.accumulator if grads.accumulating.all() else grads.finished
+    else:
+        first_done = lambda numel: np.where(grads.accumulating, grads.accumulator(numel), grads.finished(numel))  # noqa: E731
     at_step = between + grads.finished(total)
 
     # ---- activations ------------------------------------------------------------------------
@@ -370,17 +373,25 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     # one's final reduction (ZeRO 2/3) is in flight
     later_held = np.maximum(np.minimum(inflight, accum - 1.0) - 1.0, 0.0)
     keep = lambda numel: np.zeros_like(np.asarray(numel, dtype=float))  # noqa: E731
+    # (a frontier's candidates share one G, so the middle backwards are usually all there or all absent)
+    if grads.middle.all():
+        middle = backward_points(between, keep, False, False)
+    elif not grads.middle.any():
+        middle = [(zeros, zeros, zeros)]
+    else:
+        middle = [(np.where(grads.middle, acts, 0.0), np.where(grads.middle, w, 0.0), np.where(grads.middle, g, 0.0))
+                  for acts, w, g in backward_points(between, keep, False, False)]
     phases = [(inflight - 1.0, forward_points),
               (inflight - 1.0, backward_points(zeros, first_done, True, ~grads.accumulating)),
-              (np.where(grads.middle, later_held, 0.0),
-               [(np.where(grads.middle, acts, 0.0), np.where(grads.middle, w, 0.0), np.where(grads.middle, g, 0.0))
-                for acts, w, g in backward_points(between, keep, False, False)]),
+              (np.where(grads.middle, later_held, 0.0), middle),
               (np.where(grads.accumulating, later_held, inflight - 1.0),
                backward_points(np.where(grads.accumulating, between, 0.0), grads.finished, False, True,
                                carried=np.where(grads.accumulating & (inflight > 1), grads.pending(
                                    np.where(has_pre > 0, pre_last, p_layer), False), 0.0)))]
-    points = [(held_count * one_held + posted_receive + acts, weights_here, grad)
-              for held_count, phase_points in phases for acts, weights_here, grad in phase_points]
+    points = []
+    for held_count, phase_points in phases:
+        held = held_count * one_held + posted_receive
+        points += [(held + acts, weights_here, grad) for acts, weights_here, grad in phase_points]
     # fp32 gradients: torch's fused AdamW, no temporary; param-dtype gradients: the chunked torch AdamW's
     # temporaries (the denominator, and an fp32 copy of the gradient chunk)
     low_at_step = (np.asarray(config.low_precision_grads, dtype=bool) & (zero == 0) & (grad_b < ACCUMULATOR_BYTES)
