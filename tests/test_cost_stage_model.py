@@ -240,3 +240,14 @@ def test_peak_memory_alone_is_the_full_evaluations_peak(program):
     for i, ratio in enumerate(ratios):
         moved = dataclasses.replace(candidates, offload_opt=np.full(n, ratio))
         assert np.array_equal(by_ratio[i], model.evaluate(moved).peak_memory_bytes), ratio
+
+
+def test_a_model_replaced_with_another_profile_prices_with_it(program, model):
+    """The stage model caches block terms per model; ``dataclasses.replace`` with a slower device must
+    price with it, as a model built for that device does, not read the first model's cached times."""
+    candidate = one(micro_batch=64)
+    fast = model.evaluate(candidate).stable_s[0]
+    slower = dataclasses.replace(model.hardware, peak_flops={k: v / 2 for k, v in model.hardware.peak_flops.items()})
+    replaced = dataclasses.replace(model, hardware=slower).evaluate(candidate).stable_s[0]
+    assert replaced > fast
+    assert replaced == build_stage_cost_model(program, slower, seq_len=SEQ).evaluate(candidate).stable_s[0]

@@ -86,11 +86,14 @@ class StageCostModel:
     grad_dtype: str = "float32"  # the plan's grad_dtype: the dtype ZeRO 0/1 keep gradients in, for every candidate
     compiled: bool = COMPILED_DEFAULT  # prices the units as compiled code (``cost.compiled``), else the eager program
     _functions: dict[str, BlockFunctions] = field(default_factory=dict, repr=False)
-    _terms_cache: dict[int, dict] = field(default_factory=dict, repr=False)  # (b, t, TP group) key -> block terms
+    # caches, per model (``dataclasses.replace``, e.g. with another profile, starts them afresh): the block terms
+    # of a (b, t, TP group) key, and the term arrays of a set of distinct keys
+    _terms_cache: dict[int, dict] = field(default_factory=dict, init=False, repr=False)
+    _tables_cache: dict[bytes, dict] = field(default_factory=dict, init=False, repr=False)
     # per-tensor activation policies candidates may use (``act_policy`` indexes it), priced on the layer's table
     policies: list = field(default_factory=list, repr=False)
-    _policy_prices: dict = field(default_factory=dict, repr=False)  # (index, sp) -> PolicyPrice
-    _policy_cache: dict = field(default_factory=dict, repr=False)  # (index, b, t, sp) -> terms
+    _policy_prices: dict = field(default_factory=dict, init=False, repr=False)  # (index, sp) -> PolicyPrice
+    _policy_cache: dict = field(default_factory=dict, init=False, repr=False)  # (index, b, t, sp) -> terms
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -296,14 +299,19 @@ class StageCostModel:
                 for i, key in enumerate(keys[pick]):
                     self._terms_cache[int(key)] = {kind: {name: value[i] for name, value in terms.items()}
                                                    for kind, terms in fresh.items()}
-        cached = [self._terms_cache[int(key)] for key in unique_keys]
-        per_kind = {kind: {name: np.array([entry[kind].get(name, 0.0) for entry in cached])[inverse]
-                           for name in set().union(*(entry[kind] for entry in cached))}
-                    for kind in BLOCK_KINDS} if len(cached) else \
-            {kind: {name: np.zeros(0) for name in self._block_terms(kind, np.zeros(0), np.zeros(0),
-                                                                    (np.zeros(0, int), np.zeros(0, int)))}
-             for kind in BLOCK_KINDS}
-        return per_kind, dp_shape
+        if not len(unique_keys):
+            return {kind: {name: np.zeros(0) for name in self._block_terms(kind, np.zeros(0), np.zeros(0),
+                                                                           (np.zeros(0, int), np.zeros(0, int)))}
+                    for kind in BLOCK_KINDS}, dp_shape
+        tables = self._tables_cache.get(unique_keys.tobytes())
+        if tables is None:  # (the tuner asks about the same keys many times: corners of one set of bases)
+            cached = [self._terms_cache[int(key)] for key in unique_keys]
+            tables = {kind: {name: np.array([entry[kind].get(name, 0.0) for entry in cached])
+                             for name in set().union(*(entry[kind] for entry in cached))} for kind in BLOCK_KINDS}
+            if len(self._tables_cache) >= 4096:
+                self._tables_cache.clear()
+            self._tables_cache[unique_keys.tobytes()] = tables
+        return {kind: {name: values[inverse] for name, values in terms.items()} for kind, terms in tables.items()}, dp_shape
 
     def _infeasible(self, tp: np.ndarray, present: dict[str, np.ndarray]) -> np.ndarray:
         """Tensor parallelism on a structure the sharding rules do not know, or a degree that
