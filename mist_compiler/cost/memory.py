@@ -312,13 +312,42 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
         (has_post * (before_post + post_fw_free), zeros, forward_grads),
     ]
 
+    # a backward's points, in order: the loss, the post block, layers last to first (both ends), checkpointed
+    # layers, pre, and the moments a block's gradients are reduced. Their activations and transient weights are
+    # the same in every backward of the step (computed once); the gradients differ (``backward_points``)
+    backward_held = [
+        (has_post * (before_post + post_bw_free), zeros),
+        (has_post * (before_post + post.backward_peak), has_post * weights_at["post"]),
+        (np.where(plain > 0, kept_before(ckpt, plain - 1) + np.where(plain > 1, prefetched, 0.0)
+                  + layer.backward_peak, zeros), layer_weights(plain > 0)),
+        (np.where(plain > 0, kept_before(ckpt, 0) + layer.backward_peak, zeros), layer_weights(plain > 0)),
+        # a checkpointed layer: its forward is recomputed, then its backward runs (the first of them
+        # with the other checkpointed layers' inputs alive, the last with every other gradient)
+        (np.where(ckpt > 0, kept_before(ckpt - 1, 0) + recomputed, zeros), layer_weights(ckpt > 0)),
+        (np.where(ckpt > 0, pre_acts + recomputed, zeros), layer_weights(ckpt > 0)),
+        # the pre block's backward (its peak: the token embedding's dense gradient, charged at both of
+        # these points since the analysis gives the block's peak, not its unit). The last layer's weights
+        # were released and its unit's reduction is drained when the next unit finishes, and the runtime
+        # prefetches nothing past pre: (a) its earlier units (positions) running, the last one's weights
+        # prefetched, the last layer's reduction in flight; (b) its last unit (the token embedding)
+        # running alone, the earlier units reduced (their reduction in flight)
+        (has_pre * pre.backward_peak, has_pre * transient * p_pre),
+        (has_pre * pre.backward_peak, has_pre * transient * pre_last),
+        # the moments a block's gradients are reduced (its backward done): the post block with every
+        # layer's activations still alive, a layer, and pre at the very end. The runtime finishes the
+        # reduction in flight before it launches this one, so none is pending here
+        (has_post * before_post, zeros),
+        (np.where(plain > 0, kept_before(ckpt, plain - 1), zeros), zeros),
+        (zeros, zeros),
+    ]
+    # a stage without the post block also holds the output it kept for this backward
+    backward_held = [(acts + boundary_output, weights_here) for acts, weights_here in backward_held]
+
     def backward_points(base: np.ndarray, done, first: bool, last, carried=0.0) -> list[tuple]:
-        """The loss, the post block, layers last to first (both ends), checkpointed layers, pre;
-        ``base``: gradient bytes before this backward, ``done(numel)``: bytes a finished block adds,
-        ``first``: the step's first backward, ``last`` (per candidate): the one whose gradients are
-        reduced, ``carried``: a reduction of the previous backward still in flight when this one
-        follows it directly (1F1B's cooldown). A stage without the post block also holds the output it
-        kept for this backward."""
+        """``backward_held`` with the gradients of one backward: ``base``: gradient bytes before it,
+        ``done(numel)``: bytes a finished block adds, ``first``: the step's first backward, ``last`` (per
+        candidate): the one whose gradients are reduced, ``carried``: a reduction of the previous backward
+        still in flight when this one follows it directly (1F1B's cooldown)."""
         done_post = done(p_post)
         layers_done = lambda count: done_post + done(count * p_layer)  # noqa: E731
         running = lambda numel: grads.running(numel, first)  # noqa: E731
@@ -329,42 +358,20 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
         after_layer = grads.pending(p_layer, last)
         after_first = lambda count: np.where(count > 1, after_layer, after_post)  # noqa: E731
         before_pre_last = np.where(pre_previous > 0, grads.pending(pre_previous, last), after_first(n + 1))
-        points = [
-            (has_post * (before_post + post_bw_free), zeros, base),
-            (has_post * (before_post + post.backward_peak), has_post * weights_at["post"],
-             base + running(p_post)),
-            (np.where(plain > 0, kept_before(ckpt, plain - 1) + np.where(plain > 1, prefetched, 0.0)
-                      + layer.backward_peak, zeros),
-             layer_weights(plain > 0), base + done_post + running(p_layer) + after_post),
-            (np.where(plain > 0, kept_before(ckpt, 0) + layer.backward_peak, zeros),
-             layer_weights(plain > 0), base + layers_done(np.maximum(plain - 1, 0)) + running(p_layer)
-             + after_first(plain)),
-            # a checkpointed layer: its forward is recomputed, then its backward runs (the first of them
-            # with the other checkpointed layers' inputs alive, the last with every other gradient)
-            (np.where(ckpt > 0, kept_before(ckpt - 1, 0) + recomputed, zeros),
-             layer_weights(ckpt > 0), base + layers_done(plain) + running(p_layer) + after_first(plain + 1)),
-            (np.where(ckpt > 0, pre_acts + recomputed, zeros),
-             layer_weights(ckpt > 0), base + layers_done(np.maximum(n - 1, 0)) + running(p_layer) + after_first(n)),
-            # the pre block's backward (its peak: the token embedding's dense gradient, charged at both of
-            # these points since the analysis gives the block's peak, not its unit). The last layer's weights
-            # were released and its unit's reduction is drained when the next unit finishes, and the runtime
-            # prefetches nothing past pre: (a) its earlier units (positions) running, the last one's weights
-            # prefetched, the last layer's reduction in flight; (b) its last unit (the token embedding)
-            # running alone, the earlier units reduced (their reduction in flight)
-            (has_pre * pre.backward_peak, has_pre * transient * p_pre,
-             base + layers_done(n) + running(p_pre - pre_last) + after_first(n + 1)),
-            (has_pre * pre.backward_peak, has_pre * transient * pre_last,
-             has_pre * (base + layers_done(n) + done(p_pre - pre_last) + running(pre_last) + before_pre_last)),
-            # the moments a block's gradients are reduced (its backward done): the post block with every
-            # layer's activations still alive, a layer, and pre at the very end. The runtime finishes the
-            # reduction in flight before it launches this one, so none is pending here
-            (has_post * before_post, zeros, base + running(p_post) + reducing(p_post)),
-            (np.where(plain > 0, kept_before(ckpt, plain - 1), zeros), zeros,
-             np.where(plain > 0, base + done_post + running(p_layer) + reducing(p_layer), 0.0)),
-            (zeros, zeros, has_pre * (base + layers_done(n) + done(p_pre - pre_last) + running(pre_last)
-                                      + reducing(pre_last))),
+        gradients = [
+            base,
+            base + running(p_post),
+            base + done_post + running(p_layer) + after_post,
+            base + layers_done(np.maximum(plain - 1, 0)) + running(p_layer) + after_first(plain),
+            base + layers_done(plain) + running(p_layer) + after_first(plain + 1),
+            base + layers_done(np.maximum(n - 1, 0)) + running(p_layer) + after_first(n),
+            base + layers_done(n) + running(p_pre - pre_last) + after_first(n + 1),
+            has_pre * (base + layers_done(n) + done(p_pre - pre_last) + running(pre_last) + before_pre_last),
+            base + running(p_post) + reducing(p_post),
+            np.where(plain > 0, base + done_post + running(p_layer) + reducing(p_layer), 0.0),
+            has_pre * (base + layers_done(n) + done(p_pre - pre_last) + running(pre_last) + reducing(pre_last)),
         ]
-        return [(acts + boundary_output, weights_here, grad) for acts, weights_here, grad in points]
+        return [(acts, weights_here, grad) for (acts, weights_here), grad in zip(backward_held, gradients)]
 
     # 1F1B: the first backward runs with inflight - 1 micro-batches held and no accumulator yet; a
     # later one with every accumulator and min(inflight, grad_accum - 1) - 1 held; those between the
