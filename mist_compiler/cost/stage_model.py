@@ -191,7 +191,17 @@ class StageCostModel:
         keys = ((policy[chosen].astype(np.int64) * (1 << 21) + b[chosen].astype(np.int64)) * (1 << 11)
                 + t[chosen].astype(np.int64)) * 2 + sp[chosen].astype(np.int64)
         unique, inverse = np.unique(keys, return_inverse=True)
-        values = {name: np.zeros(len(unique)) for name in out}
+        values = self._tables_cache.get(b"policy" + unique.tobytes())
+        if values is None:
+            values = self._policy_values(unique)
+            self._tables_cache[b"policy" + unique.tobytes()] = values
+        for name in out:
+            out[name][chosen] = values[name][inverse.reshape(-1)]
+        return out
+
+    def _policy_values(self, unique: np.ndarray) -> dict[str, np.ndarray]:
+        """The terms of each (policy, micro-batch, tp, sp) code of ``_policy_terms``."""
+        values = {name: np.zeros(len(unique)) for name in ("kept", "offloaded", "recompute")}
         for row, code in enumerate(unique.tolist()):
             key = (code >> 33, (code >> 12) & ((1 << 21) - 1), (code >> 1) & ((1 << 11) - 1), code & 1)
             index, batch, degree, with_sp = key
@@ -205,11 +215,9 @@ class StageCostModel:
                 one = np.ones(1)
                 self._policy_cache[key] = {name: float(value[0]) for name, value in price.terms(
                     self.hardware, self.dtype, batch * one, self.seq_len * one, degree * one).items()}
-            for name in out:
+            for name in values:
                 values[name][row] = self._policy_cache[key][name]
-        for name in out:
-            out[name][chosen] = values[name][inverse.reshape(-1)]
-        return out
+        return values
 
     def _block_terms(self, kind: str, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, np.ndarray]:
         functions = self._functions[kind]
@@ -408,7 +416,7 @@ class StageCostModel:
                     check = chosen.select(unsure)
                     if ratio is not None:
                         check.offload_opt = np.full(len(unsure), ratio)
-                    peaks[i, wanted[unsure]] = self.evaluate(check).peak_memory_bytes
+                    peaks[i, wanted[unsure]] = self.evaluate(check, breakdown=False).peak_memory_bytes
         peaks = np.where(self._unsupported(candidates), np.inf, peaks)
         return peaks[0] if opt_ratios is None else peaks
 
