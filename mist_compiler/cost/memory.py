@@ -229,6 +229,14 @@ def greedy_offload(saved_sequence: list[np.ndarray], offloadable: list[bool], fr
     return offloaded
 
 
+def acts_per_microbatch(layout: StageLayout, config: StageConfig, pre: BlockActivationTerms,
+                        layer: BlockActivationTerms, post: BlockActivationTerms) -> np.ndarray:
+    """One micro-batch's saved activations on a stage: pre and post blocks', each plain layer's, and a
+    checkpointed layer's input."""
+    n, ckpt, has_pre, has_post = _arrays(layout.num_layers, config.ckpt_layers, layout.has_pre, layout.has_post)
+    return has_pre * pre.saved + ckpt * layer.input + (n - ckpt) * layer.saved + has_post * post.saved
+
+
 def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationTerms, layer: BlockActivationTerms,
                  post: BlockActivationTerms, layer_offloaded: np.ndarray | None = None,
                  peak_only: bool = False, opt_ratios: tuple[float, ...] | None = None) -> StageMemory:
@@ -281,7 +289,7 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     # ---- activations ------------------------------------------------------------------------
     plain = n - ckpt
     pre_acts = has_pre * pre.saved
-    per_microbatch = pre_acts + ckpt * layer.input + plain * layer.saved + has_post * post.saved
+    per_microbatch = acts_per_microbatch(layout, config, pre, layer, post)
     # activation offload: a layer keeps on the device what the greedy rule leaves; a checkpointed
     # layer saves one tensor (its input), which goes only when everything goes; the pre and post
     # blocks' units save little and the loss runs outside any unit, so they keep theirs

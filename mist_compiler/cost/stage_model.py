@@ -44,17 +44,17 @@ import numpy as np
 from ..ir.program import MistProgram
 from ..ir.vocabulary import COMPILED_DEFAULT, DEFAULT_DTYPE
 from ..passes.memory_analysis import ATTENTION_KERNELS
-from .activation_policy import CopyRates, PolicyPrice, rows_at
 from .analysis import analyse_program
 from .block_functions import SEQUENCE_LAYER, BlockFunctions, block_functions, costliest_layer
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, group_shapes, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .loss_kernel import plain_loss_deltas
-from .memory import (SCHEDULE_MEMORY_PARTS, BlockActivationTerms, StageConfig, StageLayout, greedy_offload, stage_memory,
-                     state_bytes_per_param)
+from .memory import (SCHEDULE_MEMORY_PARTS, BlockActivationTerms, StageConfig, StageLayout, acts_per_microbatch,
+                     greedy_offload, stage_memory, state_bytes_per_param)
 from .op_time import matmul_time, op_class_time
 from .overlap import overlap_where_busy
+from .policy_terms import PolicyTerms
 from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates, StageEstimates
 from .state_traffic import (AUTOGRAD_ACCUMULATE_PASSES, accumulation_bytes_moved, grad_buffer_bytes_moved,
                             low_precision_bytes_moved, optimizer_phase_s)
@@ -73,7 +73,7 @@ def _warm_up_candidate() -> StageCandidates:
 
 
 @dataclass
-class StageCostModel:
+class StageCostModel(PolicyTerms):
     """Vectorised stage evaluator (implements ``stage_api.StageCostModel``)."""
 
     blocks: dict[str, BlockAnalysis]
@@ -151,73 +151,6 @@ class StageCostModel:
     @property
     def sp_supported(self) -> bool:
         return SEQUENCE_LAYER in self._functions
-
-    # ---- per-tensor activation policies ----------------------------------------------------------
-    def layer_table(self, sp: bool):
-        """The layer's saved-tensor table (``passes.saved_tensors``) as priced with or without sequence
-        parallelism; None when the analysis made none."""
-        block = self.blocks["layer"].sequence if sp else self.blocks["layer"]
-        return block.tensors if block is not None else None
-
-    def add_policy(self, policy) -> int:
-        """Register a per-tensor policy (``ir.plan.ActivationPolicy``); its index for ``act_policy``."""
-        if policy in self.policies:
-            return self.policies.index(policy)
-        self.policies.append(policy)
-        return len(self.policies) - 1
-
-    def layer_rows(self, tp: int, sp: bool, micro_batch: int = 1) -> tuple[list, CopyRates] | None:
-        """The layer's table priced at ``(micro_batch, seq_len, tp)`` and the copy rates of one layer there:
-        what the activation MILP reads (None without a table)."""
-        table = self.layer_table(sp)
-        if table is None:
-            return None
-        one = np.ones(1)
-        terms = self._block_terms(SEQUENCE_LAYER if sp else "layer", micro_batch * one, tp * one,
-                                  (np.ones(1, int), np.full(1, tp)))
-        rates = CopyRates(self.hardware.d2h_bandwidth, self.hardware.h2d_bandwidth,
-                          float(terms["forward_compute"][0]), float(terms["backward_compute"][0]))
-        return rows_at(table, self.hardware, self.dtype, micro_batch, self.seq_len, tp), rates
-
-    def _policy_terms(self, policy: np.ndarray, b: np.ndarray, t: np.ndarray, sp: np.ndarray) -> dict[str, np.ndarray]:
-        """kept / offloaded bytes and recompute seconds of each candidate's policy (zeros without one)."""
-        out = {name: np.zeros(len(policy)) for name in ("kept", "offloaded", "recompute")}
-        chosen = np.flatnonzero(policy >= 0)
-        if not len(chosen):
-            return out
-        # one integer per (policy, micro-batch, tp, sp): a 1-D unique is much cheaper than one by rows
-        if b[chosen].max() >= 1 << 21 or t[chosen].max() >= 1 << 11:
-            raise StageModelError("micro-batch or tensor-parallel degree out of the range per-tensor policies price")
-        keys = ((policy[chosen].astype(np.int64) * (1 << 21) + b[chosen].astype(np.int64)) * (1 << 11)
-                + t[chosen].astype(np.int64)) * 2 + sp[chosen].astype(np.int64)
-        unique, inverse = np.unique(keys, return_inverse=True)
-        values = self._tables_cache.get(b"policy" + unique.tobytes())
-        if values is None:
-            values = self._policy_values(unique)
-            self._tables_cache[b"policy" + unique.tobytes()] = values
-        for name in out:
-            out[name][chosen] = values[name][inverse.reshape(-1)]
-        return out
-
-    def _policy_values(self, unique: np.ndarray) -> dict[str, np.ndarray]:
-        """The terms of each (policy, micro-batch, tp, sp) code of ``_policy_terms``."""
-        values = {name: np.zeros(len(unique)) for name in ("kept", "offloaded", "recompute")}
-        for row, code in enumerate(unique.tolist()):
-            key = (code >> 33, (code >> 12) & ((1 << 21) - 1), (code >> 1) & ((1 << 11) - 1), code & 1)
-            index, batch, degree, with_sp = key
-            if key not in self._policy_cache:
-                if (index, with_sp) not in self._policy_prices:
-                    table = self.layer_table(bool(with_sp))
-                    if table is None:
-                        raise StageModelError("per-tensor activation policies need the layer's saved-tensor table")
-                    self._policy_prices[(index, with_sp)] = PolicyPrice.of(table, self.policies[index])
-                price = self._policy_prices[(index, with_sp)]
-                one = np.ones(1)
-                self._policy_cache[key] = {name: float(value[0]) for name, value in price.terms(
-                    self.hardware, self.dtype, batch * one, self.seq_len * one, degree * one).items()}
-            for name in values:
-                values[name][row] = self._policy_cache[key][name]
-        return values
 
     def _block_terms(self, kind: str, b: np.ndarray, t: np.ndarray, tp_shape) -> dict[str, np.ndarray]:
         functions = self._functions[kind]
@@ -382,12 +315,12 @@ class StageCostModel:
     def peak_memory(self, candidates: StageCandidates, opt_ratios: tuple[float, ...] | None = None) -> np.ndarray:
         """``evaluate(candidates).peak_memory_bytes``, timing only what the loss choice needs: a plain loss
         that fits, computes no more than the fused one and offloads no activations by fraction is taken
-        (its stable time can only be lower: overlap is monotone in compute); other rows that could take
-        it are evaluated in full. ``opt_ratios``: the peaks with each of these optimizer-offload ratios
+        (its stable time can only be lower: overlap is monotone in compute); other rows where it fits
+        are timed both ways. ``opt_ratios``: the peaks with each of these optimizer-offload ratios
         instead of the candidates' own, (ratios, candidates), the program points summed once."""
         ratios = (None,) if opt_ratios is None else tuple(float(r) for r in opt_ratios)
         count = len(candidates)
-        per_kind, _ = self._candidate_terms(candidates)
+        per_kind, dp_shape = self._candidate_terms(candidates)
         peak = self._memory(candidates, per_kind, peak_only=True, opt_ratios=opt_ratios)[0].peak
         peaks = np.broadcast_to(np.asarray(peak, dtype=float), (len(ratios), count)).copy()
         choice = np.broadcast_to(np.asarray(candidates.fused_loss), (count,))
@@ -407,23 +340,27 @@ class StageCostModel:
             plain = np.broadcast_to(np.asarray(self._memory(chosen, subset, True, opt_ratios)[0].peak, dtype=float),
                                     (len(ratios), len(wanted)))
             forced = choice[wanted] == LOSS_PLAIN
-            for i, ratio in enumerate(ratios):
-                fits = plain[i] <= self.device_memory_bytes
-                take = forced | (fits & quicker)
-                peaks[i, wanted[take]] = plain[i, take]
-                unsure = np.flatnonzero(~forced & fits & ~quicker)
-                if len(unsure):
-                    check = chosen.select(unsure)
-                    if ratio is not None:
-                        check.offload_opt = np.full(len(unsure), ratio)
-                    peaks[i, wanted[unsure]] = self.evaluate(check, breakdown=False).peak_memory_bytes
+            fits = plain <= self.device_memory_bytes
+            no_slower = quicker.copy()
+            unsure = np.flatnonzero(~forced & ~quicker & fits.any(axis=0))
+            if len(unsure):  # evaluate's rule from the stable times alone (the optimizer ratio does not move them)
+                rows = wanted[unsure]
+                check, shape = candidates.select(rows), tuple(part[rows] for part in dp_shape)
+                fused_s, plain_s = (self._estimate(check, {kind: {name: value[pick] for name, value in terms.items()}
+                                                           for kind, terms in kinds.items()}, shape, False, True).stable_s
+                                    for kinds, pick in ((per_kind, rows), (subset, unsure)))
+                no_slower[unsure] = plain_s <= fused_s * (1.0 + LOSS_TIE)
+            take = forced | (fits & no_slower)
+            for i in range(len(ratios)):
+                peaks[i, wanted[take[i]]] = plain[i, take[i]]
         peaks = np.where(self._unsupported(candidates), np.inf, peaks)
         return peaks[0] if opt_ratios is None else peaks
 
-    def _memory(self, c: StageCandidates, per_kind: dict, peak_only: bool = False, opt_ratios=None):
-        """The stage's memory (``cost.memory``) and the per-tensor policy terms; ``peak_only``: the
-        peak alone (``StageMemory.peak``, the parts at the peak point left out), for each of
-        ``opt_ratios`` if given."""
+    def _memory(self, c: StageCandidates, per_kind: dict, peak_only: bool = False, opt_ratios=None,
+                times_only: bool = False):
+        """The stage's memory (``cost.memory``; None with ``times_only``), a micro-batch's activations
+        and the per-tensor policy terms; ``peak_only``: the peak alone (``StageMemory.peak``, the parts
+        at the peak point left out), for each of ``opt_ratios`` if given."""
         layer, pre, post = per_kind["layer"], per_kind["pre"], per_kind["post"]
         n = np.asarray(c.num_layers, dtype=float)
         has_pre = np.asarray(c.has_pre, dtype=float)
@@ -456,11 +393,16 @@ class StageCostModel:
         with_policy = act >= 0
         terms["layer"].saved = np.where(with_policy, policy["kept"] + policy["offloaded"], terms["layer"].saved)
         layer_offloaded = np.where(with_policy, policy["offloaded"], layer_offloaded)
+        if times_only:
+            return None, acts_per_microbatch(layout, config, terms["pre"], terms["layer"], terms["post"]), policy, \
+                with_policy, low_grads
         memory = stage_memory(layout, config, terms["pre"], terms["layer"], terms["post"], layer_offloaded,
                               peak_only=peak_only, opt_ratios=opt_ratios)
-        return memory, policy, with_policy, low_grads
+        return memory, memory.acts_per_microbatch, policy, with_policy, low_grads
 
-    def _estimate(self, c: StageCandidates, per_kind: dict, dp_shape: tuple, breakdown: bool = True) -> StageEstimates:
+    def _estimate(self, c: StageCandidates, per_kind: dict, dp_shape: tuple, breakdown: bool = True,
+                  times_only: bool = False) -> StageEstimates:
+        """Times and memory (``times_only``: times, the peak left NaN; ``breakdown``: the parts too)."""
         count = len(c)
         dp = np.asarray(c.dp, dtype=np.int64)
         nodes = np.asarray(c.nodes, dtype=np.int64)
@@ -477,8 +419,9 @@ class StageCostModel:
         weight_b, grad_b, _ = state_bytes_per_param(self.dtype)
         zero = np.asarray(c.zero)
         stage_params = stage_sum("params")
-        memory, policy, with_policy, low_grads = self._memory(c, per_kind, peak_only=not breakdown)
-        acts_per_mb, peak = memory.acts_per_microbatch, memory.peak
+        memory, acts_per_mb, policy, with_policy, low_grads = self._memory(c, per_kind, peak_only=not breakdown,
+                                                                         times_only=times_only)
+        peak = memory.peak if memory is not None else np.full(count, np.nan)
 
         # ---- stable phase: one micro-batch forward + backward ----------------------------------
         weight_bytes = stage_params * weight_b

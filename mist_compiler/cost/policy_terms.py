@@ -1,0 +1,82 @@
+"""Per-tensor activation policies as the stage model prices them: the layer's saved-tensor table, the
+policies candidates may name (``act_policy``), and each candidate's kept / offloaded bytes and recompute
+seconds, gathered once per distinct (policy, micro-batch, tp, sp). A mixin of
+:class:`~mist_compiler.cost.stage_model.StageCostModel`, whose fields (``blocks``, ``policies``, the
+profile and the caches) it reads."""
+from __future__ import annotations
+
+import numpy as np
+
+from .activation_policy import CopyRates, PolicyPrice, rows_at
+from .block_functions import SEQUENCE_LAYER
+from .blocks import StageModelError
+
+
+class PolicyTerms:
+    """The per-tensor policy half of the stage model."""
+
+    def layer_table(self, sp: bool):
+        """The layer's saved-tensor table (``passes.saved_tensors``) as priced with or without sequence
+        parallelism; None when the analysis made none."""
+        block = self.blocks["layer"].sequence if sp else self.blocks["layer"]
+        return block.tensors if block is not None else None
+
+    def add_policy(self, policy) -> int:
+        """Register a per-tensor policy (``ir.plan.ActivationPolicy``); its index for ``act_policy``."""
+        if policy in self.policies:
+            return self.policies.index(policy)
+        self.policies.append(policy)
+        return len(self.policies) - 1
+
+    def layer_rows(self, tp: int, sp: bool, micro_batch: int = 1) -> tuple[list, CopyRates] | None:
+        """The layer's table priced at ``(micro_batch, seq_len, tp)`` and the copy rates of one layer there:
+        what the activation MILP reads (None without a table)."""
+        table = self.layer_table(sp)
+        if table is None:
+            return None
+        one = np.ones(1)
+        terms = self._block_terms(SEQUENCE_LAYER if sp else "layer", micro_batch * one, tp * one,
+                                  (np.ones(1, int), np.full(1, tp)))
+        rates = CopyRates(self.hardware.d2h_bandwidth, self.hardware.h2d_bandwidth,
+                          float(terms["forward_compute"][0]), float(terms["backward_compute"][0]))
+        return rows_at(table, self.hardware, self.dtype, micro_batch, self.seq_len, tp), rates
+
+    def _policy_terms(self, policy: np.ndarray, b: np.ndarray, t: np.ndarray, sp: np.ndarray) -> dict[str, np.ndarray]:
+        """kept / offloaded bytes and recompute seconds of each candidate's policy (zeros without one)."""
+        out = {name: np.zeros(len(policy)) for name in ("kept", "offloaded", "recompute")}
+        chosen = np.flatnonzero(policy >= 0)
+        if not len(chosen):
+            return out
+        # one integer per (policy, micro-batch, tp, sp): a 1-D unique is much cheaper than one by rows
+        if b[chosen].max() >= 1 << 21 or t[chosen].max() >= 1 << 11:
+            raise StageModelError("micro-batch or tensor-parallel degree out of the range per-tensor policies price")
+        keys = ((policy[chosen].astype(np.int64) * (1 << 21) + b[chosen].astype(np.int64)) * (1 << 11)
+                + t[chosen].astype(np.int64)) * 2 + sp[chosen].astype(np.int64)
+        unique, inverse = np.unique(keys, return_inverse=True)
+        values = self._tables_cache.get(b"policy" + unique.tobytes())
+        if values is None:
+            values = self._policy_values(unique)
+            self._tables_cache[b"policy" + unique.tobytes()] = values
+        for name in out:
+            out[name][chosen] = values[name][inverse.reshape(-1)]
+        return out
+
+    def _policy_values(self, unique: np.ndarray) -> dict[str, np.ndarray]:
+        """The terms of each (policy, micro-batch, tp, sp) code of ``_policy_terms``."""
+        values = {name: np.zeros(len(unique)) for name in ("kept", "offloaded", "recompute")}
+        for row, code in enumerate(unique.tolist()):
+            key = (code >> 33, (code >> 12) & ((1 << 21) - 1), (code >> 1) & ((1 << 11) - 1), code & 1)
+            index, batch, degree, with_sp = key
+            if key not in self._policy_cache:
+                if (index, with_sp) not in self._policy_prices:
+                    table = self.layer_table(bool(with_sp))
+                    if table is None:
+                        raise StageModelError("per-tensor activation policies need the layer's saved-tensor table")
+                    self._policy_prices[(index, with_sp)] = PolicyPrice.of(table, self.policies[index])
+                price = self._policy_prices[(index, with_sp)]
+                one = np.ones(1)
+                self._policy_cache[key] = {name: float(value[0]) for name, value in price.terms(
+                    self.hardware, self.dtype, batch * one, self.seq_len * one, degree * one).items()}
+            for name in values:
+                values[name][row] = self._policy_cache[key][name]
+        return values
