@@ -269,6 +269,7 @@ class _StageState:
         self.held = 0  # chunk micro-batches between their forward and their weight half
         self.busy = 0
         self.order: list[Action] = []
+        self.forward_order = sorted(range(len(chunks)), key=lambda c: -chunks[c])  # later virtual stage first
 
     def pick(self, t: int, g: int, n: int, forward_done: dict, input_done: dict) -> tuple[str, int, int] | None:
         """A ready input half (oldest micro-batch, later virtual stage first), else a forward while
@@ -286,7 +287,7 @@ class _StageState:
             self.full -= 1
             return I, best, m
         if self.held < self.limit and self.full < self.full_limit:
-            for c in sorted(range(len(self.chunks)), key=lambda c: -self.chunks[c]):
+            for c in self.forward_order:
                 j, m = self.chunks[c], self.next_forward[c]
                 if m < g and (j == 0 or forward_done.get((j - 1, m), t + 1) <= t):
                     self.next_forward[c] += 1
