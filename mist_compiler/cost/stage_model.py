@@ -286,14 +286,10 @@ class StageCostModel(PolicyTerms):
         fused = self._estimate(candidates, per_kind, dp_shape, breakdown)
         fused.breakdown["fused_loss"] = np.ones(len(candidates))
         choice = np.asarray(candidates.fused_loss)
-        wanted = np.flatnonzero((np.asarray(candidates.has_post, dtype=bool)) & (choice != LOSS_FUSED)
-                                & ("plain_loss_saved" in per_kind["post"]))
+        wanted = _plain_loss_rows(candidates, per_kind)
         if not len(wanted):
             return fused
-        subset = {kind: {name: value[wanted] for name, value in terms.items()} for kind, terms in per_kind.items()}
-        post = subset["post"]
-        for name in ("forward_compute", "backward_compute", "saved", "forward_peak", "backward_peak"):
-            post[name] = post[name] + post[f"plain_loss_{name}"]
+        subset = _with_plain_loss(per_kind, wanted)
         plain = self._estimate(candidates.select(wanted), subset, tuple(part[wanted] for part in dp_shape), breakdown)
         better = (choice[wanted] == LOSS_PLAIN) | ((plain.peak_memory_bytes <= self.device_memory_bytes)
                                              & (plain.stable_s <= fused.stable_s[wanted] * (1.0 + LOSS_TIE)))
@@ -324,18 +320,14 @@ class StageCostModel(PolicyTerms):
         peak = self._memory(candidates, per_kind, peak_only=True, opt_ratios=opt_ratios)[0].peak
         peaks = np.broadcast_to(np.asarray(peak, dtype=float), (len(ratios), count)).copy()
         choice = np.broadcast_to(np.asarray(candidates.fused_loss), (count,))
-        wanted = np.flatnonzero((np.asarray(candidates.has_post, dtype=bool)) & (choice != LOSS_FUSED)
-                                & ("plain_loss_saved" in per_kind["post"]))
+        wanted = _plain_loss_rows(candidates, per_kind)
         if len(wanted):
-            subset = {kind: {name: value[wanted] for name, value in terms.items()}
-                      for kind, terms in per_kind.items()}
-            post = subset["post"]
+            post = per_kind["post"]
             # (offloaded activations move the post block's saved tensors too, unless a per-tensor policy says what moves)
-            quicker = ((post["plain_loss_forward_compute"] <= 0) & (post["plain_loss_backward_compute"] <= 0)
+            quicker = ((post["plain_loss_forward_compute"][wanted] <= 0) & (post["plain_loss_backward_compute"][wanted] <= 0)
                        & ((np.asarray(candidates.offload_acts, dtype=float)[wanted] == 0)
                           | (np.asarray(candidates.act_policy)[wanted] >= 0)))
-            for name in ("forward_compute", "backward_compute", "saved", "forward_peak", "backward_peak"):
-                post[name] = post[name] + post[f"plain_loss_{name}"]
+            subset = _with_plain_loss(per_kind, wanted)
             chosen = candidates.select(wanted)
             plain = np.broadcast_to(np.asarray(self._memory(chosen, subset, True, opt_ratios)[0].peak, dtype=float),
                                     (len(ratios), len(wanted)))
@@ -346,8 +338,7 @@ class StageCostModel(PolicyTerms):
             if len(unsure):  # evaluate's rule from the stable times alone (the optimizer ratio does not move them)
                 rows = wanted[unsure]
                 check, shape = candidates.select(rows), tuple(part[rows] for part in dp_shape)
-                fused_s, plain_s = (self._estimate(check, {kind: {name: value[pick] for name, value in terms.items()}
-                                                           for kind, terms in kinds.items()}, shape, False, True).stable_s
+                fused_s, plain_s = (self._estimate(check, _take_rows(kinds, pick), shape, False, True).stable_s
                                     for kinds, pick in ((per_kind, rows), (subset, unsure)))
                 no_slower[unsure] = plain_s <= fused_s * (1.0 + LOSS_TIE)
             take = forced | (fits & no_slower)
@@ -517,6 +508,28 @@ class StageCostModel(PolicyTerms):
             **{name: getattr(memory, name) for name in SCHEDULE_MEMORY_PARTS},
         }
         return StageEstimates(stable_s=stable, delta_s=delta, peak_memory_bytes=peak, breakdown=breakdown)
+
+
+def _plain_loss_rows(candidates: StageCandidates, per_kind: dict) -> np.ndarray:
+    """Candidates that may take the plain loss: last stages not held to the fused one, of a model whose
+    analysis priced both."""
+    choice = np.broadcast_to(np.asarray(candidates.fused_loss), (len(candidates),))
+    return np.flatnonzero(np.asarray(candidates.has_post, dtype=bool) & (choice != LOSS_FUSED)
+                          & ("plain_loss_saved" in per_kind["post"]))
+
+
+def _take_rows(per_kind: dict, rows: np.ndarray) -> dict:
+    """The per-block terms of some candidates."""
+    return {kind: {name: value[rows] for name, value in terms.items()} for kind, terms in per_kind.items()}
+
+
+def _with_plain_loss(per_kind: dict, rows: np.ndarray) -> dict:
+    """The per-block terms of ``rows`` with the post block's head and loss priced plain."""
+    subset = _take_rows(per_kind, rows)
+    post = subset["post"]
+    for name in ("forward_compute", "backward_compute", "saved", "forward_peak", "backward_peak"):
+        post[name] = post[name] + post[f"plain_loss_{name}"]
+    return subset
 
 
 def build_stage_cost_model(program: MistProgram, hardware, *, seq_len: int, dtype: str | None = None,
