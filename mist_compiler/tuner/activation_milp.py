@@ -125,9 +125,12 @@ def solve(rows: list[TensorRow], budget: float, rates: CopyRates, *, time_limit_
     model.threads = 1
     r = {row.tag: model.add_var(var_type=mip.BINARY) for row in rows if row.recomputable}
     o = {row.tag: model.add_var(lb=0.0, ub=1.0) for row in rows if row.offloadable and row.saved > 0}
-    needed = {u for v in r for u in by_tag[v].inputs}
+    # variables and constraints in the table's order, never a set's: CBC's answer among equal-cost
+    # optima follows the model's order, and a set's order changes with PYTHONHASHSEED (the same
+    # tuning would write a different plan in every process)
+    needed = dict.fromkeys(u for v in r for u in by_tag[v].inputs)
     a = {u: model.add_var(var_type=mip.BINARY) for u in needed}
-    for tag in set(r) & set(o):
+    for tag in (t for t in r if t in o):
         model += r[tag] + o[tag] <= 1
     for v in r:
         for u in by_tag[v].inputs:
