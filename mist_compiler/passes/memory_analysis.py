@@ -86,27 +86,53 @@ def _coefficients_nonnegative(expr: sympy.Expr) -> bool:
     return all(c >= 0 for c in sympy.Poly(sympy.expand(numerator), B, S, T).coeffs())
 
 
-# positive (b, s, t) at which a dominance is first tried numerically: a negative difference at any
-# of them refutes it without the polynomial algebra (about half the pairs gpt2-22b prunes end there)
-_PROBES = ({B: 1, S: 1, T: 1}, {B: 1, S: 8192, T: 8}, {B: 64, S: 1, T: 1}, {B: 1, S: 1, T: 64})
+def _laurent(expr: sympy.Expr) -> dict[tuple[int, int, int], sympy.Number] | None:
+    """The coefficients of ``expr`` as a Laurent polynomial in b, s, t (integer powers, negative ones
+    included: sizes sharded by t divide by it), keyed by the powers; None for anything else."""
+    terms: dict[tuple[int, int, int], sympy.Number] = {}
+    for monomial, coefficient in sympy.expand(expr).as_coefficients_dict().items():
+        if not coefficient.is_Number:
+            return None
+        powers = {base: exponent for base, exponent in monomial.as_powers_dict().items() if base != 1}
+        if any(base not in (B, S, T) or not exponent.is_Integer for base, exponent in powers.items()):
+            return None
+        key = (int(powers.get(B, 0)), int(powers.get(S, 0)), int(powers.get(T, 0)))
+        terms[key] = terms.get(key, sympy.Integer(0)) + coefficient
+    return terms
+
+
+def _laurent_dominates(a: dict, b: dict) -> bool:
+    """Every coefficient of ``a - b`` is non-negative (what the polynomial test decides, term by term:
+    a Laurent polynomial over its monomial denominator has the same coefficients)."""
+    return all(a.get(key, 0) - b.get(key, 0) >= 0 for key in a.keys() | b.keys())
+
+
+def _dominates(a: sympy.Expr, b: sympy.Expr, a_terms: dict | None, b_terms: dict | None) -> bool:
+    if a_terms is not None and b_terms is not None:
+        return _laurent_dominates(a_terms, b_terms)
+    return _coefficients_nonnegative(a - b)  # not Laurent polynomials: the rational-function algebra
 
 
 def dominates(a: sympy.Expr, b: sympy.Expr) -> bool:
     """``a >= b`` for all positive b, s, t, decided on the coefficients of ``a - b``."""
-    difference = a - b
-    if any(difference.xreplace(point) < 0 for point in _PROBES):
-        return False
-    return _coefficients_nonnegative(difference)
+    return _dominates(a, b, _laurent(a), _laurent(b))
 
 
 def prune_candidates(candidates: list[sympy.Expr]) -> list[sympy.Expr]:
-    """Drop candidates another candidate dominates coefficient-wise (keeps one of equals)."""
+    """Drop candidates another candidate dominates coefficient-wise (keeps one of equals). Each
+    candidate's coefficients are read once; pairs are compared on them (the polynomial algebra of
+    :func:`dominates` only for a candidate that is not a Laurent polynomial in b, s, t)."""
     unique = list(dict.fromkeys(sympy.expand(c) for c in candidates))
+    terms = {c: _laurent(c) for c in unique}
+
+    def over(a: sympy.Expr, b: sympy.Expr) -> bool:
+        return _dominates(a, b, terms[a], terms[b])
+
     kept: list[sympy.Expr] = []
     for candidate in unique:
-        if any(dominates(other, candidate) for other in kept):
+        if any(over(other, candidate) for other in kept):
             continue
-        kept = [other for other in kept if not dominates(candidate, other)] + [candidate]
+        kept = [other for other in kept if not over(candidate, other)] + [candidate]
     return kept or [sympy.Integer(0)]
 
 
