@@ -14,12 +14,21 @@ from .blocks import BlockAnalysis, StageModelError
 from .op_time import POINTWISE_PREFIX
 
 
+_LAMBDIFIED: dict[sympy.Expr, Callable] = {}  # expression -> numpy function: analyses of one model repeat them
+_LAMBDIFIED_MAX = 8192
+
+
 def lambdify_bst(expr: sympy.Expr) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     expr = sympy.sympify(expr)
-    unknown = expr.free_symbols - {B, S, T}
-    if unknown:
-        raise StageModelError(f"cost expression {expr} has symbols {sorted(map(str, unknown))} besides b, s, t")
-    function = sympy.lambdify((B, S, T), expr, modules="numpy")
+    function = _LAMBDIFIED.get(expr)
+    if function is None:
+        unknown = expr.free_symbols - {B, S, T}
+        if unknown:
+            raise StageModelError(f"cost expression {expr} has symbols {sorted(map(str, unknown))} besides b, s, t")
+        function = sympy.lambdify((B, S, T), expr, modules="numpy")
+        if len(_LAMBDIFIED) >= _LAMBDIFIED_MAX:
+            _LAMBDIFIED.clear()
+        _LAMBDIFIED[expr] = function
 
     def evaluate(b: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:
         b, s, t = np.broadcast_arrays(np.asarray(b, float), np.asarray(s, float), np.asarray(t, float))
