@@ -221,7 +221,8 @@ print(json.dumps([[s.policy.recompute, s.policy.offload] for offload in (False, 
 def test_milp_frontier_is_the_same_in_every_process(priced):
     """The same layer gives the same policies whatever the process's hash seed: among equal-cost optima
     CBC's answer follows the model's order, which once came from sets (seed 3 chose other tensors
-    to offload than seeds 1, 2 and 4 here, so one tuning wrote different plans run to run)."""
+    to offload than seeds 1, 2 and 4 here, so a tuning that picked one of them could write a different
+    plan run to run)."""
     import dataclasses
     import json
     import os
