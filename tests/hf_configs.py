@@ -50,6 +50,13 @@ ARCHITECTURES = {
                                 "router_jitter_noise": 0.0}),
 }
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "phimoe"}
+# The families the default suite trains on two ranks (the rest run with ``-m heavy``): one for each
+# mechanism the matrix exercises, so that a regression in any of them shows in CI. llama: tied
+# embedding/head, grouped-query attention, RMSNorm, rotary; gpt2: dropout, Conv1D (x @ W); bloom:
+# ALiBi, fused q|k|v viewed per head; falcon: x @ W.T, grouped q|k|v; qwen3: per-head q/k norms;
+# gemma2: sliding and full attention alternating (layer kinds); mixtral: routed experts;
+# deepseek_v3: multi-head latent attention, a dense layer before mixture-of-experts layers.
+IN_CI = {"llama", "gpt2", "bloom", "falcon", "qwen3", "gemma2", "mixtral", "deepseek_v3"}
 LAYER_KINDS = {"gemma2", "deepseek_v3"}
 _DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout",
                  "activation_dropout", "classifier_dropout")

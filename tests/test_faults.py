@@ -84,7 +84,8 @@ def assert_all_exit(pids: list[int]) -> float:
 
 
 CASES = [
-    ("parent", signal.SIGKILL), ("parent", signal.SIGINT), ("torchrun", signal.SIGKILL), ("rank", signal.SIGKILL),
+    ("parent", signal.SIGKILL), ("parent", signal.SIGINT), ("rank", signal.SIGKILL),
+    pytest.param("torchrun", signal.SIGKILL, marks=pytest.mark.heavy),  # the suite's time: ~20 s a case
     pytest.param("parent", signal.SIGTERM, marks=pytest.mark.heavy),
     pytest.param("torchrun", signal.SIGTERM, marks=pytest.mark.heavy),
     pytest.param("rank", signal.SIGTERM, marks=pytest.mark.heavy),

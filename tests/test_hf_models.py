@@ -1,6 +1,6 @@
 """Hugging Face models are first-class: the matrix of current families (``tests/hf_configs.py``).
 
-For every family, on two gloo ranks and one capture per rank (:mod:`tests.family_runs`): the tuner
+For every family (those outside ``IN_CI`` marked heavy), on two gloo ranks and one capture per rank (:mod:`tests.family_runs`): the tuner
 plans it for two devices (tensor parallelism on offer), and a data-parallel, a tensor-parallel and
 a pipeline plan train like one process (``--check``'s comparison, dropout included). A plan may be
 refused only for a reason listed in ``REFUSED`` (and in the README). The heavy sweep trains four
@@ -13,7 +13,7 @@ import pytest
 
 from mist_compiler.launch.local_ranks import run_ranks
 from tests.family_runs import family_plans, run_family
-from tests.hf_configs import ARCHITECTURES, MOE, write_config
+from tests.hf_configs import ARCHITECTURES, IN_CI, MOE, write_config
 from tests.plan_runs import assert_all_pass, plan_dict, run_plans, stage
 
 pytest.importorskip("transformers")
@@ -31,8 +31,13 @@ def _judge(kind: str, outcome: dict, names) -> None:
             assert result["ok"], f"{kind} {name}: {result.get('refused') or result['line']}"
 
 
+def _in_ci_or_heavy(kinds) -> list:
+    """Each family as a parameter; those outside ``IN_CI`` heavy (about 20 s each on two cores)."""
+    return [pytest.param(kind, marks=() if kind in IN_CI else pytest.mark.heavy) for kind in sorted(kinds)]
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("kind", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("kind", _in_ci_or_heavy(ARCHITECTURES))
 def test_family_tunes_and_trains_dp_tp_pp_like_one_process(kind, tmp_path):
     model = write_config(kind, str(tmp_path / kind))
     outcome = run_ranks(run_family, world=2, args=(model, family_plans(model), True, 2), timeout_s=900)[0]
