@@ -3,10 +3,9 @@
 For every family (those outside ``IN_CI`` marked heavy), on two gloo ranks and one capture per rank
 (:mod:`tests.family_runs`): the tuner plans it for two devices (tensor parallelism on offer), and a
 data-parallel, a tensor-parallel and a pipeline plan train like one process (``--check``'s
-comparison, dropout included). A plan may be
-refused only for a reason listed in ``REFUSED`` (and in the README). The heavy sweep trains four
-ranks with ZeRO-3, offloading, checkpointing and a tensor-parallel stage, and the mixture-of-experts
-families in fp16 and bf16.
+comparison, dropout included). A plan may be refused only for a reason listed in ``REFUSED`` (and
+in the README). The heavy sweep trains four ranks with ZeRO-3, offloading, checkpointing and a
+tensor-parallel stage, and the mixture-of-experts families in fp16 and bf16.
 """
 from __future__ import annotations
 
