@@ -50,14 +50,14 @@ from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
 from .comm import collective_time, copy_time, group_shapes, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .loss_kernel import plain_loss_deltas
-from .memory import (SCHEDULE_MEMORY_PARTS, BlockActivationTerms, StageConfig, StageLayout, acts_per_microbatch,
-                     greedy_offload, stage_memory, state_bytes_per_param)
+from .memory import (ACCUMULATOR_BYTES, SCHEDULE_MEMORY_PARTS, BlockActivationTerms, StageConfig, StageLayout,
+                     acts_per_microbatch, greedy_offload, stage_memory, state_bytes_per_param)
 from .op_time import matmul_time, op_class_time
 from .overlap import overlap_where_busy
 from .policy_terms import PolicyTerms
 from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates, StageEstimates
 from .state_traffic import (AUTOGRAD_ACCUMULATE_PASSES, accumulation_bytes_moved, grad_buffer_bytes_moved,
-                            low_precision_bytes_moved, optimizer_phase_s)
+                            low_precision_bytes_moved, offloaded_grad_bytes, optimizer_phase_s, step_grads_to_device)
 
 # stable times of the plain and the fused loss this close are equal (the overlap simulation rounds: a
 # plain loss computing less can come out an ulp slower where its compute hides under communication)
@@ -437,7 +437,9 @@ class StageCostModel(PolicyTerms):
         offload_a = np.asarray(c.offload_acts, dtype=float)
         offload_o = np.asarray(c.offload_opt, dtype=float)
         weights_in = copy_time(self.hardware, offload_w * weight_bytes * weight_share, "h2d")
-        grads_out = copy_time(self.hardware, offload_g * grad_bytes * np.where(zero >= 2, 1.0 / dp, 1.0), "d2h")
+        grads_to_host, grads_back = offloaded_grad_bytes(stage_params, offload_g, zero, dp, c.grad_accum)
+        grads_out = copy_time(self.hardware, grads_to_host, "d2h")
+        grads_in = copy_time(self.hardware, grads_back, "h2d")
         ckpt_moved = np.where(offload_a >= 1.0, ckpt * layer["input"], 0.0)  # with a policy: the checkpointed inputs
         acts_moved = np.where(with_policy, (n - ckpt) * policy["offloaded"] + ckpt_moved, offload_a * acts_per_mb)
         acts_out = copy_time(self.hardware, acts_moved, "d2h")
@@ -446,7 +448,8 @@ class StageCostModel(PolicyTerms):
         p2p_bytes = (1.0 - has_post) * layer["output"] + (1.0 - has_pre) * layer["input"]
         p2p = p2p_time(self.hardware, p2p_bytes, inter_node)
         forward = overlap_where_busy(self.hardware, forward_compute, forward_collective, weights_in, acts_out)
-        backward = overlap_where_busy(self.hardware, backward_compute, backward_collective, weights_in + acts_in, grads_out)
+        backward = overlap_where_busy(self.hardware, backward_compute, backward_collective,
+                                      weights_in + acts_in + grads_in, grads_out)
         stable = forward.total_s + backward.total_s + tp_exposed + p2p
 
         # ---- delta: once per iteration ---------------------------------------------------------
@@ -458,9 +461,13 @@ class StageCostModel(PolicyTerms):
         host_step = offload_o * shard_params / self.hardware.host_adam_params_per_s
         step_out = copy_time(self.hardware, offload_o * shard_params * grad_b, "d2h")
         step_in = copy_time(self.hardware, offload_o * shard_params * weight_b, "h2d")
+        step_grads_in = copy_time(self.hardware, step_grads_to_device(offload_g, offload_o, zero) * shard_params
+                                  * ACCUMULATOR_BYTES, "h2d")
         accumulate = np.where(low_grads, low_precision_bytes_moved(grad_bytes, stage_params, zero, dp),
                               accumulation_bytes_moved(stage_params, zero, dp, c.grad_accum)) / self.hardware.state_pass_bandwidth
-        step = optimizer_phase_s(overlap_where_busy(self.hardware, device_step, np.zeros(count), step_in, step_out).total_s,
+        device_and_copies = overlap_where_busy(self.hardware, device_step, np.zeros(count), step_in + step_grads_in,
+                                               step_out).total_s
+        step = optimizer_phase_s(device_and_copies,
                                  host_step, step_out, step_in, n + has_pre + has_post) + accumulate
         first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
                                                            dp_nodes, dp_gpus), 0.0)

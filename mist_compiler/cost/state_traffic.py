@@ -52,3 +52,29 @@ def accumulation_bytes_moved(stage_params: np.ndarray, zero: np.ndarray, dp: np.
     zero, dp = np.asarray(zero), np.asarray(dp, dtype=float)
     accumulator_bytes = 4.0 * stage_params * np.where(zero >= 2, 1.0 / dp, 1.0)
     return 3.0 * accumulator_bytes * np.maximum(np.asarray(grad_accum, dtype=float) - 1.0, 0.0)
+
+
+def offloaded_grad_bytes(stage_params: np.ndarray, offload_grads: np.ndarray, zero: np.ndarray,
+                         dp: np.ndarray, grad_accum: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(device -> host, host -> device) bytes per micro-batch, on average, of the fp32 accumulator's
+    offloaded fraction (``runtime/offload.py``: on a GPU an accumulating write brings the host slice to
+    the device, adds there and copies the sum back). ZeRO 2-3 write every micro-batch's reduced shard
+    into it, adding from the second on; ZeRO 0-1 write every micro-batch but the last, which folds the
+    host part back into the buffer it reduces, so it brings it back once as well."""
+    zero, dp = np.asarray(zero), np.asarray(dp, dtype=float)
+    accum = np.maximum(np.asarray(grad_accum, dtype=float), 1.0)
+    host = np.asarray(offload_grads, dtype=float) * 4.0 * stage_params * np.where(zero >= 2, 1.0 / dp, 1.0)
+    later = (accum - 1.0) / accum  # the share of micro-batches that find an accumulator there
+    return host * np.where(zero >= 2, 1.0, later), host * later
+
+
+
+def step_grads_to_device(offload_grads: np.ndarray, offload_opt: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """The fraction of the optimizer's shard whose gradients come back from the host before the step:
+    under ZeRO 2-3 the accumulator's offloaded tail stays on the host, and the part of it the device
+    optimizer updates is copied back (``runtime/optimizer.py``); under ZeRO 0-1 the last micro-batch
+    folded it into the buffer it reduced. (The host optimizer's part is priced as sent to the host
+    whether or not its gradients are there already: the tuner prunes on more offload never being
+    faster.)"""
+    g, o = np.asarray(offload_grads, dtype=float), np.asarray(offload_opt, dtype=float)
+    return np.where(np.asarray(zero) >= 2, np.maximum(g - o, 0.0), 0.0)

@@ -5,13 +5,17 @@ live on the device and the rest (the offloaded fraction, rounded to whole elemen
 memory. Every host tensor the runtime allocates is entered in a ``HostMemory`` registry, so the
 bytes kept on the host can be measured even on CPU, where "host" and "device" are the same memory.
 
-Host-side writes never stall the caller: a write into the host part from a CUDA tensor is an
-asynchronous copy into a pinned staging buffer (the d2h side stream), and the add or copy into the
-host part runs on the ``HostWorkers`` threads once that copy's event completes (on a CPU device
-the staging copy is a plain memcpy and only the add is deferred). Every later access to the host
-part (``parts``, ``overlapping``, reads, writes) first waits for those tasks, so callers see the
-same values as with synchronous writes. Without workers (``HostMemory()`` alone) writes are
-synchronous.
+Host-side writes never stall the caller, and on a GPU they leave the host's cores alone. A write
+into the (pinned) host part from a CUDA tensor runs on the d2h side stream: a copy is cast on the
+device and copied straight into the host part; an accumulating write brings that slice of the host
+part to the device, adds there and copies the sum back (as DeepSpeed's ZeRO-Offload accumulates).
+On an H200 the earlier path (a pinned staging copy, then the copy, cast or add by host threads) made
+50% weight and gradient offload 0.17 s and 0.25 s slower per step than the plan without them: the
+host work was slow, and the threads doing it starved the ones launching kernels. On a CPU device an
+accumulating write is a memcpy into a staging buffer and the add runs on the ``HostWorkers``
+threads. Every later access to the host part (``parts``, ``overlapping``, reads, writes) first waits
+for those copies and tasks, so callers see the same values as with synchronous writes. Without
+workers (``HostMemory()`` alone) CPU writes are synchronous.
 
 ``ActivationOffloader`` is a ``saved_tensors_hooks`` pair per unit: during forward it moves a
 fraction of the unit's saved activations to host memory, and during backward the runtime
@@ -84,6 +88,7 @@ class SplitBuffer:
         self.kind = kind
         self.host_memory = host_memory
         self._host_tasks: list[concurrent.futures.Future] = []
+        self._host_copies: list = []  # events of direct device -> host copies into the host part
 
     @property
     def offloaded(self) -> bool:
@@ -91,6 +96,10 @@ class SplitBuffer:
 
     def sync_host(self) -> None:
         """Wait for the deferred writes into the host part."""
+        if self._host_copies:
+            events, self._host_copies = self._host_copies, []
+            for event in events:
+                event.synchronize()
         if self._host_tasks:
             tasks, self._host_tasks = self._host_tasks, []
             HostWorkers.wait(tasks, self.host_memory.timeout_s, f"writing offloaded {self.kind} to host memory")
@@ -137,7 +146,9 @@ class SplitBuffer:
         host part are deferred to the host workers when there are some (see the module docstring)."""
         for dst, window in self.overlapping(start, start + values.numel()):
             src = values[window]
-            if self._is_host(dst) and self._deferrable(dst, src, accumulate):
+            if self._is_host(dst) and self._copyable_async(dst, src):
+                self._copy_to_host_async(dst, src, accumulate)
+            elif self._is_host(dst) and self._deferrable(dst, src, accumulate):
                 self._write_host_later(dst, src, accumulate)
             elif accumulate:
                 dst.add_(src.to(dst.device))
@@ -151,6 +162,18 @@ class SplitBuffer:
         if self.host_memory.workers is None or dst.numel() == 0:
             return False
         return src.is_cuda or accumulate  # a CPU -> CPU copy is as cheap as staging it
+
+    def _copyable_async(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        streams = self.host_memory.streams
+        return src.is_cuda and dst.numel() > 0 and streams is not None and streams.asynchronous and dst.is_pinned()
+
+    def _copy_to_host_async(self, dst: torch.Tensor, src: torch.Tensor, accumulate: bool) -> None:
+        streams = self.host_memory.streams
+        flat = src.detach().reshape(-1)
+        if accumulate:
+            self._host_copies.append(streams.add_to_host_async(dst, flat, "d2h"))
+        else:  # the cast runs on the device; copy_async keeps ``flat`` alive (record_stream) until the copy ends
+            self._host_copies.append(streams.copy_async(dst, flat.to(dst.dtype), "d2h"))
 
     def _write_host_later(self, dst: torch.Tensor, src: torch.Tensor, accumulate: bool) -> None:
         streams = self.host_memory.streams

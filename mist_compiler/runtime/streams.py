@@ -77,7 +77,23 @@ class Streams:
             for tensor in (dst, src):
                 if tensor.is_cuda:
                     tensor.record_stream(side)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # a host wait sleeps: spinning threads starve the launches
+            event.record(side)
+        return event
+
+    def add_to_host_async(self, dst: torch.Tensor, src: torch.Tensor, stream: str):
+        """``dst += src`` for a pinned host ``dst`` and a device ``src``, all on side stream ``stream``
+        (after the current stream's work): ``dst`` comes to the device, the add runs there, the sum goes
+        back. No host thread touches the data; returns the event of the copy back."""
+        side = self.side(stream)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            total = torch.empty(dst.shape, dtype=dst.dtype, device=src.device)  # freed in this stream's order
+            total.copy_(dst, non_blocking=True)
+            total.add_(src)
+            dst.copy_(total, non_blocking=True)
+            src.record_stream(side)
+            event = torch.cuda.Event(blocking=True)
             event.record(side)
         return event
 
@@ -92,12 +108,18 @@ class Streams:
             event.synchronize()
 
 
+LAUNCHING_THREADS = 2  # the main thread and autograd's device thread, which keep a GPU fed
+
+
 def host_threads() -> int:
-    """Threads for host-side work: ``MIST_HOST_THREADS``, else this rank's share of its cores."""
+    """Threads for host-side work: ``MIST_HOST_THREADS``, else this rank's share of its cores, less
+    the cores that launch its GPU work (on an H200 with every core adding offloaded gradients, the
+    launching threads were descheduled and the GPU sat idle for two thirds of the backward)."""
     if os.environ.get("MIST_HOST_THREADS"):
         return max(1, int(os.environ["MIST_HOST_THREADS"]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    share = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return max(1, share - (LAUNCHING_THREADS if torch.cuda.is_available() else 0))
 
 
 class HostWorkTimeout(RuntimeError):
