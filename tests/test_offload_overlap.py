@@ -133,3 +133,22 @@ def test_cost_model_prices_the_host_adamw_as_overlapping_the_device():
     assert optimizer_phase_s(np.array([2.0]), np.array([1.0]), np.array([0.4]), np.array([0.2]), np.array([6]))[0] == 2.0
     # nothing offloaded: the device part alone
     assert optimizer_phase_s(np.array([0.3]), np.array([0.0]), np.array([0.0]), np.array([0.0]), np.array([6]))[0] == 0.3
+
+
+def test_cost_model_prices_what_offloaded_gradients_move():
+    """The fp32 accumulator's host fraction leaves every micro-batch under ZeRO 2-3 (all but the last
+    under ZeRO 0-1, whose last micro-batch folds it back) and comes back on every micro-batch that adds
+    into it; before the step, the device optimizer reads back what it updates of the host tail."""
+    import numpy as np
+
+    from mist_compiler.cost.state_traffic import offloaded_grad_bytes, step_grads_to_device
+
+    params, zero, dp = np.array([100.0] * 4), np.array([2, 2, 0, 0]), np.array([2, 2, 2, 2])
+    accum = np.array([1, 4, 1, 4])
+    out, back = offloaded_grad_bytes(params, np.full(4, 0.5), zero, dp, accum)
+    shard, full = 0.5 * 4.0 * 100.0 / 2, 0.5 * 4.0 * 100.0
+    np.testing.assert_allclose(out, [shard, shard, 0.0, full * 3 / 4])
+    np.testing.assert_allclose(back, [0.0, shard * 3 / 4, 0.0, full * 3 / 4])
+    assert not offloaded_grad_bytes(params, np.zeros(4), zero, dp, accum)[0].any()
+    np.testing.assert_allclose(step_grads_to_device(np.array([0.5, 0.5, 0.25, 0.5]), np.array([0.0, 0.25, 0.5, 0.0]),
+                                                    np.array([2, 3, 2, 1])), [0.5, 0.25, 0.0, 0.0])
