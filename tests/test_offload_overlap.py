@@ -152,3 +152,15 @@ def test_cost_model_prices_what_offloaded_gradients_move():
     assert not offloaded_grad_bytes(params, np.zeros(4), zero, dp, accum)[0].any()
     np.testing.assert_allclose(step_grads_to_device(np.array([0.5, 0.5, 0.25, 0.5]), np.array([0.0, 0.25, 0.5, 0.0]),
                                                     np.array([2, 3, 2, 1])), [0.5, 0.25, 0.0, 0.0])
+
+
+def test_adding_into_host_memory_through_a_bounded_device_buffer():
+    """The GPU path of an accumulating offload write (``Streams.add_to_host_async``) adds piece by piece
+    through one buffer; run here on the CPU, every piece boundary must give the plain sum."""
+    from mist_compiler.runtime.streams import add_through
+
+    for numel, piece in ((10, 3), (9, 3), (5, 8), (1, 1)):
+        dst, src = torch.arange(numel, dtype=torch.float32), torch.randn(numel, dtype=torch.bfloat16)
+        expected = dst + src.float()
+        add_through(dst, src, piece)
+        torch.testing.assert_close(dst, expected, rtol=0, atol=0)

@@ -81,17 +81,16 @@ class Streams:
             event.record(side)
         return event
 
+    ADD_PIECE_ELEMENTS = 1 << 24  # the device buffer of ``add_to_host_async``: 64 MB of fp32 at most
+
     def add_to_host_async(self, dst: torch.Tensor, src: torch.Tensor, stream: str):
-        """``dst += src`` for a pinned host ``dst`` and a device ``src``, all on side stream ``stream``
-        (after the current stream's work): ``dst`` comes to the device, the add runs there, the sum goes
-        back. No host thread touches the data; returns the event of the copy back."""
+        """``dst += src`` for flat tensors, a pinned host ``dst`` and a device ``src``, all on side stream
+        ``stream`` (after the current stream's work): piece by piece, ``dst`` comes to the device, the add
+        runs there and the sum goes back. No host thread touches the data; returns the last copy's event."""
         side = self.side(stream)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            total = torch.empty(dst.shape, dtype=dst.dtype, device=src.device)  # freed in this stream's order
-            total.copy_(dst, non_blocking=True)
-            total.add_(src)
-            dst.copy_(total, non_blocking=True)
+            add_through(dst, src, self.ADD_PIECE_ELEMENTS)  # its buffer is used and freed in this stream's order
             src.record_stream(side)
             event = torch.cuda.Event(blocking=True)
             event.record(side)
@@ -106,6 +105,19 @@ class Streams:
         """Block the host until ``event`` completes (needed before the host reads a D2H copy)."""
         if event is not None:
             event.synchronize()
+
+
+def add_through(dst: torch.Tensor, src: torch.Tensor, piece_elements: int) -> None:
+    """``dst += src`` (flat) computed on ``src``'s device through one buffer of at most
+    ``piece_elements``: each piece of ``dst`` is copied there, added to and copied back, in order."""
+    piece = max(1, min(dst.numel(), piece_elements))
+    buffer = torch.empty(piece, dtype=dst.dtype, device=src.device)
+    for lo in range(0, dst.numel(), piece):
+        hi = min(lo + piece, dst.numel())
+        part = buffer[:hi - lo]
+        part.copy_(dst[lo:hi], non_blocking=True)
+        part.add_(src[lo:hi])
+        dst[lo:hi].copy_(part, non_blocking=True)
 
 
 LAUNCHING_THREADS = 2  # the main thread and autograd's device thread, which keep a GPU fed
