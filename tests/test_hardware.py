@@ -164,7 +164,8 @@ def l4_data() -> dict:
         return yaml.safe_load(handle)
 
 
-@pytest.mark.parametrize("field, value, named", MALFORMED, ids=[f"{f}={v!r}" for f, v, _ in MALFORMED])
+@pytest.mark.parametrize("field, value, named", MALFORMED,
+                         ids=[f"{f}=<deleted>" if v is _DELETE else f"{f}={v!r}" for f, v, _ in MALFORMED])
 def test_malformed_field_is_named(l4_data, field, value, named):
     data = copy.deepcopy(l4_data)
     _set(data, field, value)
