@@ -68,7 +68,6 @@ def offloaded_grad_bytes(stage_params: np.ndarray, offload_grads: np.ndarray, ze
     return host * np.where(zero >= 2, 1.0, later), host * later
 
 
-
 def step_grads_to_device(offload_grads: np.ndarray, offload_opt: np.ndarray, zero: np.ndarray) -> np.ndarray:
     """The fraction of the optimizer's shard whose gradients come back from the host before the step:
     under ZeRO 2-3 the accumulator's offloaded tail stays on the host, and the part of it the device

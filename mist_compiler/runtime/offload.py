@@ -143,7 +143,8 @@ class SplitBuffer:
 
     def write(self, start: int, values: torch.Tensor, accumulate: bool = False) -> None:
         """``self[start:start+n] = values`` (or ``+=``), copying across devices as needed; writes into the
-        host part are deferred to the host workers when there are some (see the module docstring)."""
+        host part run on the d2h stream from a GPU, on the host workers (if any) on a CPU (see the module
+        docstring)."""
         for dst, window in self.overlapping(start, start + values.numel()):
             src = values[window]
             if self._is_host(dst) and self._copyable_async(dst, src):

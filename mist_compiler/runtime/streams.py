@@ -7,10 +7,13 @@ caching allocator does not reuse them early. Host buffers are pinned when CUDA i
 (``pin_memory`` fails without an accelerator, TORCH-NOTES section 4).
 On CPU the same calls copy synchronously and return ``None``; ``wait(None)`` is a no-op, so the
 runtime has one code path for both.
-``HostWorkers`` is a small thread pool for the host side of offloading (adding offloaded gradients,
-AdamW on offloaded optimizer states): torch's CPU kernels release the GIL, so chunks of one flat
-update run on several cores while the main thread keeps the device busy. Its size is the cores
-this rank may use (its CPU affinity divided by the ranks on the node), or ``MIST_HOST_THREADS``.
+``HostWorkers`` is a small thread pool for the host side of offloading (AdamW on offloaded optimizer
+states; on a CPU device also adding offloaded gradients): torch's CPU kernels release the GIL, so
+chunks of one flat update run on several cores while the main thread keeps the device busy. Its size
+is the cores this rank may use (its CPU affinity divided by the ranks on the node), less two on a GPU
+machine for the threads that launch kernels, or ``MIST_HOST_THREADS``. Copy events block rather than
+spin, so a thread waiting on one leaves its core to them; ``add_to_host_async`` adds into pinned host
+memory on the device.
 Every host buffer comes from ``host_empty``; ``allocating_host_memory()`` is true while it runs, so
 a memory probe on CPU (where host and device are the same RAM) can tell host buffers apart.
 """
