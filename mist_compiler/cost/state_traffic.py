@@ -1,9 +1,8 @@
 """What the backend does to gradient and optimizer state besides the captured graphs, priced per
 candidate: the passes over gradient buffers (zeroing, scaling, autograd's in-place accumulation, the
 fp32 accumulator and its offloaded part's copies, low-precision casts) and the optimizer step's device
-and host halves
-(``runtime/zero.py``, ``runtime/flat_buffer.py``, ``runtime/optimizer.py``). The stage model adds
-these to the phases the graphs' costs make."""
+and host halves (``runtime/zero.py``, ``runtime/flat_buffer.py``, ``runtime/offload.py``,
+``runtime/optimizer.py``). The stage model adds these to the phases the graphs' costs make."""
 from __future__ import annotations
 
 import numpy as np
