@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .memory import ACCUMULATOR_BYTES
+
 
 def optimizer_phase_s(device_and_copies: np.ndarray, host_step: np.ndarray, step_out: np.ndarray,
                       step_in: np.ndarray, units: np.ndarray) -> np.ndarray:
@@ -63,7 +65,8 @@ def offloaded_grad_bytes(stage_params: np.ndarray, offload_grads: np.ndarray, ze
     host part back into the buffer it reduces, so it brings it back once as well."""
     zero, dp = np.asarray(zero), np.asarray(dp, dtype=float)
     accum = np.maximum(np.asarray(grad_accum, dtype=float), 1.0)
-    host = np.asarray(offload_grads, dtype=float) * 4.0 * stage_params * np.where(zero >= 2, 1.0 / dp, 1.0)
+    share = np.where(zero >= 2, 1.0 / dp, 1.0)
+    host = np.asarray(offload_grads, dtype=float) * ACCUMULATOR_BYTES * stage_params * share
     later = (accum - 1.0) / accum  # the share of micro-batches that find an accumulator there
     return host * np.where(zero >= 2, 1.0, later), host * later
 

@@ -147,10 +147,10 @@ class SplitBuffer:
         docstring)."""
         for dst, window in self.overlapping(start, start + values.numel()):
             src = values[window]
-            if self._is_host(dst) and self._copyable_async(dst, src):
+            if self._is_host(dst) and dst.numel() and self._from_device(src):
                 self._copy_to_host_async(dst, src, accumulate)
-            elif self._is_host(dst) and self._deferrable(dst, src, accumulate):
-                self._write_host_later(dst, src, accumulate)
+            elif self._is_host(dst) and dst.numel() and accumulate and self.host_memory.workers is not None:
+                self._add_on_host_later(dst, src)  # (a plain CPU -> CPU copy is as cheap as staging it)
             elif accumulate:
                 dst.add_(src.to(dst.device))
             else:
@@ -159,14 +159,10 @@ class SplitBuffer:
     def _is_host(self, part: torch.Tensor) -> bool:
         return self.offloaded and part.untyped_storage().data_ptr() == self.host_part.untyped_storage().data_ptr()
 
-    def _deferrable(self, dst: torch.Tensor, src: torch.Tensor, accumulate: bool) -> bool:
-        if self.host_memory.workers is None or dst.numel() == 0:
-            return False
-        return src.is_cuda or accumulate  # a CPU -> CPU copy is as cheap as staging it
-
-    def _copyable_async(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+    def _from_device(self, src: torch.Tensor) -> bool:
+        """Whether ``src`` lives on a GPU whose side streams can write the (pinned) host part."""
         streams = self.host_memory.streams
-        return src.is_cuda and dst.numel() > 0 and streams is not None and streams.asynchronous and dst.is_pinned()
+        return src.is_cuda and streams is not None and streams.asynchronous
 
     def _copy_to_host_async(self, dst: torch.Tensor, src: torch.Tensor, accumulate: bool) -> None:
         streams = self.host_memory.streams
@@ -176,22 +172,14 @@ class SplitBuffer:
         else:  # the cast runs on the device; copy_async keeps ``flat`` alive (record_stream) until the copy ends
             self._host_copies.append(streams.copy_async(dst, flat.to(dst.dtype), "d2h"))
 
-    def _write_host_later(self, dst: torch.Tensor, src: torch.Tensor, accumulate: bool) -> None:
-        streams = self.host_memory.streams
+    def _add_on_host_later(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         staging = host_empty(src.numel(), src.dtype)
-        if src.is_cuda and streams is not None:
-            event = streams.copy_async(staging, src.detach().reshape(-1), "d2h")
-        else:
-            staging.copy_(src.detach().reshape(-1))  # the caller may free ``src`` right after this call
-            event = None
-        label = "mist.host_grad_accumulate" if accumulate else "mist.host_write"
+        staging.copy_(src.detach().reshape(-1))  # the caller may free ``src`` right after this call
 
         def work(lo: int, hi: int) -> None:
-            if event is not None:
-                event.synchronize()
-            with torch.profiler.record_function(label):
-                part, incoming = dst[lo:hi], staging[lo:hi]
-                part.add_(incoming.to(part.dtype)) if accumulate else part.copy_(incoming)
+            with torch.profiler.record_function("mist.host_grad_accumulate"):
+                part = dst[lo:hi]
+                part.add_(staging[lo:hi].to(part.dtype))
 
         self._host_tasks.extend(self.host_memory.workers.chunks(dst.numel(), work))
 
