@@ -19,7 +19,8 @@ setup(
         "mip>=1.15",  # the activation MILP (tuner/activation_milp.py) with its bundled CBC
     ],
     extras_require={
-        "test": ["pytest>=8", "transformers>=4.40", "safetensors>=0.4", "matplotlib>=3.7"],
+        # pytest-xdist: the suite runs in two workers (pytest.ini), most tests wait on subprocesses
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "transformers>=4.40", "safetensors>=0.4", "matplotlib>=3.7"],
         "hf": ["transformers>=4.40", "safetensors>=0.4"],  # hf: models, pretrained checkpoints, --export
         "gpu": ["flash-attn>=2.5", "matplotlib>=3.7"],
         "plot": ["matplotlib>=3.7"],

@@ -1,7 +1,10 @@
-"""Shared fixtures: captures of the tiny zoo models (once per session) and tiny Hugging Face configs."""
+"""Shared fixtures: captures of the tiny zoo models (once per session) and tiny Hugging Face configs,
+and the machine's share between pytest-xdist workers (tests marked ``exclusive`` run alone)."""
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 
 import pytest
 
@@ -66,3 +69,31 @@ def hf_config_path(tmp_path):
         return os.path.join(str(folder), "config.json"), config
 
     return write
+
+
+def _lock_file(name: str):
+    run = os.environ["PYTEST_XDIST_TESTRUNUID"]  # the same in every worker of one run
+    return open(os.path.join(tempfile.gettempdir(), f"mist-tests-{run}.{name}"), "a+")
+
+
+@pytest.fixture(autouse=True)
+def _machine_share(request):
+    """Under pytest-xdist (the README's test command runs two workers), a test marked ``exclusive``
+    (one whose assertions read wall time or thread overlap) waits until no other worker runs a test and
+    keeps the others out while it runs; the rest share the machine. Two flocks: every test passes the
+    turnstile to take the room (shared, or alone), so a waiting exclusive test is not starved by the
+    other worker taking the room again. A worker that dies releases its locks with its files."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    alone = request.node.get_closest_marker("exclusive") is not None
+    with _lock_file("turnstile") as turnstile, _lock_file("room") as room:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)

@@ -109,6 +109,7 @@ def test_unrecognised_structure_forbids_tensor_parallelism(model):
     assert not other.tp_supported and "layer: x" in other.tp_message
 
 
+@pytest.mark.exclusive  # times the evaluation
 def test_hundred_thousand_candidates_under_a_second(model):
     rng = np.random.default_rng(0)
     n = 100_000

@@ -85,6 +85,7 @@ def _synchronous_weights(zero: int, offload: Offload, grad_accum: int) -> dict[s
     return weights
 
 
+@pytest.mark.exclusive  # asserts that threads overlapped
 def test_host_adamw_runs_while_the_device_part_is_updated(tmp_path):
     offload = Offload(opt=0.5)
     for attempt in range(3):  # the machine is shared: a busy moment can serialise the threads
@@ -100,6 +101,7 @@ def test_host_adamw_runs_while_the_device_part_is_updated(tmp_path):
         torch.testing.assert_close(weights[name], value, rtol=0, atol=0)
 
 
+@pytest.mark.exclusive  # asserts that threads overlapped
 def test_offloaded_gradients_are_added_on_host_threads_during_the_backward():
     offload = Offload(grads=0.5)
     prof, weights = _profile(2, offload, 2)

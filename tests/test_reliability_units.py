@@ -245,6 +245,7 @@ def test_a_tokenizer_name_without_network_fails_in_seconds(tmp_path, monkeypatch
 
 # ---- ranks: a stalled one, stop requests, options that differ --------------------------------------------
 
+@pytest.mark.exclusive  # a 0.6 s heartbeat timeout
 def test_a_stalled_rank_is_reported_by_the_rank_watching_it(monkeypatch):
     from mist_compiler.runtime import failure
 

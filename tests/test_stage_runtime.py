@@ -119,6 +119,7 @@ def test_bad_units_and_names_are_rejected():
 
 
 @pytest.mark.distributed
+@pytest.mark.exclusive  # times the timeout
 def test_a_missing_rank_gives_a_timeout_error_naming_unit_and_collective():
     from stage_runtime_cases import timeout_worker
 
