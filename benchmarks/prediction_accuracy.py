@@ -35,12 +35,14 @@ machine share its caches and memory bandwidth, so a device's rates are the ones 
 the other devices run. A configuration's
 error is the geometric mean over rounds of predicted/measured, its printed times the geometric
 means. The collectives are measured once over 1x2 and 1x4 gloo groups and the slowdowns of
-channels running together with as many ranks as the plan has; each rank's compute rate is scaled
-by its share of a core (4 ranks on this 2-core machine: half a core each; the share measured at
-the time is printed beside it). No per-configuration adjustment. Caveat of the 4-rank plans: a
-rank that waits in a pipeline bubble hands its core to the others, which then run faster than
-half a core; a device model cannot describe that (hence no 4-stage pipeline here; on a machine
-with a core per rank it does not arise).
+channels running together with as many ranks as the plan has. No per-configuration adjustment.
+More ranks than cores (4 ranks on this 2-core machine): a rank that waits in a pipeline bubble
+hands its core to the others, which then run faster than their even share, so a device model of
+half a core per rank over-prices every bubble. Such a plan is priced with a core per rank, and its
+step is the larger of that simulated iteration and the ranks' total busy time (the iteration less
+each rank's bubble, summed over ranks) spread over the cores: the cores share the work as a fluid
+processor-sharing queue would (:func:`shared_core_step`; the even-share figure is printed too).
+On a machine with a core per rank, as with one device per rank, neither arises.
 Prediction: ``mist_compiler.cost.analyze.analyze`` of the plan.
 
 Schedules (``--schedules``, ``accuracy_configs.SCHEDULE_CONFIGS``): interleaved 1F1B, ZB-H1 and ZB-V plans
@@ -269,14 +271,16 @@ def measure_links(worlds: list[int], log: Callable[[str], None] = print) -> Link
     return LinkCalibration(links, factors, {world: results[world]["slowdown"] for world in worlds})
 
 
-def multi_rank_profile(base: HardwareProfile, world: int, calibration: LinkCalibration) -> HardwareProfile:
+def multi_rank_profile(base: HardwareProfile, world: int, calibration: LinkCalibration,
+                       share: float | None = None) -> HardwareProfile:
     """``base`` (compute rates of one rank alone) with the measured collectives and slowdowns, its
-    compute rates scaled by each rank's share of a core (4 ranks on this 2-core machine: half)."""
+    compute rates scaled by ``share`` of a core (default: the even share, 4 ranks on this 2-core
+    machine: half)."""
     per_node = max(int(shape.split("x")[1]) for shape in calibration.links)
     fitted = HardwareProfile.from_dict({**base.to_dict(), "gpus_per_node": per_node,
                                         "collectives": calibration.links, "collective_factor": calibration.factors,
                                         "slowdown": calibration.slowdowns[world]}, source="benchmark calibration")
-    share = compute_share(world)
+    share = compute_share(world) if share is None else share
     return dataclasses.replace(fitted, peak_flops={k: v * share for k, v in fitted.peak_flops.items()},
                                memory_bandwidth=fitted.memory_bandwidth * share, op_overhead=fitted.op_overhead / share,
                                optimizer_params_per_s=fitted.optimizer_params_per_s * share,
@@ -372,18 +376,33 @@ def measure_plan(config: PlanConfig, timed_steps: int, measure_memory: bool, cal
     return Outcome(step_s, max(stage_peaks), stage_peaks, calibration)
 
 
-def predict_plan(config: PlanConfig, hardware: HardwareProfile) -> Outcome:
-    """``mist_compiler.analyze`` of the plan (the backend's flat-shard AdamW: the default optimizer
-    traffic) with the plan's attention kernel."""
+def _estimate(config: PlanConfig, hardware: HardwareProfile):
     from mist_compiler.cost.analyze import analyze
 
     blocks, num_layers = _analysed(config.model, config.dtype, config.compiled)
     cost_model = StageCostModel(blocks, hardware, config.seq_len, config.dtype, config.attention, config.model, num_layers,
                                 compiled=config.compiled)
     plan = config.plan()
-    estimate = analyze(None, plan, hardware, cost_model=cost_model, attention=config.attention)
+    return plan, analyze(None, plan, hardware, cost_model=cost_model, attention=config.attention)
+
+
+def predict_plan(config: PlanConfig, hardware: HardwareProfile) -> Outcome:
+    """``mist_compiler.analyze`` of the plan (the backend's flat-shard AdamW: the default optimizer
+    traffic) with the plan's attention kernel."""
+    plan, estimate = _estimate(config, hardware)
     peaks = [estimate.stages[plan.chunks(group)[0]].peak_memory_mb * 1e6 for group in range(plan.pp)]
     return Outcome(estimate.iteration_time_s, max(peaks), peaks)
+
+
+def shared_core_step(config: PlanConfig, one_core: HardwareProfile, cores: int) -> float:
+    """Step time of a plan whose ranks outnumber the cores: the plan priced with a core per rank
+    (``one_core``), and its ranks' busy time (iteration less bubble, per group of ranks) shared by the
+    cores; the larger of the two."""
+    plan, estimate = _estimate(config, one_core)
+    iteration = estimate.iteration_time_s
+    busy = sum(plan.stages[plan.chunks(group)[0]].devices * (iteration - estimate.stages[plan.chunks(group)[0]].bubble_s)
+               for group in range(plan.pp))
+    return max(iteration, busy / cores)
 
 
 RUNNERS: dict[str, Callable[..., Outcome]] = {"plan": measure_plan}
@@ -476,10 +495,20 @@ def main(argv: list[str] | None = None) -> int:
         return (dataclasses.replace(profile, gpus_per_node=max(max(worlds, default=world), world)) if links is None
                 else multi_rank_profile(profile, world, links))
 
+    def one_core(profile: HardwareProfile, world: int) -> HardwareProfile:
+        return (dataclasses.replace(profile, gpus_per_node=max(max(worlds, default=world), world)) if links is None
+                else multi_rank_profile(profile, world, links, share=1.0))
+
     predicted, measured_steps = [], []
     for config, pairs in zip(configs, rounds_of):
         # each round's run against the profile measured right before it; geometric means over rounds
         outcomes = [PREDICTORS[config.kind](config, for_world(profile, config.world)) for profile, _ in pairs]
+        if compute_share(config.world) < 1.0:  # more ranks than cores: the processor-sharing bound
+            even = geometric_mean([o.step_s / m for o, (_, m) in zip(outcomes, pairs)])
+            outcomes = [dataclasses.replace(outcome, step_s=shared_core_step(config, one_core(profile, config.world),
+                                                                             os.cpu_count() or 1))
+                        for outcome, (profile, _) in zip(outcomes, pairs)]
+            print(f"{config.label}: the even share of a core would predict {even - 1:+.1%}", flush=True)
         step_s = geometric_mean([measured_s for _, measured_s in pairs])
         ratio = geometric_mean([outcome.step_s / measured_s for outcome, (_, measured_s) in zip(outcomes, pairs)])
         predicted.append(dataclasses.replace(outcomes[0], step_s=ratio * step_s))
