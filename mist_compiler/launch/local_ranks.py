@@ -14,7 +14,9 @@ raises ``RankError`` too, so a deadlocked collective never hangs the caller.
 On gloo the ranks are forked from a fork server that imported torch, dynamo, inductor, transformers
 and the compiler once (``PRELOADED``): a rank starts in a fraction of a second where a spawned one
 spends seconds of CPU importing them again, which the test suite paid ~100 times. Each rank takes
-the caller's environment and working directory as they are at the call, as a spawned one would.
+the caller's environment and working directory as they are at the call, as a spawned one would;
+only what a preloaded module read from the environment when it was imported (``TRITON_INTERPRET``
+in ``runtime/kernels.py``, torch's own settings) keeps the value it had when the server started.
 NCCL ranks are spawned, so none inherits anything of CUDA.
 """
 from __future__ import annotations
