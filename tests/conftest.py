@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import tempfile
 
 import pytest
 
@@ -71,13 +70,8 @@ def hf_config_path(tmp_path):
     return write
 
 
-def _lock_file(name: str):
-    run = os.environ["PYTEST_XDIST_TESTRUNUID"]  # the same in every worker of one run
-    return open(os.path.join(tempfile.gettempdir(), f"mist-tests-{run}.{name}"), "a+")
-
-
 @pytest.fixture(autouse=True)
-def _machine_share(request):
+def _machine_share(request, tmp_path_factory):
     """Under pytest-xdist (the README's test command runs two workers), a test marked ``exclusive``
     (one whose assertions read wall time or thread overlap) waits until no other worker runs a test and
     keeps the others out while it runs; the rest share the machine. Two flocks: every test passes the
@@ -87,7 +81,8 @@ def _machine_share(request):
         yield
         return
     alone = request.node.get_closest_marker("exclusive") is not None
-    with _lock_file("turnstile") as turnstile, _lock_file("room") as room:
+    run = tmp_path_factory.getbasetemp().parent  # each worker's base is popen-gwN in the run's own (pytest keeps 3)
+    with open(run / "mist-turnstile.lock", "a+") as turnstile, open(run / "mist-room.lock", "a+") as room:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         try:
             fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
