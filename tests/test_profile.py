@@ -277,3 +277,16 @@ def test_the_host_adamw_rate_is_timed_as_the_backend_runs_it(monkeypatch):
     assert profiler.host_adamw_params_per_s(1 << 18, 0.01, timer=once) == pytest.approx((1 << 18) / 0.01)
     assert [numel for _, numel in calls] == [1 << 17, 1 << 17]  # one chunk per worker thread
     assert all(name.startswith("mist-host") for name, _ in calls)
+
+
+def test_a_measured_peak_is_the_best_gemm_rate_of_the_run():
+    """A large GEMM timed while other work ran can come out below a later shape's rate: the peak is
+    then raised to the best rate and the shape table re-expressed against it (a profile never prices
+    a GEMM above its device's peak, and its own loader accepts it)."""
+    from mist_compiler.profiling.profiler import _best_gemm_as_peak
+
+    points = [(128, 128, 128, 1.7), (512, 64, 512, 0.85)]
+    peak, rescaled = _best_gemm_as_peak(100e9, 120e9, points, lambda line: None)
+    assert peak == pytest.approx(170e9)
+    assert rescaled == [(128, 128, 128, 1.0), (512, 64, 512, 0.5)]
+    assert _best_gemm_as_peak(100e9, 90e9, [(64, 64, 64, 0.9)], lambda line: None) == (100e9, [(64, 64, 64, 0.9)])
