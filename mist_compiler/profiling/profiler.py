@@ -115,11 +115,12 @@ def measure_compute(device: str, options: ProfilerOptions) -> ComputeMeasurement
     x, w = torch.randn(tokens, hidden, device=device, dtype=dtype), torch.randn(hidden, 4 * hidden, device=device, dtype=dtype)
     model_rate = 2 * tokens * hidden * 4 * hidden / seconds_per_call(lambda: x @ w, sync, target)
     log(f"matmul {main_dtype} {tokens}x{hidden}x{4 * hidden} (transformer MLP shape): {model_rate / 1e9:.1f} GFLOP/s")
-    shape_peak = _peaks(device, None)[0].get(main_dtype, matmul[main_dtype]) if on_gpu else matmul[main_dtype]
+    datasheet = _peaks(device, None)[0] if on_gpu else {}
+    shape_peak = datasheet.get(main_dtype, matmul[main_dtype])
     shape_points = matmul_shapes.measure_shapes(device, main_dtype, shape_peak,
                                                 lambda fn: seconds_per_call(fn, sync, target / 2),
                                                 matmul_shapes.shapes_for(device, options.quick), log)
-    if not (on_gpu and main_dtype in _peaks(device, None)[0]):  # a measured peak, not a datasheet's
+    if main_dtype not in datasheet:  # a measured peak
         matmul[main_dtype], shape_points = _best_gemm_as_peak(matmul[main_dtype], model_rate, shape_points, log)
 
     batch, heads, seq, head_dim = (4, 16, 2048, 128) if on_gpu else ((1, 4, 128, 64) if options.quick else (1, 4, 256, 64))
