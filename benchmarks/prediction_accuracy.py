@@ -400,8 +400,8 @@ def shared_core_step(config: PlanConfig, one_core: HardwareProfile, cores: int) 
     cores; the larger of the two."""
     plan, estimate = _estimate(config, one_core)
     iteration = estimate.iteration_time_s
-    busy = sum(plan.stages[plan.chunks(group)[0]].devices * (iteration - estimate.stages[plan.chunks(group)[0]].bubble_s)
-               for group in range(plan.pp))
+    firsts = [plan.chunks(group)[0] for group in range(plan.pp)]  # a group's devices and bubble, on its first chunk
+    busy = sum(plan.stages[j].devices * (iteration - estimate.stages[j].bubble_s) for j in firsts)
     return max(iteration, busy / cores)
 
 
@@ -489,15 +489,11 @@ def main(argv: list[str] | None = None) -> int:
           f"GB/s, AdamW {statistics.median(p.device_adam_params_per_s for p in calibrations) / 1e9:.3f} G params/s, "
           f"op overhead {statistics.median(p.op_overhead for p in calibrations) * 1e6:.1f} us (medians)", flush=True)
 
-    def for_world(profile: HardwareProfile, world: int) -> HardwareProfile:
+    def for_world(profile: HardwareProfile, world: int, share: float | None = None) -> HardwareProfile:
         if world == 1:
             return profile
         return (dataclasses.replace(profile, gpus_per_node=max(max(worlds, default=world), world)) if links is None
-                else multi_rank_profile(profile, world, links))
-
-    def one_core(profile: HardwareProfile, world: int) -> HardwareProfile:
-        return (dataclasses.replace(profile, gpus_per_node=max(max(worlds, default=world), world)) if links is None
-                else multi_rank_profile(profile, world, links, share=1.0))
+                else multi_rank_profile(profile, world, links, share))
 
     predicted, measured_steps = [], []
     for config, pairs in zip(configs, rounds_of):
@@ -505,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = [PREDICTORS[config.kind](config, for_world(profile, config.world)) for profile, _ in pairs]
         if compute_share(config.world) < 1.0:  # more ranks than cores: the processor-sharing bound
             even = geometric_mean([o.step_s / m for o, (_, m) in zip(outcomes, pairs)])
-            outcomes = [dataclasses.replace(outcome, step_s=shared_core_step(config, one_core(profile, config.world),
+            outcomes = [dataclasses.replace(outcome, step_s=shared_core_step(config, for_world(profile, config.world, 1.0),
                                                                              os.cpu_count() or 1))
                         for outcome, (profile, _) in zip(outcomes, pairs)]
             print(f"{config.label}: the even share of a core would predict {even - 1:+.1%}", flush=True)
