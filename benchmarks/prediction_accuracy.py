@@ -151,7 +151,8 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     """
     from mist_compiler.cost import matmul_shapes
     from mist_compiler.profiling.compiled import fused_bytes_per_s, pointwise_extra_ns
-    from mist_compiler.profiling.profiler import ComputeMeasurements, _efficiencies, adamw_params_per_s, stream_bytes_per_s
+    from mist_compiler.profiling.profiler import ComputeMeasurements, _efficiencies
+    from mist_compiler.profiling.state_rates import adamw_params_per_s, stream_bytes_per_s
 
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)

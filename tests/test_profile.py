@@ -262,7 +262,7 @@ def test_the_host_adamw_rate_is_timed_as_the_backend_runs_it(monkeypatch):
     that (one thread's rate priced an H200's 50%-offloaded step 2.5x slow)."""
     import threading
 
-    from mist_compiler.profiling import profiler
+    from mist_compiler.profiling import state_rates
     from mist_compiler.runtime import kernels
 
     monkeypatch.setenv("MIST_HOST_THREADS", "2")
@@ -274,7 +274,7 @@ def test_the_host_adamw_rate_is_timed_as_the_backend_runs_it(monkeypatch):
 
     monkeypatch.setattr(kernels, "adamw", adamw)
     once = lambda step, sync, target: (step(), sync(), 0.01)[-1]  # noqa: E731
-    assert profiler.host_adamw_params_per_s(1 << 18, 0.01, timer=once) == pytest.approx((1 << 18) / 0.01)
+    assert state_rates.host_adamw_params_per_s(1 << 18, 0.01, timer=once) == pytest.approx((1 << 18) / 0.01)
     assert [numel for _, numel in calls] == [1 << 17, 1 << 17]  # one chunk per worker thread
     assert all(name.startswith("mist-host") for name, _ in calls)
 
