@@ -151,7 +151,7 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     """
     from mist_compiler.cost import matmul_shapes
     from mist_compiler.profiling.compiled import fused_bytes_per_s, pointwise_extra_ns
-    from mist_compiler.profiling.profiler import ComputeMeasurements, _efficiencies
+    from mist_compiler.profiling.profiler import ComputeMeasurements, _best_gemm_as_peak, _efficiencies
     from mist_compiler.profiling.state_rates import adamw_params_per_s, stream_bytes_per_s
 
     n = 1024
@@ -185,6 +185,7 @@ def calibrated_profile(name: str, compiled: bool = False) -> HardwareProfile:
     # GEMMs by shape, operands cycled through as a model's GEMMs read them (cost.matmul_shapes)
     shapes = matmul_shapes.measure_shapes("cpu", "float32", peak, lambda fn: cpu_seconds_per_call(fn, 0.08),
                                           matmul_shapes.CPU_SHAPES, lambda line: None)
+    peak, shapes = _best_gemm_as_peak(peak, model_rate, shapes, lambda line: None)  # as mistc profile's peak
     shape_model = matmul_shapes.fit_shape_model(shapes, peak, copy_rate, 4.0)
     measured = ComputeMeasurements({"float32": peak}, model_rate, attention_rate, copy_rate, add_rate, reduce_rate,
                                    base.h2d_bandwidth, base.d2h_bandwidth, "float32", norm_rate, softmax_rate, overhead,

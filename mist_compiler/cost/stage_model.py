@@ -13,7 +13,10 @@ Per candidate (one pipeline stage, one device's view):
   the checkpointed layers again (recompute) during the backward;
 - tensor-parallel all-reduces (from the annotation pass) on the critical path, exposed;
 - ZeRO traffic over the ``dp`` group: levels 2-3 reduce-scatter gradients every micro-batch and
-  level 3 all-gathers weights in forward and backward, overlapped with compute; levels 0-1
+  level 3 all-gathers weights in forward and backward, overlapped with compute except at the edges
+  of each micro-batch (the runtime prefetches one unit ahead): the forward's first gather (the
+  stage's first unit), the backward's first gather (its last unit) and its last reduce-scatter (the
+  first unit's gradients) run alone, every micro-batch; levels 0-1
   synchronise gradients once per iteration (``delta``), levels 1-2 all-gather updated weights
   after the step;
 - offload copies: offloaded weights come in (h2d) for the forward and the backward of every
@@ -26,8 +29,7 @@ Per candidate (one pipeline stage, one device's view):
 - ``stable_s`` = forward + backward phases of one micro-batch; ``delta_s`` = gradient
   synchronisation + optimizer step (device and host parts at the profile's AdamW rates) + adding
   the other micro-batches' gradients into the accumulator (low-precision gradients: the buffer's
-  zeroing and fp32 casts, once) + offload traffic of the step + the first ZeRO-3 gather that
-  nothing hides (the host AdamW overlapping the device part's update and pipelining with its
+  zeroing and fp32 casts, once) + offload traffic of the step (the host AdamW overlapping the device part's update and pipelining with its
   copies, ``optimizer_phase_s``) + (fp16) the loss scaler's inf/NaN pass over the reduced gradients;
 - the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``block_functions.MATH_ATTENTION_PASSES``);
 - memory: ``cost.memory`` closed forms over the per-block liveness results.
@@ -137,6 +139,38 @@ class StageCostModel(PolicyTerms):
                                   for f in self._functions[kind].flops["forward"].values())
                       for kind, count in counts.items())
         return 3.0 * forward
+
+    def _unhidden_zero_traffic(self, c, pre, layer, post, zero, weight_b, grad_b, dp_shape, gather, scatter):
+        """ZeRO collectives of a micro-batch that no compute hides, as the runtime orders them (it
+        prefetches one unit ahead and finishes one reduction before it launches the next): (forward
+        gathers, backward gathers, backward reduce-scatters), each at most the phase's whole traffic.
+
+        - forward: the first unit's gather; a stage with the pre block, the first layer's too, past
+          the pre block's own (embedding) compute it was prefetched behind; the post block's gather,
+          which nothing before it prefetches;
+        - backward: the gather of the unit whose backward comes first; the post block's reduction,
+          finished when its last unit (a norm, light) is done; the first layer's past the pre block's
+          backward; the first unit's, finished before the next micro-batch (or the step) begins.
+        """
+        def all_gather(params):
+            return collective_time(self.hardware, "all_gather", params * weight_b, *dp_shape)
+
+        def reduce_scatter(params):
+            return collective_time(self.hardware, "reduce_scatter", params * grad_b, *dp_shape)
+
+        has_pre = np.asarray(c.has_pre, dtype=float)
+        has_post = np.asarray(c.has_post, dtype=float)
+        layers = (np.asarray(c.num_layers) > 0).astype(float)
+        first = np.where(has_pre > 0, pre["params"], layer["params"])
+        last = np.where(has_post > 0, post["params"], layer["params"])
+        forward = (all_gather(first) + has_pre * layers * np.maximum(0.0, all_gather(layer["params"]) - pre["forward_compute"])
+                   + has_post * all_gather(post["params"]))
+        backward_gather = all_gather(last)
+        backward_scatter = (reduce_scatter(first) + has_post * reduce_scatter(post["params"])
+                            + has_pre * layers * np.maximum(0.0, reduce_scatter(layer["params"]) - pre["backward_compute"]))
+        z3, z2 = zero >= 3, zero >= 2
+        return (np.where(z3, np.minimum(gather, forward), 0.0), np.where(z3, np.minimum(gather, backward_gather), 0.0),
+                np.where(z2, np.minimum(scatter, backward_scatter), 0.0))
 
     def _overflow_check_s(self, shard_params: np.ndarray) -> np.ndarray:
         """fp16 dynamic loss scaling (``runtime.loss_scaling``): one read pass over this rank's reduced
@@ -429,8 +463,11 @@ class StageCostModel(PolicyTerms):
         gather = collective_time(self.hardware, "all_gather", weight_bytes, dp_nodes, dp_gpus)
         scatter = collective_time(self.hardware, "reduce_scatter", grad_bytes, dp_nodes, dp_gpus)
         all_reduce = collective_time(self.hardware, "all_reduce", grad_bytes, dp_nodes, dp_gpus)
-        forward_collective = np.where(zero >= 3, gather, 0.0)
-        backward_collective = np.where(zero >= 3, gather, 0.0) + np.where(zero >= 2, scatter, 0.0)
+        forward_edge, backward_edge_gather, backward_edge_scatter = self._unhidden_zero_traffic(
+            c, pre, layer, post, zero, weight_b, grad_b, dp_shape, gather, scatter)
+        forward_collective = np.where(zero >= 3, gather - forward_edge, 0.0)
+        backward_collective = (np.where(zero >= 3, gather - backward_edge_gather, 0.0)
+                               + np.where(zero >= 2, scatter - backward_edge_scatter, 0.0))
         weight_share = np.where(zero >= 3, 1.0 / dp, 1.0)
         offload_w = np.asarray(c.offload_weights, dtype=float)
         offload_g = np.asarray(c.offload_grads, dtype=float)
@@ -450,7 +487,9 @@ class StageCostModel(PolicyTerms):
         forward = overlap_where_busy(self.hardware, forward_compute, forward_collective, weights_in, acts_out)
         backward = overlap_where_busy(self.hardware, backward_compute, backward_collective,
                                       weights_in + acts_in + grads_in, grads_out)
-        stable = forward.total_s + backward.total_s + tp_exposed + p2p
+        forward_s = forward.total_s + forward_edge
+        backward_s = backward.total_s + backward_edge_gather + backward_edge_scatter
+        stable = forward_s + backward_s + tp_exposed + p2p
 
         # ---- delta: once per iteration ---------------------------------------------------------
         sync = np.where(zero == 0, all_reduce, np.where(zero == 1, scatter, 0.0))
@@ -469,9 +508,7 @@ class StageCostModel(PolicyTerms):
                                                step_out).total_s
         step = optimizer_phase_s(device_and_copies,
                                  host_step, step_out, step_in, n + has_pre + has_post) + accumulate
-        first_gather = np.where(zero >= 3, collective_time(self.hardware, "all_gather", layer["params"] * weight_b,
-                                                           dp_nodes, dp_gpus), 0.0)
-        delta = sync + step + after_step_gather + first_gather + self._overflow_check_s(shard_params)
+        delta = sync + step + after_step_gather + self._overflow_check_s(shard_params)
 
         unsupported = self._unsupported(c)
         stable = np.where(unsupported, np.inf, stable)
@@ -483,8 +520,8 @@ class StageCostModel(PolicyTerms):
         breakdown = {
             "compute": compute,
             "recompute": recompute,
-            "forward": forward.total_s,
-            "backward": backward.total_s,
+            "forward": forward_s,
+            "backward": backward_s,
             "tp_comm": tp_exposed,
             "tp_forward": stage_sum("forward_tp"),
             "p2p": p2p,
@@ -499,7 +536,8 @@ class StageCostModel(PolicyTerms):
             # half is priced from is that block's (the embedding's gradient, the loss), above a layer's
             "weight_half_grads": np.where((np.asarray(c.tp) > 1) | (n <= 0) | (has_pre > 0) | (has_post > 0)
                                           | self.compiled, 0.0, layer["params"] * grad_b),
-            "exposed_comm": forward.exposed_s["collective"] + backward.exposed_s["collective"] + tp_exposed + p2p,
+            "exposed_comm": (forward.exposed_s["collective"] + backward.exposed_s["collective"] + forward_edge
+                             + backward_edge_gather + backward_edge_scatter + tp_exposed + p2p),
             "exposed_copy": (forward.exposed_s["h2d"] + forward.exposed_s["d2h"]
                              + backward.exposed_s["h2d"] + backward.exposed_s["d2h"]),
             "grad_sync": sync + after_step_gather,
