@@ -252,3 +252,22 @@ def test_a_model_replaced_with_another_profile_prices_with_it(program, model):
     replaced = dataclasses.replace(model, hardware=slower).evaluate(candidate).stable_s[0]
     assert replaced > fast
     assert replaced == build_stage_cost_model(program, slower, seq_len=SEQ).evaluate(candidate).stable_s[0]
+
+
+def test_zero_traffic_that_no_compute_hides_is_priced_every_micro_batch(model):
+    """The runtime prefetches one unit ahead and finishes one reduction before it launches the next,
+    so the first unit's gather, the head's, the backward's first gather and the last reductions wait
+    every micro-batch however long it computes (a two-rank ZeRO-3 trace showed them): ZeRO-3 keeps
+    that exposed time at any micro-batch, a stage without the embedding and head less of it, ZeRO-2
+    (reductions only) less too."""
+    dp4 = dict(gpus_per_node=4, dp=4)
+
+    def exposed(**overrides) -> float:
+        parts = model.evaluate(one(**dp4, **overrides)).breakdown
+        return float(parts["exposed_comm"][0] - parts["p2p"][0])
+
+    edges = [exposed(zero=3, micro_batch=mb) for mb in (16, 64)]
+    assert edges[0] > 0 and edges[1] == pytest.approx(edges[0], rel=1e-6)
+    assert 0 < exposed(zero=3, micro_batch=64, has_pre=False, has_post=False) < edges[1]
+    assert 0 < exposed(zero=2, micro_batch=64) < edges[1]
+    assert exposed(zero=1, micro_batch=64) == 0  # levels 0-1 reduce once per step (delta)
