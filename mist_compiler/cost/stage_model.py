@@ -13,12 +13,11 @@ Per candidate (one pipeline stage, one device's view):
   the checkpointed layers again (recompute) during the backward;
 - tensor-parallel all-reduces (from the annotation pass) on the critical path, exposed;
 - ZeRO traffic over the ``dp`` group: levels 2-3 reduce-scatter gradients every micro-batch and
-  level 3 all-gathers weights in forward and backward, overlapped with compute except at the edges
-  of each micro-batch (the runtime prefetches one unit ahead): the forward's first gather (the
-  stage's first unit), the backward's first gather (its last unit) and its last reduce-scatter (the
-  first unit's gradients) run alone, every micro-batch; levels 0-1
-  synchronise gradients once per iteration (``delta``), levels 1-2 all-gather updated weights
-  after the step;
+  level 3 all-gathers weights in forward and backward, overlapped with compute but for what no
+  compute hides as the runtime orders it (``_unhidden_zero_traffic``: the gathers and reductions of
+  the first and last units and of the units behind light ones), priced alone every micro-batch;
+  levels 0-1 synchronise gradients once per iteration (``delta``), levels 1-2 all-gather updated
+  weights after the step;
 - offload copies: offloaded weights come in (h2d) for the forward and the backward of every
   micro-batch, offloaded gradients go out (d2h) every backward, offloaded activations go out in
   the forward and come back in the backward; offloaded optimizer states are stepped on the host
@@ -29,8 +28,9 @@ Per candidate (one pipeline stage, one device's view):
 - ``stable_s`` = forward + backward phases of one micro-batch; ``delta_s`` = gradient
   synchronisation + optimizer step (device and host parts at the profile's AdamW rates) + adding
   the other micro-batches' gradients into the accumulator (low-precision gradients: the buffer's
-  zeroing and fp32 casts, once) + offload traffic of the step (the host AdamW overlapping the device part's update and pipelining with its
-  copies, ``optimizer_phase_s``) + (fp16) the loss scaler's inf/NaN pass over the reduced gradients;
+  zeroing and fp32 casts, once) + offload traffic of the step (the host AdamW overlapping the device
+  part's update and pipelining with its copies, ``optimizer_phase_s``) + (fp16) the loss scaler's
+  inf/NaN pass over the reduced gradients;
 - the math attention kernel adds its ``b*h*s*s`` score/probability traffic (``block_functions.MATH_ATTENTION_PASSES``);
 - memory: ``cost.memory`` closed forms over the per-block liveness results.
 Evaluation groups candidates by their distinct ``(micro_batch, tp, nodes, gpus_per_node)`` so
