@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mist_compiler.cost.comm import CommError, collective_time, copy_time, group_link, p2p_time
+from mist_compiler.cost.comm import (CommError, collective_seconds, collective_time, copy_time, group_link, group_links,
+                                    p2p_time)
 from mist_compiler.cost.hardware import HardwareProfile
 
 # FACTS.md "Collective bandwidth fitted on the paper's clusters", L4 column.
@@ -58,6 +59,19 @@ def test_vectorised_equals_scalar_calls(l4):
     one_by_one = [float(collective_time(l4, "reduce_scatter", b, n, g)) for b, n, g in zip(nbytes, nodes, gpus)]
     assert together.shape == nodes.shape
     np.testing.assert_allclose(together, one_by_one, rtol=1e-12)
+
+
+def test_links_looked_up_once_give_collective_time_exactly(l4):
+    # the stage model looks a stage's group links up once for its gathers, reductions and all-reduces
+    nodes = np.array([1, 1, 1, 2, 4, 3, 8, 1])
+    gpus = np.array([1, 3, 8, 8, 1, 4, 8, 16])
+    nbytes = np.array([5e8, 0.0, 1e6, 1e9, 3e7, 2e8, 1e9, 4e5])
+    links = group_links(l4, nodes, gpus)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        np.testing.assert_array_equal(collective_seconds(l4, kind, nbytes, links),
+                                      collective_time(l4, kind, nbytes, nodes, gpus))
+    with pytest.raises(CommError, match="p2p"):
+        collective_seconds(l4, "p2p", nbytes, links)
 
 
 def test_intra_node_interpolates_in_log2_gpus(l4):

@@ -161,19 +161,45 @@ def _link_of_shapes(profile: HardwareProfile, nodes_a: np.ndarray, gpus_a: np.nd
     return bandwidth, latency
 
 
+@dataclass(frozen=True)
+class GroupLinks:
+    """The links of a set of collective groups, looked up once (:func:`group_links`) for several
+    collectives over the same groups (a stage prices its gathers, reductions and all-reduces)."""
+
+    devices: np.ndarray  # nodes * gpus_per_node of each group
+    bandwidth: np.ndarray
+    latency: np.ndarray
+
+
+def group_links(profile: HardwareProfile, nodes: ArrayLike, gpus_per_node: ArrayLike) -> GroupLinks:
+    """:func:`group_link` of ``nodes x gpus_per_node`` groups, with their sizes, for :func:`collective_seconds`."""
+    nodes_a, gpus_a = np.broadcast_arrays(_as_sizes(nodes, "nodes"), _as_sizes(gpus_per_node, "gpus_per_node"))
+    return GroupLinks(nodes_a * gpus_a, *group_link(profile, nodes_a, gpus_a))
+
+
+def _collective_kind(kind: str) -> None:
+    if kind not in COLLECTIVES or kind == "p2p":
+        raise CommError(f"collective kind {kind!r} unknown; use one of {[k for k in COLLECTIVES if k != 'p2p']} (p2p_time for p2p)")
+
+
+def collective_seconds(profile: HardwareProfile, kind: str, nbytes: ArrayLike, links: GroupLinks) -> np.ndarray:
+    """:func:`collective_time` over groups whose links were looked up already."""
+    _collective_kind(kind)
+    size = _nbytes(nbytes)
+    n = links.devices
+    time = size / links.bandwidth * (n - 1) / n * profile.collective_factor[kind] + links.latency
+    return np.where((n > 1) & (size > 0), time, 0.0)
+
+
 def collective_time(profile: HardwareProfile, kind: str, nbytes: ArrayLike, nodes: ArrayLike,
                     gpus_per_node: ArrayLike) -> np.ndarray:
     """Seconds for collective ``kind`` over ``nbytes`` (full buffer) in a ``nodes x gpus_per_node`` group."""
-    if kind not in COLLECTIVES or kind == "p2p":
-        raise CommError(f"collective kind {kind!r} unknown; use one of {[k for k in COLLECTIVES if k != 'p2p']} (p2p_time for p2p)")
+    _collective_kind(kind)
     size = _nbytes(nbytes)
     nodes_a = _as_sizes(nodes, "nodes")
     gpus_a = _as_sizes(gpus_per_node, "gpus_per_node")
     size, nodes_a, gpus_a = np.broadcast_arrays(size, nodes_a, gpus_a)
-    n = nodes_a * gpus_a
-    bandwidth, latency = group_link(profile, nodes_a, gpus_a)
-    time = size / bandwidth * (n - 1) / n * profile.collective_factor[kind] + latency
-    return np.where((n > 1) & (size > 0), time, 0.0)
+    return collective_seconds(profile, kind, size, GroupLinks(nodes_a * gpus_a, *group_link(profile, nodes_a, gpus_a)))
 
 
 def p2p_time(profile: HardwareProfile, nbytes: ArrayLike, inter_node: ArrayLike) -> np.ndarray:

@@ -49,7 +49,7 @@ from ..passes.memory_analysis import ATTENTION_KERNELS
 from .analysis import analyse_program
 from .block_functions import SEQUENCE_LAYER, BlockFunctions, block_functions, costliest_layer
 from .blocks import BLOCK_KINDS, BlockAnalysis, StageModelError
-from .comm import collective_time, copy_time, group_shapes, p2p_time
+from .comm import collective_seconds, collective_time, copy_time, group_links, group_shapes, p2p_time
 from .hardware import HardwareProfile, load_profile
 from .loss_kernel import plain_loss_deltas
 from .memory import (ACCUMULATOR_BYTES, SCHEDULE_MEMORY_PARTS, BlockActivationTerms, StageConfig, StageLayout,
@@ -140,7 +140,7 @@ class StageCostModel(PolicyTerms):
                       for kind, count in counts.items())
         return 3.0 * forward
 
-    def _unhidden_zero_traffic(self, c, pre, layer, post, zero, weight_b, grad_b, dp_shape, gather, scatter):
+    def _unhidden_zero_traffic(self, c, pre, layer, post, zero, weight_b, grad_b, dp_links, gather, scatter):
         """ZeRO collectives of a micro-batch that no compute hides, as the runtime orders them (it
         prefetches one unit ahead and finishes one reduction before it launches the next): (forward
         gathers, backward gathers, backward reduce-scatters), each at most the phase's whole traffic.
@@ -153,10 +153,10 @@ class StageCostModel(PolicyTerms):
           backward; the first unit's, finished before the next micro-batch (or the step) begins.
         """
         def all_gather(params):
-            return collective_time(self.hardware, "all_gather", params * weight_b, *dp_shape)
+            return collective_seconds(self.hardware, "all_gather", params * weight_b, dp_links)
 
         def reduce_scatter(params):
-            return collective_time(self.hardware, "reduce_scatter", params * grad_b, *dp_shape)
+            return collective_seconds(self.hardware, "reduce_scatter", params * grad_b, dp_links)
 
         has_pre = np.asarray(c.has_pre, dtype=float)
         has_post = np.asarray(c.has_post, dtype=float)
@@ -460,11 +460,12 @@ class StageCostModel(PolicyTerms):
                                          AUTOGRAD_ACCUMULATE_PASSES * grad_bytes))
         backward_compute = stage_sum("backward_compute") + recompute + grad_buffer_s
         tp_exposed = stage_sum("forward_tp") + stage_sum("backward_tp") + ckpt * layer["forward_tp"]
-        gather = collective_time(self.hardware, "all_gather", weight_bytes, dp_nodes, dp_gpus)
-        scatter = collective_time(self.hardware, "reduce_scatter", grad_bytes, dp_nodes, dp_gpus)
-        all_reduce = collective_time(self.hardware, "all_reduce", grad_bytes, dp_nodes, dp_gpus)
+        dp_links = group_links(self.hardware, dp_nodes, dp_gpus)  # looked up once for the stage's collectives
+        gather = collective_seconds(self.hardware, "all_gather", weight_bytes, dp_links)
+        scatter = collective_seconds(self.hardware, "reduce_scatter", grad_bytes, dp_links)
+        all_reduce = collective_seconds(self.hardware, "all_reduce", grad_bytes, dp_links)
         forward_edge, backward_edge_gather, backward_edge_scatter = self._unhidden_zero_traffic(
-            c, pre, layer, post, zero, weight_b, grad_b, dp_shape, gather, scatter)
+            c, pre, layer, post, zero, weight_b, grad_b, dp_links, gather, scatter)
         forward_collective = np.where(zero >= 3, gather - forward_edge, 0.0)
         backward_collective = (np.where(zero >= 3, gather - backward_edge_gather, 0.0)
                                + np.where(zero >= 2, scatter - backward_edge_scatter, 0.0))
