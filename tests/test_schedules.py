@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from mist_compiler.cost.schedule import ChunkCosts, chunk_costs, held_activations, simulate
+from mist_compiler.cost.schedule import ChunkCosts, chunk_costs, held_activations, least_iteration_s, simulate
 from mist_compiler.ir.plan import Plan, PlanError
 from mist_compiler.ir.schedule import (B, I, W, SCHEDULES, ScheduleError, build_schedule, check_schedule,
                                        exchange_plan, placement)
@@ -235,6 +235,27 @@ def test_random_schedules_simulate_and_replay():
         time = float(simulate(schedule, costs, np.zeros((pp, 1))).time_s[0])
         per_stage = g * (float(costs.forward[0, 0]) + float(costs.backward[0, 0])) * v
         assert per_stage - 1e-9 <= time
+
+
+def test_the_tuners_lower_bound_never_exceeds_the_simulated_time():
+    """``least_iteration_s`` lets the tuner skip simulating plans that cannot win: it must stay below
+    the simulation for every schedule, with stages that differ in cost, transfers and steps."""
+    rng = np.random.default_rng(1)
+    tight = 0
+    for schedule in schedules():
+        for _ in range(3):
+            n = schedule.num_virtual
+            forward = rng.uniform(0.2, 3.0, (n, 1))
+            backward = forward * rng.uniform(1.0, 3.0, (n, 1))
+            weight = backward * rng.uniform(0.1, 0.5, (n, 1)) if schedule.split_backward else np.zeros((n, 1))
+            costs = ChunkCosts(forward, backward, weight, rng.uniform(0.0, 0.5, (n, 1)), np.ones((n, 1)),
+                               np.zeros((n, 1)))
+            delta = rng.uniform(0.0, 2.0, (schedule.stages, 1))
+            simulated = float(simulate(schedule, costs, delta).time_s[0])
+            bound = least_iteration_s(schedule, costs, delta)
+            assert bound <= simulated * (1 + 1e-12), (schedule.name, schedule.stages, schedule.virtual, bound, simulated)
+            tight += bound >= simulated * 0.9
+    assert tight > 50  # a bound far below every simulation would prune nothing
 
 
 def test_every_message_over_a_cut_pays_its_own_latency():

@@ -24,6 +24,7 @@ memory walked over its action list with each chunk priced as itself (``cost/sche
 from __future__ import annotations
 
 import gc
+import math
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -350,8 +351,11 @@ class PlanPrice:
     delta_s: np.ndarray  # [pp]
 
 
-def price_plan(cost_model: StageCostModel, plan: Plan, spans: bool = False) -> PlanPrice:
-    """Simulate ``plan``'s schedule with the stage model's costs (see the module docstring)."""
+def price_plan(cost_model: StageCostModel, plan: Plan, spans: bool = False,
+               beat_s: float = math.inf) -> PlanPrice | None:
+    """Simulate ``plan``'s schedule with the stage model's costs (see the module docstring).
+    ``beat_s``: None, without simulating, when a group of devices' own actions and step alone take
+    that long (a simulated iteration never takes less)."""
     schedule = build_schedule(plan.schedule, plan.pp, plan.virtual_stages, plan.grad_accum)
     last = len(plan.stages) - 1
     groups, pre, post = group_stages(plan)
@@ -363,7 +367,10 @@ def price_plan(cost_model: StageCostModel, plan: Plan, spans: bool = False) -> P
     every = cost_model.evaluate(candidates)  # one call: the model's per-call work is paid once
     chunks, at_one, at_two = (_rows(every, np.arange(a, b)) for a, b in
                               ((0, count), (count, count + pp), (count + pp, count + 2 * pp)))
-    simulation = simulate(schedule, chunk_costs(chunks, schedule), at_one.delta_s[:, None], spans=spans)
+    costs = chunk_costs(chunks, schedule)
+    if beat_s < math.inf and least_iteration_s(schedule, costs, at_one.delta_s) * (1 - 1e-9) >= beat_s:  # rounding
+        return None
+    simulation = simulate(schedule, costs, at_one.delta_s[:, None], spans=spans)
     if has_memory_parts(chunks) and "peak_step" in at_one.breakdown:  # each chunk as itself, over the action list
         step = np.asarray(at_one.breakdown["peak_step"], dtype=float)[:, None]
         peak = group_peaks(schedule, chunk_memory(chunks, schedule.split_backward), step)[:, 0]
@@ -371,6 +378,23 @@ def price_plan(cost_model: StageCostModel, plan: Plan, spans: bool = False) -> P
         slope = at_two.peak_memory_bytes - at_one.peak_memory_bytes
         peak = at_one.peak_memory_bytes + (simulation.inflight[:, 0] - 1.0) * slope
     return PlanPrice(float(simulation.time_s[0]), simulation, chunks, at_one, peak, at_one.delta_s)
+
+
+def least_iteration_s(schedule: Schedule, costs: ChunkCosts, delta_s: np.ndarray) -> float:
+    """A lower bound of ``simulate``'s time (first column): the longest a group of devices computes in
+    an iteration (every chunk's forward and backward of every micro-batch, one after another) plus its
+    step. Under 1F1B, stage ``s`` also starts no earlier than the first micro-batch's forwards on the
+    stages before it, and the first stage ends no earlier than the last micro-batch's backwards from
+    ``s`` back to it (then its own step)."""
+    forward, backward = costs.forward[:, 0].tolist(), costs.backward[:, 0].tolist()
+    delta = np.asarray(delta_s, dtype=float).reshape(schedule.stages, -1)[:, 0].tolist()
+    busy = [schedule.micro_batches * sum(forward[j] + backward[j] for j in schedule.chunks(stage))
+            for stage in range(schedule.stages)]
+    least = max(busy[stage] + delta[stage] for stage in range(schedule.stages))
+    if schedule.name == "1f1b" and schedule.virtual == 1:
+        least = max(least, max(sum(forward[:stage]) + busy[stage] + sum(backward[:stage])
+                               for stage in range(schedule.stages)) + delta[0])
+    return least
 
 
 def simulate_estimates(plan: Plan, stable_s: list[float], breakdowns: list[dict], delta_s: list[float],

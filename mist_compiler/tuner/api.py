@@ -303,12 +303,21 @@ class _Search:
         other schedules) those layouts and the even ones under each schedule (``tuner/schedules.py``)."""
         work, space = self.work, self.space
         grad_dtype = getattr(self.cost_model, "grad_dtype", "float32")
-        priced = []
+        priced, seen = [], set()
         for g, found in self.per_g.items():
             found.sort(key=lambda item: item[1].objective)
+            # a plan found twice (a DP layout that is also an even one) or that cannot beat its G's best is not
+            # simulated: neither changes which plan or which G comes first
+            best_of_g = math.inf
             for table, solution in found[:ONE_F_ONE_B_PLANS]:  # the closed form's best few, simulated
                 plan = choose_fused_loss(self.cost_model, plan_of(self.cost_model, table, solution, work, grad_dtype))
-                priced.append((price_plan(self.cost_model, plan), plan, g))
+                if plan in seen:
+                    continue
+                seen.add(plan)
+                price = price_plan(self.cost_model, plan, beat_s=best_of_g)
+                if price is not None:
+                    priced.append((price, plan, g))
+                    best_of_g = min(best_of_g, price.time_s)
         priced.sort(key=lambda item: item[0].time_s)
         best_price, best_plan = priced[0][0], priced[0][1]
         self.stats["one_f_one_b_s"] = best_price.time_s  # the best 1F1B plan, simulated

@@ -14,7 +14,8 @@ devices (re-priced for its role under the schedule and for the activations the s
 there: its in-flight count over the schedule's order, with the weight halves' inputs for
 zero-bubble schedules), the one that fits and costs least (``G * stable + delta``). A plan whose
 simulated peak memory does not fit is dropped; a plan whose busiest stage alone
-(``G * stable``) cannot beat the best plan found is never simulated.
+(``G * stable``) cannot beat the best plan found is never simulated, and one whose busiest stage
+cannot beat it with the fastest configuration that fits one micro-batch is not even scheduled.
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from .space import SearchSpace, Workload
 from .stage_configs import PP_BOTH, PP_NONE, PP_POST, PP_PRE
 
 MAX_SIMULATED_ACTIONS = 60_000  # per plan: larger schedules (huge G) are left to 1F1B's closed form
+# chunk micro-batches from which a schedule costs more to build than its stages' one-micro-batch bound
+BOUND_BEFORE_SCHEDULING = 512
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class StagePool:
             self.rows.setdefault(key, []).append(int(row))
         self.rows = {key: np.array(value) for key, value in self.rows.items()}
         self.fastest = {key: float(table.stable[rows].min()) for key, rows in self.rows.items()}
-        self._picked: dict[tuple[int, int, int, int], tuple[StageCandidates, float] | None] = {}
+        self._picked: dict[tuple[int, int, int, int], tuple[tuple[StageCandidates, float] | None, float]] = {}
 
     def bound(self, layout: Layout) -> float:
         """No plan of this layout runs faster than ``G`` times its busiest stage's fastest point."""
@@ -116,16 +119,26 @@ class StagePool:
              inflight: int) -> tuple[StageCandidates, float] | None:
         """The configuration of a stage with this role and in-flight count that fits and costs least,
         and its stable time."""
+        return self._choice(cost_model, layers, shape, role, inflight)[0]
+
+    def fastest_fitting(self, cost_model: StageCostModel, layers: int, shape: int, role: int) -> float:
+        """The least stable time of a configuration of a stage with this role that fits holding one
+        micro-batch: a stage holding more (whatever the schedule) fits no more configurations, so no
+        pick of it is faster (inf: none fits)."""
+        return self._choice(cost_model, layers, shape, role, 1)[1]
+
+    def _choice(self, cost_model: StageCostModel, layers: int, shape: int, role: int,
+                inflight: int) -> tuple[tuple[StageCandidates, float] | None, float]:
         key = (layers, shape, role, inflight)
         if key not in self._picked:
             self._picked[key] = self._pick(cost_model, layers, shape, role, inflight)
         return self._picked[key]
 
     def _pick(self, cost_model: StageCostModel, layers: int, shape: int, role: int,
-              inflight: int) -> tuple[StageCandidates, float] | None:
+              inflight: int) -> tuple[tuple[StageCandidates, float] | None, float]:
         rows = self.rows.get((layers, shape))
         if rows is None:
-            return None
+            return None, math.inf
         options = self.table.configs.select(rows)
         options.has_pre = np.full(len(rows), bool(role & PP_PRE))
         options.has_post = np.full(len(rows), bool(role & PP_POST))
@@ -133,10 +146,11 @@ class StagePool:
         estimates = cost_model.evaluate(options)
         fits = estimates.peak_memory_bytes <= cost_model.device_memory_bytes * (1 + 1e-9)
         if not fits.any():
-            return None
+            return None, math.inf
         score = np.where(fits, self.table.grad_accum * estimates.stable_s + estimates.delta_s, np.inf)
         best = int(np.argmin(score))
-        return options.select(np.array([best])), float(estimates.stable_s[best])
+        fastest = float(np.min(np.where(fits, estimates.stable_s, np.inf)))
+        return (options.select(np.array([best])), float(estimates.stable_s[best])), fastest
 
 
 def build_plan(work: Workload, layout: Layout, picks: list[StageCandidates], name: str, v: int, grad_accum: int,
@@ -175,6 +189,11 @@ def schedule_candidates(cost_model: StageCostModel, pool: StagePool, work: Workl
     for name, v in schedule_options(space, stages, layout.layers, g, work.tied_embeddings):
         if stages * v * g * 3 > MAX_SIMULATED_ACTIONS:
             continue
+        # before a long schedule is built: each stage's fastest configuration that fits one micro-batch
+        if stages * v * g >= BOUND_BEFORE_SCHEDULING and g * max(
+                pool.fastest_fitting(cost_model, layout.layers[stage], layout.shapes[stage], _role(stage, stages, name, v))
+                for stage in range(stages)) >= incumbent:
+            continue
         try:
             inflight = _inflight(name, v, layout, g, stash_ratio)
         except ScheduleError:
@@ -191,7 +210,9 @@ def schedule_candidates(cost_model: StageCostModel, pool: StagePool, work: Workl
         plan = choose_fused_loss(cost_model, build_plan(work, layout, [config for config, _ in picks], name, v, g,
                                                         getattr(cost_model, "grad_dtype", "float32"),
                                                         getattr(cost_model, "policies", [])))
-        price = price_plan(cost_model, plan)
+        price = price_plan(cost_model, plan, beat_s=incumbent)
+        if price is None:
+            continue
         stats["schedule_plans_priced"] = stats.get("schedule_plans_priced", 0) + 1
         if np.all(price.peak_memory_bytes <= cost_model.device_memory_bytes * (1 + 1e-9)):
             found.append(Candidate(plan, price))
