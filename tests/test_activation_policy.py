@@ -243,6 +243,35 @@ def test_milp_frontier_is_the_same_in_every_process(priced):
     assert len(json.loads(answers.pop())) >= 4
 
 
+def test_no_activation_offload_means_none_per_tensor_either(tmp_path):
+    """``mistc tune --no-offload acts`` offloads no activations: once the per-tensor policies the MILP
+    offered beside whole-layer checkpointing did (gpt2-1.3b on 8 L4 moves a layer's norm, attention
+    output and part of a projection to the host when the space allows it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mist_compiler import driver
+    from mist_compiler.tuner.space import SearchSpace
+
+    cluster = dict(nodes=1, gpus_per_node=8, global_batch=128, seq_len=2048)
+    program, cost_model = driver.price("gpt2-1.3b", "l4", seq_len=2048, dtype="bfloat16")
+    full = driver.tune(program, cost_model, **cluster, space=SearchSpace())
+    assert any(stage.activations is not None and stage.activations.offload for stage in full.plan.stages)
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__import__("mist_compiler").__file__)))
+    out = tmp_path / "plan.json"
+    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "mistc"), "tune", "gpt2-1.3b", "--hardware",
+                           "l4", "--nodes", "1", "--gpus-per-node", "8", "--global-batch", "128", "--seq", "2048",
+                           "--no-offload", "acts", "--quiet", "-o", str(out)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+    assert done.returncode == 0, done.stderr[-2000:]
+    stages = json.loads(out.read_text())["stages"]
+    assert all(stage.get("offload", {}).get("acts", 0.0) == 0.0 for stage in stages), stages
+    assert all(not stage.get("activations", {}).get("offload") for stage in stages), stages
+
+
 # ---- 3. the lowering ------------------------------------------------------------------------------------
 
 def _lowered(program, plan: dict, coord=(0, 0, 0)):

@@ -246,6 +246,11 @@ class ActivationFrontiers:
 
     def __init__(self, cost_model, work, space) -> None:
         self.cost_model, self.points = cost_model, getattr(space, "activation_points", 5)
+        # what the space allows: recomputation unless checkpointing is off, offload (beside it) only where
+        # activation offload is on (``--no-offload acts`` offloads no activations, per tensor or per layer)
+        recompute = getattr(space, "ckpt", "tune") != "none"
+        self.modes = tuple(offload for offload in (False, True)
+                           if recompute and (not offload or getattr(space, "offload_acts", True)))
         table = getattr(cost_model, "layer_table", None)
         self.available = table is not None and table(False) is not None
         self.solutions: dict[tuple[int, bool], list[ActivationSolution]] = {}
@@ -259,7 +264,7 @@ class ActivationFrontiers:
 
             started = time.perf_counter()
             priced = self.cost_model.layer_rows(*key) if self.available else None
-            solutions = [s for offload in (False, True) for s in frontier(*priced, points=self.points, offload=offload)] \
+            solutions = [s for offload in self.modes for s in frontier(*priced, points=self.points, offload=offload)] \
                 if priced is not None else []  # recomputation alone, and with offload (copies compete with collectives)
             self.solutions[key] = solutions
             self.indices[key] = [self.cost_model.add_policy(s.policy) for s in solutions if s.policy.nodes]
