@@ -24,6 +24,7 @@ import sympy
 
 from ..ir.plan import ActivationPolicy
 from ..ir.vocabulary import B, S, T
+from .block_functions import lambdify_bst
 from .op_time import op_class_time
 
 
@@ -76,9 +77,7 @@ def recompute_cost(table, recompute) -> tuple[dict[str, tuple[sympy.Expr, sympy.
 
 
 def _function(expr: sympy.Expr) -> Callable:
-    expr = sympy.sympify(expr)
-    function = sympy.lambdify((B, S, T), expr, modules="numpy")
-    return lambda b, s, t: np.broadcast_to(np.asarray(function(b, s, t), dtype=float), np.shape(b)).copy()
+    return lambdify_bst(expr)  # one numpy function per distinct expression in a process (policies share many)
 
 
 @dataclass
