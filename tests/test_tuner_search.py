@@ -349,3 +349,17 @@ def test_big_cluster_is_certified_within_the_gap():
     assert result.stats["closed_form_s"] <= even.stats["closed_form_s"] * (1 + 1e-9)
     megatron = tune_baseline("megatron", model, work, Cluster(128, 8))
     assert result.stats["closed_form_s"] <= megatron.stats["closed_form_s"] * (1 + 1e-9)
+
+
+def test_first_of_each_row_is_numpys_unique_rows():
+    """The knob search's dedup (a lexicographic sort of integer columns) answers as
+    ``np.unique(axis=0, return_index=True)``: the same rows, in the same order, first occurrences."""
+    from mist_compiler.tuner.knobs import _first_of_each_row
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n = int(rng.integers(1, 300))
+        columns = [rng.integers(-2 if trial % 2 else 0, int(rng.integers(1, 6)), n) for _ in range(int(rng.integers(1, 5)))]
+        expected = np.unique(np.column_stack(columns), axis=0, return_index=True)[1]
+        np.testing.assert_array_equal(_first_of_each_row(columns), expected)
+    assert len(_first_of_each_row([np.zeros(0, dtype=int), np.zeros(0, dtype=int)])) == 0
