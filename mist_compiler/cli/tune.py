@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="search space: full (default) or a baseline's restriction")
     parser.add_argument("--offload-grid", help="comma-separated offload ratios, e.g. 0,0.25,0.5,0.75,1")
     parser.add_argument("--no-offload", action="append", choices=OFFLOAD_FAMILIES + ("all",), default=[],
-                        help="turn an offload family off (repeatable)")
+                        help="turn an offload family off (repeatable; acts: whole-layer and per-tensor activation offload alike)")
     parser.add_argument("--max-stages", type=int, help="at most this many pipeline stages")
     parser.add_argument("--gap", type=float, help="relative optimality gap to certify (default 1e-4; 0: exact)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")

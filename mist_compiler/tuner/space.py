@@ -67,7 +67,8 @@ class SearchSpace:
     - ``sequence_parallel``: offer sequence parallelism with every tensor-parallel degree > 1 (when the
       model's layers can run it).
     - ``per_tensor``: offer the layer's per-tensor keep / recompute / offload policies (its activation
-      frontier, ``activation_milp``: ``activation_points`` budgets) to stages that need to save memory.
+      frontier, ``activation_milp``: ``activation_points`` budgets) to stages that need to save memory;
+      they offload only where ``offload_acts`` allows it and recompute only where ``ckpt`` is not ``none``.
     """
 
     micro_batches: tuple[int, ...] | None = None
