@@ -195,11 +195,7 @@ def collective_time(profile: HardwareProfile, kind: str, nbytes: ArrayLike, node
                     gpus_per_node: ArrayLike) -> np.ndarray:
     """Seconds for collective ``kind`` over ``nbytes`` (full buffer) in a ``nodes x gpus_per_node`` group."""
     _collective_kind(kind)
-    size = _nbytes(nbytes)
-    nodes_a = _as_sizes(nodes, "nodes")
-    gpus_a = _as_sizes(gpus_per_node, "gpus_per_node")
-    size, nodes_a, gpus_a = np.broadcast_arrays(size, nodes_a, gpus_a)
-    return collective_seconds(profile, kind, size, GroupLinks(nodes_a * gpus_a, *group_link(profile, nodes_a, gpus_a)))
+    return collective_seconds(profile, kind, nbytes, group_links(profile, nodes, gpus_per_node))
 
 
 def p2p_time(profile: HardwareProfile, nbytes: ArrayLike, inter_node: ArrayLike) -> np.ndarray:

@@ -152,22 +152,23 @@ class StageCostModel(PolicyTerms):
           finished when its last unit (a norm, light) is done; the first layer's past the pre block's
           backward; the first unit's, finished before the next micro-batch (or the step) begins.
         """
-        def all_gather(params):
-            return collective_seconds(self.hardware, "all_gather", params * weight_b, dp_links)
-
-        def reduce_scatter(params):
-            return collective_seconds(self.hardware, "reduce_scatter", params * grad_b, dp_links)
-
+        blocks = {"pre": pre, "layer": layer, "post": post}
+        gathered = {kind: collective_seconds(self.hardware, "all_gather", terms["params"] * weight_b, dp_links)
+                    for kind, terms in blocks.items()}
+        scattered = {kind: collective_seconds(self.hardware, "reduce_scatter", terms["params"] * grad_b, dp_links)
+                     for kind, terms in blocks.items()}
         has_pre = np.asarray(c.has_pre, dtype=float)
         has_post = np.asarray(c.has_post, dtype=float)
         layers = (np.asarray(c.num_layers) > 0).astype(float)
-        first = np.where(has_pre > 0, pre["params"], layer["params"])
-        last = np.where(has_post > 0, post["params"], layer["params"])
-        forward = (all_gather(first) + has_pre * layers * np.maximum(0.0, all_gather(layer["params"]) - pre["forward_compute"])
-                   + has_post * all_gather(post["params"]))
-        backward_gather = all_gather(last)
-        backward_scatter = (reduce_scatter(first) + has_post * reduce_scatter(post["params"])
-                            + has_pre * layers * np.maximum(0.0, reduce_scatter(layer["params"]) - pre["backward_compute"]))
+
+        def first(times):  # the unit that starts the forward (and ends the backward)
+            return np.where(has_pre > 0, times["pre"], times["layer"])
+
+        forward = (first(gathered) + has_pre * layers * np.maximum(0.0, gathered["layer"] - pre["forward_compute"])
+                   + has_post * gathered["post"])
+        backward_gather = np.where(has_post > 0, gathered["post"], gathered["layer"])
+        backward_scatter = (first(scattered) + has_post * scattered["post"]
+                            + has_pre * layers * np.maximum(0.0, scattered["layer"] - pre["backward_compute"]))
         z3, z2 = zero >= 3, zero >= 2
         return (np.where(z3, np.minimum(gather, forward), 0.0), np.where(z3, np.minimum(gather, backward_gather), 0.0),
                 np.where(z2, np.minimum(scatter, backward_scatter), 0.0))
