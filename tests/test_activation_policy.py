@@ -206,6 +206,26 @@ def test_milp_frontier_is_pareto_and_registers_policies(priced, llama):
     assert indices == list(range(len(points))) and cost_model.add_policy(points[0].policy) == 0
 
 
+def test_row_parallel_outputs_are_recomputed_with_one_tensor_parallel_rank_only(priced):
+    """With one TP rank the attention's output projection and the residual after it are plain ops: a
+    policy may recompute them (the whole layer then keeps only its input, and skips what whole-layer
+    checkpointing replays for nothing: the MLP's down projection). Under TP their replay would
+    all-reduce again, which the recompute price leaves out: not offered."""
+    from mist_compiler.cost.activation_policy import rows_at
+    from mist_compiler.cost.hardware import load_profile
+    from mist_compiler.tuner.activation_milp import solve
+
+    table, rows, rates = priced
+    one = {row.tag: row.recomputable for row in rows}
+    two = {row.tag: row.recomputable for row in rows_at(table, load_profile("cpu"), "float32", 2, SEQ, 2)}
+    assert one["linear_3"] and one["x_1"] and one["linear_6"], one
+    assert not (two["linear_3"] or two["x_1"] or two["linear_6"]) and two["linear_4"], two
+    least = solve(rows, next(row.saved for row in rows) * (1 + 1e-9), rates, offload=False)
+    assert least is not None and {"linear_3", "x_1"} <= set(least.policy.recompute), least
+    assert "linear_6" not in least.policy.recompute  # the down projection's output is saved by nothing
+    assert least.seconds < sum(row.seconds for row in rows if row.recomputable)
+
+
 _FRONTIER_IN_A_FRESH_PROCESS = """
 import json, sys
 from mist_compiler.cost.activation_policy import CopyRates, TensorRow
@@ -335,11 +355,12 @@ def test_sequence_parallel_recomputes_its_gathers_with_the_policy(llama):
 # ---- 4. real runs: training exactly like one process ----------------------------------------------------
 
 def test_per_tensor_plans_train_like_one_process(gpt2_dropout):
-    """Recompute (the norm, the attention, the MLP chain), fractional offload (the hidden input too), both
+    """Recompute (the norm, the attention, the MLP chain; everything but the input), fractional offload (the hidden input too), both
     with a checkpointed layer and two micro-batches, and GPT-2 recomputing its counter-based dropouts."""
     path, program = gpt2_dropout
     both = {"recompute": ATTENTION + ["linear_5"], "offload": {"linear_4": 1.0, "silu": 0.5, "x_in": 0.3}}
     plans = [_plan({"recompute": ATTENTION + MLP_CHAIN}),
+             _plan({"recompute": ATTENTION + ["linear_3", "x_1", "mul_6", "mul_7"] + MLP_CHAIN}),  # the residual too
              _plan({"offload": {"linear_4": 1.0, "silu": 0.5, "y": 0.3, "x_in": 1.0, "mul_1": 0.7}}),
              plan_dict("llama-tiny", 4, 2, [stage((0, 4), ckpt_layers=1, activations=both)]),
              plan_dict(path, 4, 1, [stage((0, 3), activations={"recompute": _dropouts(program)})])]
@@ -403,6 +424,9 @@ def _small(activations: dict | None, **extra) -> dict:
 
 GPT_RECOMPUTE = {"recompute": ["layer_norm_1", "linear_4", "gelu"]}  # the MLP's input norm and up projection
 GPT_BOTH = {"recompute": ["gelu"], "offload": {"linear_4": 1.0, "y": 0.5, "layer_norm": 0.25}}
+# everything the backward reads, from the layer's input: through the output projection and the residual
+GPT_ALL = {"recompute": ["layer_norm", "linear", "linear_1", "linear_2", "y", "linear_3", "x_2", "layer_norm_1",
+                         "linear_4", "gelu"]}
 
 
 @pytest.mark.distributed
@@ -414,8 +438,8 @@ def test_per_tensor_plans_keep_what_the_memory_model_predicts():
     from mist_compiler.cost.hardware import load_profile
     from mist_compiler.ir.vocabulary import B, S, T
 
-    plans = [_small(None), _small(GPT_RECOMPUTE), _small(GPT_BOTH, ckpt_layers=1)]
-    plain, recompute, both = run_ranks(_policy_rank, world=1, args=(plans,), timeout_s=300)[0]
+    plans = [_small(None), _small(GPT_RECOMPUTE), _small(GPT_BOTH, ckpt_layers=1), _small(GPT_ALL)]
+    plain, recompute, both, everything = run_ranks(_policy_rank, world=1, args=(plans,), timeout_s=300)[0]
     assert plain["units"] == [] and plain["replays"] == 0 and plain["offloaded"] == 0
     layers = [f"blocks.{i}" for i in range(4)]
     assert recompute["units"] == layers and both["units"] == layers[1:]  # the checkpointed layer: no hooks
@@ -430,10 +454,11 @@ def test_per_tensor_plans_keep_what_the_memory_model_predicts():
     assert both["offloaded"] == pytest.approx(expected, rel=1e-3), (both["offloaded"], expected)
     profile = load_profile("cpu")
     ratios = []
-    for data, measured in zip(plans, (plain, recompute, both)):
+    for data, measured in zip(plans, (plain, recompute, both, everything)):
         predicted = analyze("gpt-small", Plan.from_dict(data), profile).stages[0].peak_memory_mb * 1e6
         ratios.append((data["stages"][0].get("activations"), predicted, measured["peak"], predicted / measured["peak"]))
         print(f"{ratios[-1][0]}: predicted {predicted / 1e6:.2f} MB, measured {measured['peak'] / 1e6:.2f} MB, "
               f"ratio {ratios[-1][3]:.4f}")
     assert all(abs(ratio - 1) < 0.03 for *_, ratio in ratios), ratios
-    assert recompute["peak"] < plain["peak"]
+    assert everything["peak"] < recompute["peak"] < plain["peak"]
+    assert everything["replays"] == 4 * 2 and everything["offloaded"] == 0

@@ -134,10 +134,13 @@ class TensorRow:
     recomputable: bool
     offloadable: bool
     shared: bool = False  # a layer input every layer reads (holding it costs this layer nothing)
+    tp_reduced: bool = False  # a row-parallel output or reads one (recomputable here only with one TP rank)
 
 
 def rows_at(table, hardware, dtype: str, micro_batch: int, seq: int, degree: int) -> list[TensorRow]:
-    """The table's rows priced at ``(b, s, t)`` for the MILP."""
+    """The table's rows priced at ``(b, s, t)`` for the MILP. With ``t`` > 1 a row-parallel output (and
+    what reads it) is not offered for recomputation: its replay would all-reduce again, a collective the
+    recompute price leaves out; with one rank it is a plain matmul (the residual after it can go too)."""
     values = {B: micro_batch, S: seq, T: degree}
     rows = []
     for tag, row in table.tensors.items():
@@ -147,7 +150,8 @@ def rows_at(table, hardware, dtype: str, micro_batch: int, seq: int, degree: int
                                            float(sympy.sympify(nbytes).subs(values))))
         rows.append(TensorRow(tag, row.kind, float(sympy.sympify(row.saved).subs(values)),
                               float(sympy.sympify(row.output).subs(values)), row.output_saved, seconds, row.inputs,
-                              row.recomputable, row.offloadable, shared_input(table, tag)))
+                              row.recomputable and not (degree > 1 and row.tp_reduced), row.offloadable,
+                              shared_input(table, tag), row.tp_reduced))
     return rows
 
 

@@ -55,8 +55,9 @@ class LayerTensor:
     cost: tuple[tuple[str, sympy.Expr, sympy.Expr], ...] = ()  # (op class, FLOPs, bytes) of its ops
     ops: int = 0  # kernels its ops launch
     inputs: tuple[str, ...] = ()  # tags of the activations it reads
-    recomputable: bool = False
+    recomputable: bool = False  # with one tensor-parallel rank (see ``tp_reduced``)
     offloadable: bool = False
+    tp_reduced: bool = False  # a row-parallel output all-reduced under TP, or reads one: not recomputed when tp > 1
 
 
 @dataclass
@@ -206,10 +207,11 @@ def layer_tensors(model: ModelGraph, region: LayerRegion, forward: fx.GraphModul
                 reads.append(hidden)
             elif arg.name in glue:
                 reads.append(glue[arg.name])
-        recomputable = not _random(node) and name not in reduced and not any(r in reduced for r in reads)
+        tp_reduced = name in reduced or any(r in reduced for r in reads)
         saved = sympy.expand(saved_by.get(name, 0))
         table.tensors[name] = LayerTensor(name, kind_of(node, module_kind, path), path, saved, output, output_saved,
-                                          cost, len(cost), tuple(dict.fromkeys(reads)), recomputable, saved != 0)
+                                          cost, len(cost), tuple(dict.fromkeys(reads)), not _random(node), saved != 0,
+                                          tp_reduced)
     return table
 
 

@@ -214,19 +214,26 @@ def _solution(policy: ActivationPolicy, rows, rates, budget, status, gap, solver
 
 def frontier(rows: list[TensorRow], rates: CopyRates, *, points: int = 6,
              time_limit_s: float = DEFAULT_TIME_LIMIT_S, offload: bool = True) -> list[ActivationSolution]:
-    """Solutions for ``points`` budgets from the least memory a policy reaches (recompute all that can
-    be, offload the rest) up to below keeping everything; distinct and Pareto-optimal (kept, seconds),
-    least memory first. ``offload=False``: recomputation only."""
+    """Solutions for ``points`` budgets from the least memory a policy reaches while the residual stream
+    stays (recompute all that can be but the row-parallel outputs and what reads them, offload the rest)
+    up to below keeping everything, and for the least memory of all (recomputing those too: a layer that
+    keeps only its input, with one TP rank); distinct and Pareto-optimal (kept, seconds), least memory
+    first. ``offload=False``: recomputation only. (A second grid from that least memory found better
+    plans for some ladder cases and worse for others: the tuner samples each frontier.)"""
     total = sum(row.saved for row in rows)
-    least = ActivationPolicy(tuple(r.tag for r in rows if r.recomputable),
-                             tuple(sorted((r.tag, 1.0) for r in rows if r.offloadable and r.saved > 0
-                                          and not r.recomputable and offload)))
-    floor = price(rows, least, rates)[0]
-    if total <= 0 or floor >= total:
+
+    def least(replay_residual: bool) -> float:
+        recompute = {r.tag for r in rows if r.recomputable and (replay_residual or not r.tp_reduced)}
+        return price(rows, ActivationPolicy(tuple(r.tag for r in rows if r.tag in recompute),
+                                            tuple(sorted((r.tag, 1.0) for r in rows if r.offloadable and r.saved > 0
+                                                         and r.tag not in recompute and offload))), rates)[0]
+
+    floor, lowest = least(False), least(True)
+    if total <= 0 or min(floor, lowest) >= total:
         return []
+    budgets = [floor + (total - floor) * k / points for k in range(points)] if floor < total else []
     solutions: list[ActivationSolution] = []
-    for k in range(points):
-        budget = floor + (total - floor) * k / points
+    for budget in budgets + ([lowest] if lowest < floor else []):
         found = solve(rows, budget * (1 + 1e-9), rates, time_limit_s=time_limit_s, offload=offload)
         if found is not None and found.policy not in [s.policy for s in solutions]:
             solutions.append(found)
