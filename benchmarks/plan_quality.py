@@ -100,13 +100,13 @@ def print_table(rows: list[dict], names: list[str]) -> None:
     for name in names:
         values = [v for v in (speedup(r, name) for r in rows) if v is not None]
         if values:
-            print(f"speedup over {name}: average {sum(values) / len(values):.2f}x, best {max(values):.2f}x, "
+            print(f"speedup over {name}: average {sum(values) / len(values):.3f}x, best {max(values):.2f}x, "
                   f"worst {min(values):.2f}x over {len(values)} cases"
                   + (f" ({sum(1 for r in rows if r.get(name) is None and 'tuned_s' in r)} cases where it has no plan)"))
     gains = [r["one_f_one_b_s"] / r["tuned_s"] for r in rows if r.get("one_f_one_b_s") and "tuned_s" in r]
     if gains:
         chosen = sum(1 for r in rows if r.get("schedule", "1f1b") != "1f1b")
-        print(f"schedules alone (the full space's best 1F1B plan / its chosen plan): average {sum(gains) / len(gains):.2f}x, "
+        print(f"schedules alone (the full space's best 1F1B plan / its chosen plan): average {sum(gains) / len(gains):.3f}x, "
               f"best {max(gains):.2f}x; a schedule other than 1F1B chosen in {chosen} of {len(gains)} cases")
 
 

@@ -149,7 +149,8 @@ def _valid(rows, policy: ActivationPolicy) -> None:
     assert all(by_tag[t].recomputable for t in recompute), policy
     assert all(by_tag[t].offloadable for t, _ in policy.offload), policy
     held = {u for v in recompute for u in by_tag[v].inputs} - recompute
-    assert not held & {t for t, _ in policy.offload}, ("a held value's offload frees nothing", policy)
+    # a held value is offloaded only where autograd keeps it (the runtime moves that storage)
+    assert all(by_tag[t].output_saved for t, _ in policy.offload if t in held), policy
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["recompute-only", "with-offload"])
@@ -224,6 +225,49 @@ def test_row_parallel_outputs_are_recomputed_with_one_tensor_parallel_rank_only(
     assert least is not None and {"linear_3", "x_1"} <= set(least.policy.recompute), least
     assert "linear_6" not in least.policy.recompute  # the down projection's output is saved by nothing
     assert least.seconds < sum(row.seconds for row in rows if row.recomputable)
+
+
+def test_milp_may_offload_the_values_a_replay_starts_from(priced):
+    """A recomputation reads values it does not recompute (held); where autograd keeps one, its storage can
+    still go to the host and come back for the replay. With that allowed the layer can keep nothing at
+    all; without it (``offload_held=False``, the frontier's other half) a held value stays whole."""
+    from mist_compiler.tuner.activation_milp import ActivationFrontiers, frontier, solve
+
+    table, rows, rates = priced
+    by_tag = {row.tag: row for row in rows}
+
+    def held(policy):
+        recompute = set(policy.recompute)
+        return {u for v in recompute for u in by_tag[v].inputs} - recompute
+
+    nothing = solve(rows, 0.0, rates)
+    assert nothing is not None and nothing.kept == pytest.approx(0.0, abs=1.0), nothing
+    for budget in (0.1, 0.2, 0.3):
+        budget *= sum(row.saved for row in rows)
+        kept_on_device = solve(rows, budget, rates, offload_held=False)
+        assert kept_on_device is not None
+        assert not held(kept_on_device.policy) & {t for t, _ in kept_on_device.policy.offload}, kept_on_device.policy
+        free = solve(rows, budget, rates)
+        assert free.seconds <= kept_on_device.seconds + 1e-12  # a superset of choices
+        _valid(rows, free.policy)
+    # a layer whose node cannot go to the host: keeping nothing means replaying it from its offloaded input
+    from mist_compiler.cost.activation_policy import CopyRates, TensorRow
+
+    two = [TensorRow("x_in", "input", 100.0, 100.0, True, 0.0, (), False, True),
+           TensorRow("a", "norm", 100.0, 100.0, True, 1e-3, ("x_in",), True, False)]
+    fast = CopyRates(1e12, 1e12, 1.0, 1.0)
+    replayed = solve(two, 0.0, fast)
+    assert replayed.policy.recompute == ("a",) and replayed.policy.offload == (("x_in", 1.0),), replayed
+    assert replayed.kept == 0.0 and replayed.offloaded == 100.0
+    assert solve(two, 0.0, fast, offload_held=False) is None
+    assert [s.kept for s in frontier(two, fast, points=2, offload_held=False)] == [100.0]
+    assert [s.kept for s in frontier(two, fast, points=2)][0] == 0.0
+    # the tuner's frontiers: recomputation alone, offload keeping held values, offload moving them too
+    from types import SimpleNamespace
+
+    assert ActivationFrontiers(SimpleNamespace(), None, SimpleNamespace()).modes == (
+        (False, False), (True, False), (True, True))
+    assert ActivationFrontiers(SimpleNamespace(), None, SimpleNamespace(offload_acts=False)).modes == ((False, False),)
 
 
 _FRONTIER_IN_A_FRESH_PROCESS = """
@@ -336,11 +380,11 @@ def test_lowering_without_a_policy_leaves_units_alone(llama):
     assert only_offload.replay is None and only_offload.replayed == () and only_offload.offload == {"y": 0.5}
 
 
-def test_a_held_value_is_not_offloaded(llama):
-    """Recomputing silu reads linear_4's output, referenced from the forward until the replay: copying it to
-    the host would free nothing (the cost model prices it so), so the unit's policy drops its fraction."""
+def test_a_held_value_keeps_its_offload(llama):
+    """Recomputing silu reads linear_4's output, which autograd saves too: the policy keeps its fraction (the
+    runtime holds the host copy and brings it back for the replay, as the cost model prices it)."""
     policy = _lowered(llama, _plan({"recompute": ["silu"], "offload": {"linear_4": 1.0, "y": 0.5}})).layer_units[0].saved
-    assert policy.held == ("linear_4",) and policy.offload == {"y": 0.5}
+    assert policy.held == ("linear_4",) and policy.offload == {"linear_4": 1.0, "y": 0.5}
 
 
 def test_sequence_parallel_recomputes_its_gathers_with_the_policy(llama):
@@ -361,6 +405,7 @@ def test_per_tensor_plans_train_like_one_process(gpt2_dropout):
     both = {"recompute": ATTENTION + ["linear_5"], "offload": {"linear_4": 1.0, "silu": 0.5, "x_in": 0.3}}
     plans = [_plan({"recompute": ATTENTION + MLP_CHAIN}),
              _plan({"recompute": ATTENTION + ["linear_3", "x_1", "mul_6", "mul_7"] + MLP_CHAIN}),  # the residual too
+             _plan({"recompute": ["silu"], "offload": {"linear_4": 1.0, "y": 0.5}}),  # a held value offloaded
              _plan({"offload": {"linear_4": 1.0, "silu": 0.5, "y": 0.3, "x_in": 1.0, "mul_1": 0.7}}),
              plan_dict("llama-tiny", 4, 2, [stage((0, 4), ckpt_layers=1, activations=both)]),
              plan_dict(path, 4, 1, [stage((0, 3), activations={"recompute": _dropouts(program)})])]
@@ -383,8 +428,9 @@ def test_per_tensor_plans_train_like_one_process_on_two_ranks():
 # ---- 5. what the runtime keeps: replays, host bytes and the peak against the prediction ----------------
 
 def _policy_rank(rank: int, world: int, plans: list[dict]) -> list[dict]:
-    """Per plan: two training steps; the second step's peak device bytes, the replays run and the bytes
-    copied to the host by the per-tensor hooks."""
+    """Per plan: two training steps; the second step's peak device bytes, the replays run, the device bytes
+    live when the second step's first replay starts and the bytes copied to the host by the per-tensor
+    hooks."""
     from mist_compiler import compile as compile_plan
     from mist_compiler.models import build_model
     from mist_compiler.profiling.live_memory import DevicePeakMemory
@@ -404,13 +450,14 @@ def _policy_rank(rank: int, world: int, plans: list[dict]) -> list[dict]:
             hooks = {name: a for name, a in engine.runtime.activations.items() if isinstance(a, SavedActivations)}
             for name, saved in hooks.items():
                 if saved.replay is not None:
-                    saved.replay = lambda *args, run=saved.replay, name=name: replays.append(name) or run(*args)
+                    saved.replay = lambda *args, run=saved.replay: replays.append(probe.current_bytes) or run(*args)
             batches = [synthetic_batch(vocab, plan.global_batch, plan.seq_len, step) for step in range(2)]
             engine.step(batches[0])
             probe.reset_peak()
             engine.step(batches[1])
             peak = float(probe.peak_bytes)
         results.append({"peak": peak, "units": sorted(hooks), "replays": len(replays),
+                        "at_replay": replays[len(replays) // 2] if replays else 0.0,  # the 2nd step's first
                         "offloaded": sum(a.offloaded_bytes for a in hooks.values())})
         engine.close()
     return results
@@ -427,6 +474,7 @@ GPT_BOTH = {"recompute": ["gelu"], "offload": {"linear_4": 1.0, "y": 0.5, "layer
 # everything the backward reads, from the layer's input: through the output projection and the residual
 GPT_ALL = {"recompute": ["layer_norm", "linear", "linear_1", "linear_2", "y", "linear_3", "x_2", "layer_norm_1",
                          "linear_4", "gelu"]}
+GPT_NONE_KEPT = {**GPT_ALL, "offload": {"x_1_in": 1.0}}  # and the input it replays from goes to the host
 
 
 @pytest.mark.distributed
@@ -438,8 +486,9 @@ def test_per_tensor_plans_keep_what_the_memory_model_predicts():
     from mist_compiler.cost.hardware import load_profile
     from mist_compiler.ir.vocabulary import B, S, T
 
-    plans = [_small(None), _small(GPT_RECOMPUTE), _small(GPT_BOTH, ckpt_layers=1), _small(GPT_ALL)]
-    plain, recompute, both, everything = run_ranks(_policy_rank, world=1, args=(plans,), timeout_s=300)[0]
+    plans = [_small(None), _small(GPT_RECOMPUTE), _small(GPT_BOTH, ckpt_layers=1), _small(GPT_ALL),
+             _small(GPT_NONE_KEPT)]
+    plain, recompute, both, everything, none_kept = run_ranks(_policy_rank, world=1, args=(plans,), timeout_s=300)[0]
     assert plain["units"] == [] and plain["replays"] == 0 and plain["offloaded"] == 0
     layers = [f"blocks.{i}" for i in range(4)]
     assert recompute["units"] == layers and both["units"] == layers[1:]  # the checkpointed layer: no hooks
@@ -454,7 +503,7 @@ def test_per_tensor_plans_keep_what_the_memory_model_predicts():
     assert both["offloaded"] == pytest.approx(expected, rel=1e-3), (both["offloaded"], expected)
     profile = load_profile("cpu")
     ratios = []
-    for data, measured in zip(plans, (plain, recompute, both, everything)):
+    for data, measured in zip(plans, (plain, recompute, both, everything, none_kept)):
         predicted = analyze("gpt-small", Plan.from_dict(data), profile).stages[0].peak_memory_mb * 1e6
         ratios.append((data["stages"][0].get("activations"), predicted, measured["peak"], predicted / measured["peak"]))
         print(f"{ratios[-1][0]}: predicted {predicted / 1e6:.2f} MB, measured {measured['peak'] / 1e6:.2f} MB, "
@@ -462,3 +511,10 @@ def test_per_tensor_plans_keep_what_the_memory_model_predicts():
     assert all(abs(ratio - 1) < 0.03 for *_, ratio in ratios), ratios
     assert everything["peak"] < recompute["peak"] < plain["peak"]
     assert everything["replays"] == 4 * 2 and everything["offloaded"] == 0
+    assert none_kept["replays"] == 4 * 2
+    _, input_bytes = policy_bytes(table, Plan.from_dict(plans[4]).stages[0].activations)
+    input_bytes = float(sympy.sympify(input_bytes).subs({B: 8, S: 128, T: 1}))
+    assert none_kept["offloaded"] == pytest.approx(4 * 2 * input_bytes, rel=1e-3)
+    # the held inputs really left the device: when the last layer replays, the first two layers' are on
+    # the host (prefetching brings back one unit ahead), where the plan keeping them holds all four
+    assert none_kept["at_replay"] <= everything["at_replay"] - 2 * input_bytes, (none_kept, everything, input_bytes)

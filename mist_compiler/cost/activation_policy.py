@@ -7,7 +7,8 @@ as ``runtime.saved_activations`` runs it:
 - **kept** (device bytes between a layer's forward and its backward): every node's saved bytes,
   less those of recomputed nodes and the offloaded fractions, plus the outputs the recomputation
   starts from (``held``: inputs of recomputed nodes that are not recomputed themselves) where autograd
-  does not keep them anyway; a held value's own offload frees nothing (the runtime keeps a reference);
+  does not keep them anyway; a held value that autograd keeps is offloaded like any saved tensor (the
+  runtime then holds the host copy, not the device storage, and brings it back for the replay);
 - **offloaded** (bytes out in the forward, back in the backward): the fractions of the other nodes;
 - **recompute** (seconds in the backward): the recomputed nodes' ops at the profile's op-class rates,
   plus the per-op overhead.
@@ -48,7 +49,7 @@ def policy_bytes(table, policy: ActivationPolicy) -> tuple[sympy.Expr, sympy.Exp
     for tag, row in table.tensors.items():
         if tag in recompute:
             continue
-        fraction = 0.0 if tag in held else fractions.get(tag, 0.0)
+        fraction = fractions.get(tag, 0.0)
         kept += row.saved * (1 - fraction)
         offloaded += row.saved * fraction
         if tag in held and not row.output_saved and not shared_input(table, tag):

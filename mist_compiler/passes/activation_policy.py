@@ -12,7 +12,8 @@ unit's :class:`~mist_compiler.ir.stage.SavedPolicy`:
   recomputed themselves (``held``: kept by reference from the forward; weights and what is computed
   from weights alone are read again), with the same markers (the runtime captures what each
   recomputed node saves, in order, and hands autograd those tensors);
-- the offload fractions per node (none for a held value: it stays referenced, its copy would free nothing).
+- the offload fractions per node (a held value's too: the runtime then holds its host copy and brings
+  it back for the replay, as for any offloaded saved tensor).
 What is recomputed and offloaded is exactly what the plan says; the memory the runtime keeps is
 what ``cost.activation_policy`` prices: the saved tensors of the other nodes, the host-side
 fractions elsewhere, and the held values that autograd does not keep anyway.
@@ -159,9 +160,7 @@ class ActivationPolicyInsertion:
                 mark(marked)
                 marked.lint()
                 inputs = tuple(n.name for n in unit.graph.nodes if n.op == "placeholder")
-                # a held value stays referenced until the replay: copying it out would free nothing (and the
-                # copy back would add a buffer), so its fraction is dropped, as the cost model prices it
-                fractions = {k: v for k, v in offload.items() if k in names and k not in held}
+                fractions = {k: v for k, v in offload.items() if k in names}
                 policy = SavedPolicy(frozenset(recompute), fractions, held, replay if replayed else None, replayed, inputs,
                                      plain_offload=self.policy is None)
                 done[id(unit.graph)] = (marked, policy)

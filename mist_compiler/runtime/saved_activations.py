@@ -10,7 +10,8 @@ running node (a norm's statistics, an op saving its own result), the running nod
 - **recompute**: nothing is kept but a record (which node, which of its saves or which view of its
   output). The first record unpacked in the backward runs the unit's *replay* program once: the
   recomputed nodes, in order, from the values they read that were referenced in the forward
-  (``held``), with grad mode on and the same ``requires_grad`` as in the forward, so that every node
+  (``held``; one whose storage autograd saves and the policy offloads is held as that host copy and
+  comes back with it), with grad mode on and the same ``requires_grad`` as in the forward, so that every node
   saves the same tensors in the same order; those are captured per node and handed to autograd as
   their records are unpacked (each released after its last use). Collectives in recomputed nodes
   (sequence parallelism's all-gathers) run in the same order on every rank, as the backward does;
@@ -81,6 +82,14 @@ class _Offloaded:
     size: tuple
     stride: tuple
     offset: int
+
+
+@dataclass(frozen=True)
+class _HeldOffloaded:
+    """A held value whose storage went to the host with a saved tensor: restored for the replay."""
+
+    record: _Offloaded
+    requires_grad: bool
 
 
 @dataclass(frozen=True)
@@ -170,7 +179,18 @@ class _Session:
         fraction = policy.offload.get(node, 0.0)
         if fraction <= 0.0 and not self._greedy(tensor, storage):
             return tensor
-        return self._offload(tensor, storage, fraction if fraction > 0.0 else 1.0)
+        record = self._offload(tensor, storage, fraction if fraction > 0.0 else 1.0)
+        if isinstance(record, _Offloaded):
+            self._hold_on_host(storage)
+        return record
+
+    def _hold_on_host(self, storage) -> None:
+        """A held value on the storage just offloaded: hold the host copy instead (the device storage
+        would otherwise stay alive until the replay, and the offload would free nothing)."""
+        for name, value in self.held.items():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage.data_ptr():
+                record = self._offload(value, storage, 1.0)  # the copy exists: its split is reused
+                self.held[name] = _HeldOffloaded(record, value.requires_grad)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Recomputed):
@@ -192,7 +212,7 @@ class _Session:
     def _replay(self) -> None:
         policy, module = self.owner.policy, self.owner.replay
         capture = _Capture()
-        args = [self.held[name] for name in policy.held]
+        args = [self._held_value(self.held[name]) for name in policy.held]
         with saved_tags.listening(capture), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(capture.pack, lambda tensor: tensor):
             outputs = module(*args)
@@ -207,6 +227,11 @@ class _Session:
                 tensor = torch.as_strided(_tensors(values[node])[index], size, stride, offset)
             self.cache[key] = tensor.detach()
         self.held.clear()
+
+    def _held_value(self, value: Any) -> Any:
+        if not isinstance(value, _HeldOffloaded):
+            return value
+        return self._restored(value.record).detach().requires_grad_(value.requires_grad)
 
     # ---- offload ------------------------------------------------------------------------------
     def _greedy(self, tensor: torch.Tensor, storage) -> bool:

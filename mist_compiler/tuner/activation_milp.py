@@ -6,8 +6,8 @@ python-mip model chooses, for every node of the layer's program:
 - ``r_v`` (binary): run the node again in the backward; its saved tensors are not kept;
 - ``o_v`` (in [0, 1]): the fraction of its saved bytes kept in host memory;
 - ``a_u`` (binary): the output of a node a recomputation reads is available: recomputed itself,
-  kept whole by autograd (then no fraction of it is offloaded), or referenced from the forward at the
-  price of its bytes (a layer input every layer reads costs nothing);
+  kept by autograd (its offloaded fraction then comes back for the replay), or referenced from the
+  forward at the price of its bytes (a layer input every layer reads costs nothing);
 
 subject to ``r_v + o_v <= 1``, ``r_v <= r_u + a_u`` for every input ``u`` of a recomputed ``v`` (the
 recompute chains), and the layer's device bytes (what autograd keeps, less the recomputed and the
@@ -85,7 +85,7 @@ def price(rows: list[TensorRow], policy: ActivationPolicy, rates: CopyRates) -> 
         if row.tag in recompute:
             seconds += row.seconds
             continue
-        fraction = 0.0 if row.tag in held else fractions.get(row.tag, 0.0)
+        fraction = fractions.get(row.tag, 0.0)
         kept += row.saved * (1 - fraction)
         offloaded += row.saved * fraction
         if row.tag in held and not row.output_saved and not row.shared:
@@ -111,8 +111,9 @@ def layer_level(rows: list[TensorRow], budget: float, rates: CopyRates) -> Activ
 
 
 def solve(rows: list[TensorRow], budget: float, rates: CopyRates, *, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-          solver: str | None = None, offload: bool = True) -> ActivationSolution | None:
-    """The cheapest policy whose kept bytes fit ``budget`` (None: nothing fits); ``offload=False``:
+          solver: str | None = None, offload: bool = True, offload_held: bool = True) -> ActivationSolution | None:
+    """The cheapest policy whose kept bytes fit ``budget`` (None: nothing fits); ``offload_held=False``: the
+    values a recomputation starts from stay on the device; ``offload=False``:
     recomputation only."""
     if not offload:
         rows = [replace(row, offloadable=False) for row in rows]
@@ -135,15 +136,13 @@ def solve(rows: list[TensorRow], budget: float, rates: CopyRates, *, time_limit_
     for v in r:
         for u in by_tag[v].inputs:
             model += (r[u] if u in r else 0) + a[u] >= r[v]
-    held_bytes = []
+    # a held value autograd keeps costs nothing more (and may still be offloaded: the replay reads it
+    # back); one it does not keep is referenced whole
+    held_bytes = [by_tag[u].output * available for u, available in a.items()
+                  if not by_tag[u].shared and not by_tag[u].output_saved]
     for u, available in a.items():
-        row = by_tag[u]
-        if row.shared:
-            continue
-        if row.output_saved:
-            model += available + (o[u] if u in o else 0) <= 1
-        else:
-            held_bytes.append(row.output * available)
+        if not offload_held and u in o and by_tag[u].output_saved and not by_tag[u].shared:
+            model += available + o[u] <= 1
     total = sum(row.saved for row in rows)
     offloaded = mip.xsum(by_tag[t].saved * var for t, var in o.items())
     kept = total - mip.xsum(by_tag[t].saved * var for t, var in r.items()) - offloaded + mip.xsum(held_bytes)
@@ -213,20 +212,24 @@ def _solution(policy: ActivationPolicy, rows, rates, budget, status, gap, solver
 
 
 def frontier(rows: list[TensorRow], rates: CopyRates, *, points: int = 6,
-             time_limit_s: float = DEFAULT_TIME_LIMIT_S, offload: bool = True) -> list[ActivationSolution]:
+             time_limit_s: float = DEFAULT_TIME_LIMIT_S, offload: bool = True,
+             offload_held: bool = True) -> list[ActivationSolution]:
     """Solutions for ``points`` budgets from the least memory a policy reaches while the residual stream
     stays (recompute all that can be but the row-parallel outputs and what reads them, offload the rest)
     up to below keeping everything, and for the least memory of all (recomputing those too: a layer that
     keeps only its input, with one TP rank); distinct and Pareto-optimal (kept, seconds), least memory
-    first. ``offload=False``: recomputation only. (A second grid from that least memory found better
+    first. ``offload=False``: recomputation only; ``offload_held=False``: the values a recomputation
+    starts from stay on the device (as :func:`solve`). (A second grid from that least memory found better
     plans for some ladder cases and worse for others: the tuner samples each frontier.)"""
     total = sum(row.saved for row in rows)
 
     def least(replay_residual: bool) -> float:
         recompute = {r.tag for r in rows if r.recomputable and (replay_residual or not r.tp_reduced)}
+        held = {u for r in rows if r.tag in recompute for u in r.inputs} - recompute
         return price(rows, ActivationPolicy(tuple(r.tag for r in rows if r.tag in recompute),
                                             tuple(sorted((r.tag, 1.0) for r in rows if r.offloadable and r.saved > 0
-                                                         and r.tag not in recompute and offload))), rates)[0]
+                                                         and r.tag not in recompute and offload
+                                                         and (offload_held or r.tag not in held)))), rates)[0]
 
     floor, lowest = least(False), least(True)
     if total <= 0 or min(floor, lowest) >= total:
@@ -234,7 +237,8 @@ def frontier(rows: list[TensorRow], rates: CopyRates, *, points: int = 6,
     budgets = [floor + (total - floor) * k / points for k in range(points)] if floor < total else []
     solutions: list[ActivationSolution] = []
     for budget in budgets + ([lowest] if lowest < floor else []):
-        found = solve(rows, budget * (1 + 1e-9), rates, time_limit_s=time_limit_s, offload=offload)
+        found = solve(rows, budget * (1 + 1e-9), rates, time_limit_s=time_limit_s, offload=offload,
+                      offload_held=offload_held)
         if found is not None and found.policy not in [s.policy for s in solutions]:
             solutions.append(found)
     solutions.sort(key=lambda s: (s.kept, s.seconds))
@@ -254,10 +258,14 @@ class ActivationFrontiers:
     def __init__(self, cost_model, work, space) -> None:
         self.cost_model, self.points = cost_model, getattr(space, "activation_points", 5)
         # what the space allows: recomputation unless checkpointing is off, offload (beside it) only where
-        # activation offload is on (``--no-offload acts`` offloads no activations, per tensor or per layer)
+        # activation offload is on (``--no-offload acts`` offloads no activations, per tensor or per layer).
+        # With offload, two frontiers: one offloading the values a recomputation starts from too, one
+        # keeping them on the device (each is priced at micro-batch 1, where copies look free that the
+        # stage model, at the real micro-batch and beside the other channels, may not find so)
         recompute = getattr(space, "ckpt", "tune") != "none"
-        self.modes = tuple(offload for offload in (False, True)
-                           if recompute and (not offload or getattr(space, "offload_acts", True)))
+        offload = getattr(space, "offload_acts", True)
+        self.modes = tuple(mode for mode in ((False, False), (True, False), (True, True))
+                           if recompute and (not mode[0] or offload))
         table = getattr(cost_model, "layer_table", None)
         self.available = table is not None and table(False) is not None
         self.solutions: dict[tuple[int, bool], list[ActivationSolution]] = {}
@@ -271,10 +279,12 @@ class ActivationFrontiers:
 
             started = time.perf_counter()
             priced = self.cost_model.layer_rows(*key) if self.available else None
-            solutions = [s for offload in self.modes for s in frontier(*priced, points=self.points, offload=offload)] \
+            solutions = [s for offload, held in self.modes
+                         for s in frontier(*priced, points=self.points, offload=offload, offload_held=held)] \
                 if priced is not None else []  # recomputation alone, and with offload (copies compete with collectives)
             self.solutions[key] = solutions
-            self.indices[key] = [self.cost_model.add_policy(s.policy) for s in solutions if s.policy.nodes]
+            self.indices[key] = list(dict.fromkeys(self.cost_model.add_policy(s.policy) for s in solutions
+                                                   if s.policy.nodes))
             self.seconds += time.perf_counter() - started
         return self.indices[key]
 
