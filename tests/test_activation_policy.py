@@ -262,12 +262,12 @@ def test_milp_may_offload_the_values_a_replay_starts_from(priced):
     assert solve(two, 0.0, fast, offload_held=False) is None
     assert [s.kept for s in frontier(two, fast, points=2, offload_held=False)] == [100.0]
     assert [s.kept for s in frontier(two, fast, points=2)][0] == 0.0
-    # the tuner's frontiers: recomputation alone, offload keeping held values, offload moving them too
+    # the tuner's frontiers: with offload, keeping held values and moving them too; else recomputation alone
     from types import SimpleNamespace
 
-    assert ActivationFrontiers(SimpleNamespace(), None, SimpleNamespace()).modes == (
-        (False, False), (True, False), (True, True))
+    assert ActivationFrontiers(SimpleNamespace(), None, SimpleNamespace()).modes == ((True, False), (True, True))
     assert ActivationFrontiers(SimpleNamespace(), None, SimpleNamespace(offload_acts=False)).modes == ((False, False),)
+    assert ActivationFrontiers(SimpleNamespace(), None, SimpleNamespace(ckpt="none")).modes == ()
 
 
 _FRONTIER_IN_A_FRESH_PROCESS = """
