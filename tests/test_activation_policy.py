@@ -233,7 +233,7 @@ def test_milp_may_offload_the_values_a_replay_starts_from(priced):
     all; without it (``offload_held=False``, the frontier's other half) a held value stays whole."""
     from mist_compiler.tuner.activation_milp import ActivationFrontiers, frontier, solve
 
-    table, rows, rates = priced
+    _, rows, rates = priced
     by_tag = {row.tag: row for row in rows}
 
     def held(policy):

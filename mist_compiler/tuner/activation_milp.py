@@ -74,11 +74,16 @@ class ActivationSolution:
     solver: str
 
 
+def _held(by_tag: dict[str, TensorRow], recompute) -> set[str]:
+    """The values a recomputation of ``recompute`` starts from (read by it, not recomputed themselves)."""
+    return {u for v in recompute for u in by_tag[v].inputs} - set(recompute)
+
+
 def price(rows: list[TensorRow], policy: ActivationPolicy, rates: CopyRates) -> tuple[float, float, float]:
     """(kept bytes, offloaded bytes, seconds) of ``policy`` (the rule of ``cost.activation_policy``)."""
     by_tag = {row.tag: row for row in rows}
     recompute = set(policy.recompute)
-    held = {u for v in recompute for u in by_tag[v].inputs if u not in recompute}
+    held = _held(by_tag, recompute)
     fractions = policy.offload_fractions
     kept = offloaded = seconds = 0.0
     for row in rows:
@@ -198,8 +203,8 @@ def _start_values(policy: ActivationPolicy, rows, rates, r, o, a, exposed_out, e
     by_tag = {row.tag: row for row in rows}
     values = [(var, 1.0 if t in recompute else 0.0) for t, var in r.items()]
     values += [(var, fractions.get(t, 0.0)) for t, var in o.items()]
-    values += [(var, 1.0 if any(u in by_tag[v].inputs for v in recompute) and u not in recompute else 0.0)
-               for u, var in a.items()]
+    held = _held(by_tag, recompute)
+    values += [(var, 1.0 if u in held else 0.0) for u, var in a.items()]
     _, offloaded, _ = price(rows, policy, rates)
     values += [(exposed_out, max(0.0, offloaded / rates.d2h_bytes_per_s - rates.forward_s)),
                (exposed_in, max(0.0, offloaded / rates.h2d_bytes_per_s - rates.backward_s))]
@@ -222,10 +227,11 @@ def frontier(rows: list[TensorRow], rates: CopyRates, *, points: int = 6,
     starts from stay on the device (as :func:`solve`). (A second grid from that least memory found better
     plans for some ladder cases and worse for others: the tuner samples each frontier.)"""
     total = sum(row.saved for row in rows)
+    by_tag = {row.tag: row for row in rows}
 
     def least(replay_residual: bool) -> float:
         recompute = {r.tag for r in rows if r.recomputable and (replay_residual or not r.tp_reduced)}
-        held = {u for r in rows if r.tag in recompute for u in r.inputs} - recompute
+        held = _held(by_tag, recompute)
         return price(rows, ActivationPolicy(tuple(r.tag for r in rows if r.tag in recompute),
                                             tuple(sorted((r.tag, 1.0) for r in rows if r.offloadable and r.saved > 0
                                                          and r.tag not in recompute and offload
@@ -266,7 +272,10 @@ class ActivationFrontiers:
         # and cost a third of the per-tensor variants' tuning time: only where offload is off.
         recompute = getattr(space, "ckpt", "tune") != "none"
         offload = getattr(space, "offload_acts", True)
-        self.modes = (((True, False), (True, True)) if offload else ((False, False),)) if recompute else ()
+        if not recompute:
+            self.modes: tuple[tuple[bool, bool], ...] = ()  # (offload, offload_held) per frontier
+        else:
+            self.modes = ((True, False), (True, True)) if offload else ((False, False),)
         table = getattr(cost_model, "layer_table", None)
         self.available = table is not None and table(False) is not None
         self.solutions: dict[tuple[int, bool], list[ActivationSolution]] = {}
