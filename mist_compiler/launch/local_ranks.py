@@ -17,7 +17,9 @@ spends seconds of CPU importing them again, which the test suite paid ~100 times
 the caller's environment and working directory as they are at the call, as a spawned one would;
 only what a preloaded module read from the environment when it was imported (``TRITON_INTERPRET``
 in ``runtime/kernels.py``, torch's own settings) keeps the value it had when the server started.
-NCCL ranks are spawned, so none inherits anything of CUDA.
+NCCL ranks, and every rank on a machine with a GPU (a gloo rank may train on it: ``gpu_check``'s one-device
+rows), are spawned: a preloaded module may initialise CUDA in the server, and a forked child cannot
+use it then.
 """
 from __future__ import annotations
 
@@ -76,8 +78,10 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable, args: Sequence[An
 
 
 def _context(backend: str):
-    """gloo: the fork server (module docstring); NCCL: spawn."""
-    if backend == "nccl":
+    """gloo: the fork server (module docstring); NCCL, or any rank where CUDA is: spawn."""
+    import torch
+
+    if backend == "nccl" or torch.cuda.is_available():  # (is_available does not initialise CUDA)
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOADED))
