@@ -282,6 +282,27 @@ print(json.dumps([[s.policy.recompute, s.policy.offload] for offload in (False, 
 """
 
 
+def test_a_compiled_model_prices_layers_with_a_policy_as_eager_ones(llama):
+    """A unit with a plan's policy runs its eager program (``lowering.compile``): a compiled cost model
+    prices those layers from the eager layer analysis, and the other candidates from the compiled one."""
+    from mist_compiler import driver
+    from mist_compiler.cost.stage_api import StageCandidates
+
+    def layers(compiled: bool, with_policy: bool):  # four layers, no pre or post block
+        model = driver.analyse(llama, "cpu", seq_len=SEQ, compiled=compiled)
+        index = model.add_policy(ActivationPolicy(("silu",))) if with_policy else -1
+        candidates = StageCandidates(num_layers=[4], has_pre=[False], has_post=[False], nodes=[1], gpus_per_node=[1],
+                                     micro_batch=[2], dp=[1], tp=[1], zero=[0], ckpt_layers=[0], offload_weights=[0.0],
+                                     offload_grads=[0.0], offload_opt=[0.0], offload_acts=[0.0], inflight=[1],
+                                     act_policy=[index])
+        estimate = model.evaluate(candidates)
+        return float(estimate.breakdown["compute"][0]), float(estimate.peak_memory_bytes[0])
+
+    compiled, eager = layers(True, True), layers(False, True)
+    assert compiled == pytest.approx(eager, rel=1e-9)
+    assert layers(True, False)[0] < layers(False, False)[0]  # without a policy, the fused kernels are priced
+
+
 def test_milp_frontier_is_the_same_in_every_process(priced):
     """The same layer gives the same policies whatever the process's hash seed: among equal-cost optima
     CBC's answer follows the model's order, which once came from sets (seed 3 chose other tensors

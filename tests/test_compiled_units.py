@@ -175,6 +175,20 @@ def test_a_unit_compiled_under_a_dispatch_mode_keeps_the_fused_loss_one_op():
     assert torch.allclose(loss.detach(), reference, atol=1e-5)
 
 
+def test_units_with_a_per_tensor_policy_run_eagerly(gpt_tiny_program):
+    """A compiled region saves what inductor's partitioner chose, which the policy's markers cannot
+    attribute node by node: its units keep their eager program (and the cost model prices them so)."""
+    from mist_compiler.lowering.compile import CompiledUnit
+
+    policy = {"recompute": ["layer_norm_1", "linear_4", "gelu"]}
+    plan = Plan.from_dict(plan_dict(MODEL, MICRO, 1, [stage((0, 4), ckpt_layers=1, activations=policy)], seq=SEQ))
+    built, stats = _stage(gpt_tiny_program, plan, build_model(MODEL, seq_len=SEQ), compiled=True)
+    compiled = {name for name, module in built.units if isinstance(module.forward, CompiledUnit)}
+    assert set(built.saved) == {"blocks.1", "blocks.2", "blocks.3"}  # the checkpointed layer has no policy
+    assert compiled == {name for name, _ in built.units} - set(built.saved)
+    assert (stats.units, stats.eager_units) == (len(built.units) - 3, 3)
+
+
 def test_compile_stats_describe():
     assert CompileStats(units=3, programs=2).describe() == "3 units (2 programs) not compiled yet"
     stats = CompileStats(units=3, programs=2, graphs=2, compiled=0, seconds=1.25)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
-from mist_compiler.ir.plan import Offload, Plan, StagePlan
+from mist_compiler.ir.plan import ActivationPolicy, Offload, Plan, StagePlan
 from mist_compiler.profiling.live_memory import DevicePeakMemory
 from mist_compiler.runtime.streams import host_empty
 
@@ -97,7 +97,9 @@ def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype:
         built.append(StagePlan(layers=(start, start + stage["layers"]), nodes=1, gpus_per_node=dp * tp, dp=dp, tp=tp,
                                micro_batch=global_batch // (dp * grad_accum), zero=stage.get("zero", 0),
                                ckpt_layers=stage.get("ckpt", 0), offload=stage.get("offload", Offload()),
-                               sp=stage.get("sp", False)))
+                               sp=stage.get("sp", False),
+                               activations=ActivationPolicy.from_dict(stage["activations"], "activations")
+                               if "activations" in stage else None))
         start += stage["layers"]
     # the suite runs units eagerly (MIST_COMPILE=0): the plan says so, so that it is priced as it runs
     return Plan(model, 128, global_batch, dtype, grad_accum, tuple(built), compiled=False, schedule=schedule,
@@ -133,7 +135,12 @@ def test_backend_peak_matches_the_memory_model(plan):
 @pytest.mark.parametrize("plan", [
     _plan([{"layers": 4, "dp": 2, "zero": 3, "ckpt": 2}]),
     _plan([{"layers": 2}, {"layers": 2}], grad_accum=4),  # the first stage's layers see the head's gradients
-], ids=["zero3-ckpt", "pipeline"])
+    _plan([{"layers": 4, "tp": 2, "sp": True}]),  # the re-gathered sequence: not kept by a compiled unit either
+    # a per-tensor policy (replay the layer from its input, offloaded): its units run eagerly, priced so
+    _plan([{"layers": 4, "activations": {"recompute": ["layer_norm", "linear", "linear_1", "linear_2", "y", "linear_3",
+                                                      "x_2", "layer_norm_1", "linear_4", "gelu"],
+                                         "offload": {"x_1_in": 1.0}}}]),
+], ids=["zero3-ckpt", "pipeline", "tp2-sp", "per-tensor"])
 def test_compiled_peak_matches_the_memory_model(plan, monkeypatch):
     """Units compiled by inductor (compiled inside the measuring tracker: it must not change them), priced
     as compiled units: each one's backward is one autograd node returning its gradients together."""

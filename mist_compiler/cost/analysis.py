@@ -133,4 +133,6 @@ def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAna
                                                   granularity, units=units, tensors=tables.get("sp"),
                                                   weight_costs=result[kind].weight_costs,
                                                   weight_stash=result[kind].weight_stash)
+    if compiled:  # the eager layer, for the units a per-tensor policy keeps eager (cheap: the passes are cached)
+        result["layer"].eager = analyse_program(program, compiled=False)[0]["layer"]
     return result, sum(1 for block in program.blocks if block.kind == "layer")

@@ -40,6 +40,9 @@ class BlockAnalysis:
     weight_stash: sympy.Expr = sympy.Integer(0)
     sequence: "BlockAnalysis | None" = None  # the layer priced with sequence parallelism (None: not possible)
     tensors: object = None  # the layer's saved-tensor table (``passes.saved_tensors.LayerTensors``), if made
+    # the layer as its eager program runs it, beside a compiled analysis: a unit with a per-tensor policy
+    # runs eagerly (``lowering.compile``: its saved tensors are attributed node by node)
+    eager: "BlockAnalysis | None" = None
 
     @property
     def tp_supported(self) -> bool:

@@ -17,8 +17,10 @@ class PolicyTerms:
 
     def layer_table(self, sp: bool):
         """The layer's saved-tensor table (``passes.saved_tensors``) as priced with or without sequence
-        parallelism; None when the analysis made none."""
-        block = self.blocks["layer"].sequence if sp else self.blocks["layer"]
+        parallelism; None when the analysis made none. A compiled model's is the eager layer's: a unit
+        with a policy runs its eager program (``lowering.compile``)."""
+        layer = self.blocks["layer"].eager if self.blocks["layer"].eager is not None else self.blocks["layer"]
+        block = layer.sequence if sp else layer
         return block.tensors if block is not None else None
 
     def add_policy(self, policy) -> int:
@@ -35,8 +37,10 @@ class PolicyTerms:
         if table is None:
             return None
         one = np.ones(1)
-        terms = self._block_terms(SEQUENCE_LAYER if sp else "layer", micro_batch * one, tp * one,
-                                  (np.ones(1, int), np.full(1, tp)))
+        kind = SEQUENCE_LAYER if sp else "layer"
+        if f"eager_{kind}" in self._functions:  # a compiled model runs a layer with a policy eagerly
+            kind = f"eager_{kind}"
+        terms = self._block_terms(kind, micro_batch * one, tp * one, (np.ones(1, int), np.full(1, tp)))
         rates = CopyRates(self.hardware.d2h_bandwidth, self.hardware.h2d_bandwidth,
                           float(terms["forward_compute"][0]), float(terms["backward_compute"][0]))
         return rows_at(table, self.hardware, self.dtype, micro_batch, self.seq_len, tp), rates

@@ -66,6 +66,18 @@ from .state_traffic import (AUTOGRAD_ACCUMULATE_PASSES, accumulation_bytes_moved
 LOSS_TIE = 1e-12
 MAX_MICRO_BATCH = 1 << 20  # the largest micro-batch (sequences) and group size the cost model prices
 MAX_GROUP = 1 << 14
+EAGER_LAYER, EAGER_SEQUENCE_LAYER = "eager_layer", "eager_layer_sp"  # a compiled model's layer run eagerly
+
+
+def _policy_layers_eager(per_kind: dict, with_policy: np.ndarray) -> dict:
+    """The layer terms of candidates with a per-tensor policy from the eager layer (a compiled model's
+    unit with a policy runs its eager program: ``lowering.compile``); the eager terms dropped after."""
+    eager = per_kind.pop(EAGER_LAYER, None)
+    if eager is None or not with_policy.any():
+        return per_kind
+    per_kind["layer"] = {name: np.where(with_policy, eager[name], values) if name in eager else values
+                         for name, values in per_kind["layer"].items()}
+    return per_kind
 
 
 def _warm_up_candidate() -> StageCandidates:
@@ -109,6 +121,11 @@ class StageCostModel(PolicyTerms):
         self._functions = {kind: block_functions(block, self.attention) for kind, block in self.blocks.items()}
         if self.blocks["layer"].sequence is not None:  # the layer as sequence parallelism runs it
             self._functions[SEQUENCE_LAYER] = block_functions(self.blocks["layer"].sequence, self.attention)
+        eager = self.blocks["layer"].eager if self.compiled else None
+        if eager is not None:  # the layer as its eager program runs it: what a unit with a per-tensor policy runs
+            self._functions[EAGER_LAYER] = block_functions(eager, self.attention)
+            if eager.sequence is not None and SEQUENCE_LAYER in self._functions:
+                self._functions[EAGER_SEQUENCE_LAYER] = block_functions(eager.sequence, self.attention)
         self.evaluate(_warm_up_candidate())  # first-call costs of numpy/lambdify paid here, not by the tuner
 
     @property
@@ -236,6 +253,8 @@ class StageCostModel(PolicyTerms):
         state gathered before the head (forward) and after the embedding (its gradient, backward)."""
         terms = {kind: self._block_terms(kind, b, t, tp_shape) for kind in ("pre", "post")}
         terms["layer"] = self._block_terms(SEQUENCE_LAYER, b, t, tp_shape)
+        if EAGER_SEQUENCE_LAYER in self._functions:
+            terms[EAGER_LAYER] = self._block_terms(EAGER_SEQUENCE_LAYER, b, t, tp_shape)
         whole = self._block_terms("layer", b, t, tp_shape)["output"]
         gather = np.where(t > 1, collective_time(self.hardware, "all_gather", whole, *tp_shape), 0.0)
         terms["post"]["forward_tp"] = terms["post"]["forward_tp"] + gather
@@ -270,7 +289,7 @@ class StageCostModel(PolicyTerms):
                     fresh = self._sequence_terms(batch, degree, shape)
                 else:
                     fresh = {kind: self._block_terms(kind, batch, degree, shape)
-                             for kind in self._functions if kind != SEQUENCE_LAYER}
+                             for kind in self._functions if kind not in (SEQUENCE_LAYER, EAGER_SEQUENCE_LAYER)}
                     fresh["layer"] = costliest_layer([terms for kind, terms in fresh.items() if kind.startswith("layer")])
                 for i, key in enumerate(keys[pick]):
                     self._terms_cache[int(key)] = {kind: {name: value[i] for name, value in terms.items()}
@@ -282,19 +301,21 @@ class StageCostModel(PolicyTerms):
         tables = self._tables_cache.get(unique_keys.tobytes())
         if tables is None:  # (the tuner asks about the same keys many times: corners of one set of bases)
             cached = [self._terms_cache[int(key)] for key in unique_keys]
+            kinds = BLOCK_KINDS + ((EAGER_LAYER,) if all(EAGER_LAYER in entry for entry in cached) else ())
             tables = {kind: {name: np.array([entry[kind].get(name, 0.0) for entry in cached])
-                             for name in set().union(*(entry[kind] for entry in cached))} for kind in BLOCK_KINDS}
+                             for name in set().union(*(entry[kind] for entry in cached))} for kind in kinds}
             if len(self._tables_cache) >= 4096:
                 self._tables_cache.clear()
             self._tables_cache[unique_keys.tobytes()] = tables
-        return {kind: {name: values[inverse] for name, values in terms.items()} for kind, terms in tables.items()}, dp_shape
+        per_kind = {kind: {name: values[inverse] for name, values in terms.items()} for kind, terms in tables.items()}
+        return _policy_layers_eager(per_kind, np.asarray(c.act_policy) >= 0), dp_shape
 
     def _infeasible(self, tp: np.ndarray, present: dict[str, np.ndarray]) -> np.ndarray:
         """Tensor parallelism on a structure the sharding rules do not know, or a degree that
         does not divide the heads / sharded dimensions."""
         infeasible = np.zeros(len(tp), dtype=bool)
         for kind, functions in self._functions.items():
-            if kind == SEQUENCE_LAYER:  # priced apart; its feasibility is the layer's
+            if kind in (SEQUENCE_LAYER, EAGER_LAYER, EAGER_SEQUENCE_LAYER):  # priced apart; feasible where the layer is
                 continue
             here = present[kind.partition("#")[0]]  # every layer class counts wherever layers are
             if not functions.tp_supported:
@@ -537,7 +558,7 @@ class StageCostModel(PolicyTerms):
             # counted for chunks of layers only: with the pre or post block, the backward's peak the weight
             # half is priced from is that block's (the embedding's gradient, the loss), above a layer's
             "weight_half_grads": np.where((np.asarray(c.tp) > 1) | (n <= 0) | (has_pre > 0) | (has_post > 0)
-                                          | self.compiled, 0.0, layer["params"] * grad_b),
+                                          | (self.compiled & ~with_policy), 0.0, layer["params"] * grad_b),
             "exposed_comm": (forward.exposed_s["collective"] + backward.exposed_s["collective"] + forward_edge
                              + backward_edge_gather + backward_edge_scatter + tp_exposed + p2p),
             "exposed_copy": (forward.exposed_s["h2d"] + forward.exposed_s["d2h"]

@@ -62,7 +62,7 @@ class CompileStats:
 
     enabled: bool = True
     units: int = 0  # unit modules given a compiled forward
-    eager_units: int = 0  # unit modules kept eager (compilation off, or split backward halves)
+    eager_units: int = 0  # unit modules kept eager (compilation off, split backward halves, per-tensor policies)
     programs: int = 0  # distinct unit programs (identical layers share one)
     graphs: int = 0  # compiled regions (a forward and its backward), one per program segment and input metadata
     compiled: int = 0  # of those, compiled from scratch (the others came from inductor's on-disk caches or
@@ -87,7 +87,7 @@ class CompileStats:
             return f"{self.units} units ({self.programs} programs) not compiled yet"
         source = "all from the cache" if self.from_cache else \
             ("compiled, none cached" if not self.cached else f"{self.cached} of them from the cache")
-        eager = f"; {self.eager_units} split-backward units eager" if self.eager_units else ""
+        eager = f"; {self.eager_units} units eager (split backward or per-tensor policy)" if self.eager_units else ""
         eager += f"; {self.failed} graphs failed to compile, run eagerly" if self.failed else ""
         return (f"compiled {self.units} units ({self.programs} programs, {self.graphs} graphs) in "
                 f"{self.seconds:.1f} s ({source}{eager})")
@@ -317,9 +317,12 @@ def compile_stage(program: StageProgram, *, enabled: bool | None = None) -> Comp
     fill in as they compile."""
     enabled = default_enabled() if enabled is None else bool(enabled)
     # a unit whose backward is split (zero-bubble schedules) runs its halves as fx graphs: its custom
-    # autograd function queues the weight half, which a compiled region cannot hold
+    # autograd function queues the weight half, which a compiled region cannot hold; a unit with a plan's
+    # per-tensor policy runs eagerly: its markers attribute each saved tensor to the node that made it,
+    # where a compiled region saves what its partitioner chose (the cost model prices it eager)
+    policy_units = {name for name, (policy, _) in program.saved.items() if not policy.plain_offload}
     units = [(name, module) for name, module in program.units
-             if not any(isinstance(child, SplitBackward) for child in module.children())]
+             if not any(isinstance(child, SplitBackward) for child in module.children()) and name not in policy_units]
     stats = CompileStats(enabled=enabled, units=len(units), eager_units=len(program.units) - len(units))
     if not enabled:
         stats.units, stats.eager_units = 0, len(program.units)
