@@ -114,8 +114,9 @@ def _layers(model: str) -> int:
     return zoo_config(model).layers
 
 
-def one_device_kinds(model: str, seq: int, batch: int) -> list[tuple[str, dict]]:
-    """(kind, plan) for every one-device plan kind; bf16 unless the kind says otherwise."""
+def one_device_kinds(model: str, seq: int, batch: int, extra: dict[str, dict] | None = None) -> list[tuple[str, dict]]:
+    """(kind, plan) for every one-device plan kind; bf16 unless the kind says otherwise. ``extra`` adds
+    kinds by the stage fields they set (``--extra-kinds``: e.g. per-tensor policies solved elsewhere)."""
     n = _layers(model)
 
     def one(dtype="bfloat16", grad_accum=2, **stage):
@@ -126,7 +127,8 @@ def one_device_kinds(model: str, seq: int, batch: int) -> list[tuple[str, dict]]
             ("ZeRO-1", one(zero=1)), ("ZeRO-2", one(zero=2)), ("ZeRO-3", one(zero=3)),
             ("checkpointing (all)", one(ckpt_layers=n)),
             ("offload weights 50%", one(**half("weights"))), ("offload grads 50%", one(zero=2, **half("grads"))),
-            ("offload opt 50%", one(**half("opt"))), ("offload acts 50%", one(**half("acts")))]
+            ("offload opt 50%", one(**half("opt"))), ("offload acts 50%", one(**half("acts")))] + \
+        [(kind, one(**fields)) for kind, fields in (extra or {}).items()]
 
 
 def multi_device_kinds(model: str, seq: int, batch: int, devices: int, dtype: str) -> list[tuple[str, int, dict]]:
@@ -312,9 +314,10 @@ def predict(plan_data: dict, profile) -> tuple[float, list[float]]:
     from mist_compiler.ir.plan import Plan
 
     plan = Plan.from_dict(plan_data)
-    key = (plan.model, plan.seq_len, plan.dtype, profile.name)
+    key = (plan.model, plan.seq_len, plan.dtype, profile.name, plan.compiled)
     if key not in _COST_MODELS:
-        _COST_MODELS[key] = price(plan.model, profile, seq_len=plan.seq_len, dtype=plan.dtype)[1]
+        _COST_MODELS[key] = price(plan.model, profile, seq_len=plan.seq_len, dtype=plan.dtype,
+                                  compiled=plan.compiled)[1]
     estimate = analyze(None, plan, profile, cost_model=_COST_MODELS[key])
     return estimate.iteration_time_s, [stage.peak_memory_mb * 1e6 for stage in estimate.stages]
 
@@ -421,9 +424,10 @@ def _wanted(kinds: list, only: set[str] | None) -> list:
     return [kind for kind in kinds if only is None or kind[0] in only]
 
 
-def one_device_section(settings: Settings, profile, report: Report, only: set[str] | None) -> None:
+def one_device_section(settings: Settings, profile, report: Report, only: set[str] | None,
+                       extra: dict[str, dict]) -> None:
     rows = report.section("one device: every plan kind")
-    checks = dict(one_device_kinds(settings.check_model, settings.check_seq, 8))
+    checks = dict(one_device_kinds(settings.check_model, settings.check_seq, 8, extra))
 
     def measure(kind: str, plan_data: dict) -> dict:
         check = run(Job(checks[kind], settings.device, warmup=3, check=True), 1, settings)
@@ -431,7 +435,8 @@ def one_device_section(settings: Settings, profile, report: Report, only: set[st
                           trace=_trace_stem(report, kind)), 1, settings)
         return accuracy_row(kind, plan_data, outcome, check, profile, settings.device == "cuda")
 
-    for kind, plan_data in _wanted(one_device_kinds(settings.perf_model, settings.perf_seq, settings.perf_batch), only):
+    for kind, plan_data in _wanted(one_device_kinds(settings.perf_model, settings.perf_seq, settings.perf_batch, extra),
+                                   only):
         report.add(rows, f"one device: {kind}", lambda kind=kind, plan_data=plan_data: measure(kind, plan_data))
 
 
@@ -543,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", help="comma-separated kinds of the one-device section whose timed run also "
                         "profiles one step (top ops as text, a gzipped Chrome trace) under --out")
     parser.add_argument("--out", help="directory to write the tables to (markdown and JSON), after every row")
+    parser.add_argument("--extra-kinds", help="JSON file {kind: stage fields} of more one-device kinds (e.g. "
+                        "benchmarks/plans/gpt2-per-tensor.json: per-tensor policies solved where python-mip is)")
     args = parser.parse_args(argv)
     if args.smoke:
         return smoke()
@@ -550,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in names if name not in ("one", "mfu", "multi")]
     if unknown:  # before the calibration: a lent GPU's minutes are not spent on a typo
         raise SystemExit(f"gpu_check: --sections: unknown section {unknown[0]!r} (one, mfu, multi)")
-    known = [kind for kind, _ in one_device_kinds("gpt-tiny", 16, 8)] + \
+    extra = _extra_kinds(args.extra_kinds)
+    known = [kind for kind, _ in one_device_kinds("gpt-tiny", 16, 8, extra)] + \
         [kind for kind, _, _ in multi_device_kinds("gpt-tiny", 16, 8, 64, "bfloat16")]
     for option, value in (("--kinds", args.kinds), ("--trace", args.trace)):
         wrong = [kind for kind in (value.split(",") if value else []) if kind not in known]
@@ -576,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.kinds.split(",")) if args.kinds else None
     for name in names:
         if name == "one":
-            one_device_section(settings, profile, report, only)
+            one_device_section(settings, profile, report, only, extra)
         elif name == "mfu":
             mfu_section(settings, profile, report)
         elif settings.devices > 1:
@@ -585,6 +593,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         print(f"wrote the tables under {args.out}", file=sys.stderr)
     return 0
+
+
+def _extra_kinds(path: str | None) -> dict[str, dict]:
+    """``--extra-kinds``: read as data (JSON), each kind's stage fields checked by the plan schema when
+    its plan is built; a bad file stops the run before the calibration."""
+    if not path:
+        return {}
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"gpu_check: --extra-kinds: cannot read {path}: {error}") from None
+    if not isinstance(data, dict) or not all(isinstance(fields, dict) for fields in data.values()):
+        raise SystemExit(f"gpu_check: --extra-kinds: {path} must hold an object {{kind: {{stage fields}}}}")
+    from mist_compiler.ir.plan import Plan, PlanError
+
+    for kind, (_, plan) in zip(data, one_device_kinds("gpt-tiny", 16, 8, data)[-len(data):]):
+        try:
+            Plan.from_dict(plan)
+        except PlanError as error:
+            raise SystemExit(f"gpu_check: --extra-kinds: {kind!r}: {error}") from None
+    return data
 
 
 def _write(folder: str, settings: Settings, sections, text: str) -> None:

@@ -36,6 +36,24 @@ def test_every_plan_kind_is_a_valid_plan():
     assert len(check.multi_device_kinds("gpt-tiny", 16, 8, 2, "float32")) == 3
 
 
+def test_extra_kinds_are_read_as_data_and_checked_before_the_run(tmp_path):
+    """``--extra-kinds``: the shipped per-tensor file adds its kinds; a bad file stops the run naming the
+    field, before a lent GPU's minutes go to the calibration."""
+    check = _gpu_check()
+    shipped = check._extra_kinds(os.path.join(ROOT, "benchmarks", "plans", "gpt2-per-tensor.json"))
+    kinds = dict(check.one_device_kinds("gpt2-1.3b", 2048, 8, shipped))
+    assert set(shipped) <= set(kinds) and all(k.startswith("per-tensor") for k in shipped)
+    for kind in shipped:
+        assert Plan.from_dict(kinds[kind]).stages[0].activations is not None
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"x": {"activations": {"recompute": "gelu"}}}')
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run",
+                             "--extra-kinds", str(bad)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode != 0 and "--extra-kinds: 'x'" in result.stderr and "recompute" in result.stderr, \
+        result.stderr[-2000:]
+
+
 def test_tables_show_errors_as_percentages():
     check = _gpu_check()
     text = check.format_table("t", [{"kind": "bf16", "time err": -0.052, "MFU": 0.43, "measured s": 0.31,
