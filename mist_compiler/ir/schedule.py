@@ -220,8 +220,10 @@ def _zero_bubble(pp: int, v: int, g: int, where: tuple[int, ...]) -> list[list[A
     """The list scheduler of the module docstring, with :data:`UNIT_COSTS` and :func:`_memory_bounds`."""
     n = pp * v
     state = [_StageState([j for j in range(n) if where[j] == s], *_memory_bounds(pp, v, s)) for s in range(pp)]
-    forward_done: dict[tuple[int, int], int] = {}  # (virtual stage, micro) -> finish time
-    input_done: dict[tuple[int, int], int] = {}
+    # [virtual stage][micro] -> finish time (lists, not a dict by pairs: a long schedule looks them up
+    # hundreds of thousands of times)
+    forward_done = [[_NEVER] * g for _ in range(n)]
+    input_done = [[_NEVER] * g for _ in range(n)]
     remaining = 3 * g * n
     t = 0
     while remaining:
@@ -235,9 +237,9 @@ def _zero_bubble(pp: int, v: int, g: int, where: tuple[int, ...]) -> list[list[A
             j = stage.chunks[c]
             done = t + UNIT_COSTS[kind]
             if kind == F:
-                forward_done[(j, m)] = done
+                forward_done[j][m] = done
             elif kind == I:
-                input_done[(j, m)] = done
+                input_done[j][m] = done
             stage.busy = done
             stage.order.append(Action(kind, c, m))
             remaining -= 1
@@ -247,6 +249,9 @@ def _zero_bubble(pp: int, v: int, g: int, where: tuple[int, ...]) -> list[list[A
             raise ScheduleError(f"the zero-bubble list scheduler is stuck ({pp} stages, {v} chunks, {g} micro-batches)")
         t = min(later) if later else t + 1
     return [stage.order for stage in state]
+
+
+_NEVER = 1 << 62  # the finish time of an action not yet scheduled
 
 
 def _memory_bounds(pp: int, v: int, stage: int) -> tuple[int, int]:
@@ -271,13 +276,13 @@ class _StageState:
         self.order: list[Action] = []
         self.forward_order = sorted(range(len(chunks)), key=lambda c: -chunks[c])  # later virtual stage first
 
-    def pick(self, t: int, g: int, n: int, forward_done: dict, input_done: dict) -> tuple[str, int, int] | None:
+    def pick(self, t: int, g: int, n: int, forward_done: list, input_done: list) -> tuple[str, int, int] | None:
         """A ready input half (oldest micro-batch, later virtual stage first), else a forward while
         the memory bound allows (later virtual stage first), else the oldest pending weight half."""
         best = None
         for c, j in enumerate(self.chunks):
             m = self.next_input[c]
-            if m < g and forward_done.get((j, m), t + 1) <= t and (j == n - 1 or input_done.get((j + 1, m), t + 1) <= t):
+            if m < g and forward_done[j][m] <= t and (j == n - 1 or input_done[j + 1][m] <= t):
                 if best is None or (m, -j) < (self.next_input[best], -self.chunks[best]):
                     best = c
         if best is not None:
@@ -289,7 +294,7 @@ class _StageState:
         if self.held < self.limit and self.full < self.full_limit:
             for c in self.forward_order:
                 j, m = self.chunks[c], self.next_forward[c]
-                if m < g and (j == 0 or forward_done.get((j - 1, m), t + 1) <= t):
+                if m < g and (j == 0 or forward_done[j - 1][m] <= t):
                     self.next_forward[c] += 1
                     self.held += 1
                     self.full += 1

@@ -74,7 +74,7 @@ def evaluate(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], ckp
     if len(bases) == 0:
         empty = np.zeros(0)
         return StageEstimates(empty, empty, empty, {})
-    parts = [_totals(model, candidates) for candidates in _candidates(bases, shapes, ckpt, offload, inflight)]
+    parts = [estimate_totals(model, candidates) for candidates in _candidates(bases, shapes, ckpt, offload, inflight)]
     if len(parts) == 1:
         return parts[0]
     return StageEstimates(
@@ -93,7 +93,7 @@ def peak_memory(model: StageCostModel, bases: Bases, shapes: list[DeviceShape], 
                            for candidates in _candidates(bases, shapes, ckpt, offload, inflight)], axis=-1)
 
 
-def _totals(model: StageCostModel, candidates: StageCandidates) -> StageEstimates:
+def estimate_totals(model: StageCostModel, candidates: StageCandidates) -> StageEstimates:
     """The model's ``totals`` (times and peaks, no breakdown) where it has one (it is optional), else ``evaluate``."""
     totals = getattr(model, "totals", None)
     return totals(candidates) if totals is not None else model.evaluate(candidates)
@@ -220,7 +220,7 @@ class CountingModel:
 
     def totals(self, candidates: StageCandidates) -> StageEstimates:
         self.rows += len(candidates)
-        return _totals(self.model, candidates)
+        return estimate_totals(self.model, candidates)
 
     def peak_memory(self, candidates: StageCandidates, opt_ratios: tuple[float, ...] | None = None) -> np.ndarray:
         self.rows += len(candidates) * (1 if opt_ratios is None else len(opt_ratios))
