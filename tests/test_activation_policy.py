@@ -288,11 +288,11 @@ def test_a_compiled_model_prices_layers_with_a_policy_as_eager_ones(llama):
     from mist_compiler import driver
     from mist_compiler.cost.stage_api import StageCandidates
 
-    def layers(compiled: bool, with_policy: bool):  # four layers, no pre or post block
+    def layers(compiled: bool, with_policy: bool, ckpt: int = 0):  # four layers, no pre or post block
         model = driver.analyse(llama, "cpu", seq_len=SEQ, compiled=compiled)
         index = model.add_policy(ActivationPolicy(("silu",))) if with_policy else -1
         candidates = StageCandidates(num_layers=[4], has_pre=[False], has_post=[False], nodes=[1], gpus_per_node=[1],
-                                     micro_batch=[2], dp=[1], tp=[1], zero=[0], ckpt_layers=[0], offload_weights=[0.0],
+                                     micro_batch=[2], dp=[1], tp=[1], zero=[0], ckpt_layers=[ckpt], offload_weights=[0.0],
                                      offload_grads=[0.0], offload_opt=[0.0], offload_acts=[0.0], inflight=[1],
                                      act_policy=[index])
         estimate = model.evaluate(candidates)
@@ -301,6 +301,9 @@ def test_a_compiled_model_prices_layers_with_a_policy_as_eager_ones(llama):
     compiled, eager = layers(True, True), layers(False, True)
     assert compiled == pytest.approx(eager, rel=1e-9)
     assert layers(True, False)[0] < layers(False, False)[0]  # without a policy, the fused kernels are priced
+    # checkpointed layers have no policy and stay compiled: with every layer checkpointed, the policy changes nothing
+    assert layers(True, True, ckpt=4)[0] == pytest.approx(layers(True, False, ckpt=4)[0], rel=1e-9)
+    assert layers(True, False, ckpt=2)[0] < layers(True, True, ckpt=2)[0] < layers(False, True, ckpt=2)[0]
 
 
 def test_milp_frontier_is_the_same_in_every_process(priced):

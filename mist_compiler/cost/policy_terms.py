@@ -1,6 +1,7 @@
 """Per-tensor activation policies as the stage model prices them: the layer's saved-tensor table, the
 policies candidates may name (``act_policy``), and each candidate's kept / offloaded bytes and recompute
-seconds, gathered once per distinct (policy, micro-batch, tp, sp). A mixin of
+seconds, gathered once per distinct (policy, micro-batch, tp, sp); in a compiled model, the eager layer's
+terms for those candidates (:func:`policy_layers_eager`). A mixin of
 :class:`~mist_compiler.cost.stage_model.StageCostModel`, whose fields (``blocks``, ``policies``, the
 profile and the caches) it reads."""
 from __future__ import annotations
@@ -10,6 +11,30 @@ import numpy as np
 from .activation_policy import CopyRates, PolicyPrice, rows_at
 from .block_functions import SEQUENCE_LAYER
 from .blocks import StageModelError
+from .stage_api import StageCandidates
+
+
+EAGER_LAYER, EAGER_SEQUENCE_LAYER = "eager_layer", "eager_layer_sp"  # a compiled model's layer run eagerly
+COMPUTE_TERMS = ("forward_compute", "backward_compute", "weight_compute")
+
+
+def policy_layers_eager(per_kind: dict, c: StageCandidates) -> dict:
+    """The layer terms of candidates with a per-tensor policy from the eager layer (a compiled model's
+    unit with a policy runs its eager program: ``lowering.compile``); the eager terms dropped after.
+    Their checkpointed layers have no policy and stay compiled: a layer's compute is the mean over the
+    stage's layers (the recomputation of checkpointed layers is priced from that mean too)."""
+    eager = per_kind.pop(EAGER_LAYER, None)
+    with_policy = np.asarray(c.act_policy) >= 0
+    if eager is None or not with_policy.any():
+        return per_kind
+    n = np.maximum(np.asarray(c.num_layers, dtype=float), 1.0)
+    share = np.clip(n - np.asarray(c.ckpt_layers, dtype=float), 0.0, None) / n  # layers that run the policy
+    layer = per_kind["layer"]
+    per_kind["layer"] = {
+        name: np.where(with_policy, share * eager[name] + (1.0 - share) * values if name in COMPUTE_TERMS
+                       else eager[name], values) if name in eager else values
+        for name, values in layer.items()}
+    return per_kind
 
 
 class PolicyTerms:
@@ -38,8 +63,9 @@ class PolicyTerms:
             return None
         one = np.ones(1)
         kind = SEQUENCE_LAYER if sp else "layer"
-        if f"eager_{kind}" in self._functions:  # a compiled model runs a layer with a policy eagerly
-            kind = f"eager_{kind}"
+        eager = EAGER_SEQUENCE_LAYER if sp else EAGER_LAYER
+        if eager in self._functions:  # a compiled model runs a layer with a policy eagerly
+            kind = eager
         terms = self._block_terms(kind, micro_batch * one, tp * one, (np.ones(1, int), np.full(1, tp)))
         rates = CopyRates(self.hardware.d2h_bandwidth, self.hardware.h2d_bandwidth,
                           float(terms["forward_compute"][0]), float(terms["backward_compute"][0]))

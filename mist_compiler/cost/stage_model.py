@@ -56,7 +56,7 @@ from .memory import (ACCUMULATOR_BYTES, SCHEDULE_MEMORY_PARTS, BlockActivationTe
                      acts_per_microbatch, greedy_offload, stage_memory, state_bytes_per_param)
 from .op_time import matmul_time, op_class_time
 from .overlap import overlap_where_busy
-from .policy_terms import PolicyTerms
+from .policy_terms import EAGER_LAYER, EAGER_SEQUENCE_LAYER, PolicyTerms, policy_layers_eager
 from .stage_api import LOSS_FUSED, LOSS_PLAIN, StageCandidates, StageEstimates
 from .state_traffic import (AUTOGRAD_ACCUMULATE_PASSES, accumulation_bytes_moved, grad_buffer_bytes_moved,
                             low_precision_bytes_moved, offloaded_grad_bytes, optimizer_phase_s, step_grads_to_device)
@@ -66,20 +66,6 @@ from .state_traffic import (AUTOGRAD_ACCUMULATE_PASSES, accumulation_bytes_moved
 LOSS_TIE = 1e-12
 MAX_MICRO_BATCH = 1 << 20  # the largest micro-batch (sequences) and group size the cost model prices
 MAX_GROUP = 1 << 14
-EAGER_LAYER, EAGER_SEQUENCE_LAYER = "eager_layer", "eager_layer_sp"  # a compiled model's layer run eagerly
-
-
-def _policy_layers_eager(per_kind: dict, with_policy: np.ndarray) -> dict:
-    """The layer terms of candidates with a per-tensor policy from the eager layer (a compiled model's
-    unit with a policy runs its eager program: ``lowering.compile``); the eager terms dropped after."""
-    eager = per_kind.pop(EAGER_LAYER, None)
-    if eager is None or not with_policy.any():
-        return per_kind
-    per_kind["layer"] = {name: np.where(with_policy, eager[name], values) if name in eager else values
-                         for name, values in per_kind["layer"].items()}
-    return per_kind
-
-
 def _warm_up_candidate() -> StageCandidates:
     return StageCandidates(num_layers=1, has_pre=True, has_post=True, nodes=1, gpus_per_node=2, micro_batch=1, dp=1,
                            tp=2, zero=3, ckpt_layers=1, offload_weights=0.5, offload_grads=0.5, offload_opt=0.5,
@@ -308,7 +294,7 @@ class StageCostModel(PolicyTerms):
                 self._tables_cache.clear()
             self._tables_cache[unique_keys.tobytes()] = tables
         per_kind = {kind: {name: values[inverse] for name, values in terms.items()} for kind, terms in tables.items()}
-        return _policy_layers_eager(per_kind, np.asarray(c.act_policy) >= 0), dp_shape
+        return policy_layers_eager(per_kind, c), dp_shape
 
     def _infeasible(self, tp: np.ndarray, present: dict[str, np.ndarray]) -> np.ndarray:
         """Tensor parallelism on a structure the sharding rules do not know, or a degree that
