@@ -32,7 +32,8 @@ one-device kinds (``trace-<kind>.txt``: top ops and the runtime's ``mist.*`` ran
 ``trace-<kind>.json.gz``: the Chrome trace), for what a table row cannot say.
 
 Usage: ``PYTHONPATH=. python benchmarks/gpu_check.py [--dry-run | --smoke] [--hardware NAME] [--out DIR]
-[--sections mfu,one] [--kinds "bf16,ZeRO-3"] [--trace "offload weights 50%"] [--deadline-s S]``
+[--sections mfu,one] [--kinds "bf16,ZeRO-3"] [--trace "offload weights 50%"] [--deadline-s S]
+[--extra-kinds benchmarks/plans/gpt2-per-tensor.json]``
 """
 from __future__ import annotations
 

@@ -19,7 +19,9 @@ so the runtime's module hooks still fire around it, but its ``forward`` becomes 
 - **Memory mechanisms see what the compiled code saves.** A compiled segment is one autograd node
   whose saved tensors its partitioner chose; they pass through ``saved_tensors_hooks`` like eager
   ones, so activation offload (hooks around the unit's forward) and non-reentrant checkpointing
-  (around the unit call: the compiled forward runs again in the backward) hold for it.
+  (around the unit call: the compiled forward runs again in the backward) hold for it. A per-tensor
+  policy does not: it decides per node of the eager program, and a compiled region's saved tensors
+  name no node, so a unit with a plan's policy keeps its eager program (priced so by the cost model).
 - **Caches on disk.** inductor's FX graph cache (``TORCHINDUCTOR_CACHE_DIR``) lets a second run of the
   same plan load its kernels instead of compiling them; :class:`CompileStats` says how long
   compilation took and how much came from the cache. AOTAutograd's own cache is off for units: it keys
