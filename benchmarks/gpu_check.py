@@ -610,9 +610,10 @@ def _extra_kinds(path: str | None) -> dict[str, dict]:
         raise SystemExit(f"gpu_check: --extra-kinds: {path} must hold an object {{kind: {{stage fields}}}}")
     from mist_compiler.ir.plan import Plan, PlanError
 
-    for kind, (_, plan) in zip(data, one_device_kinds("gpt-tiny", 16, 8, data)[-len(data):]):
+    plans = dict(one_device_kinds("gpt-tiny", 16, 8, data))  # (the extra kinds come last: theirs are kept)
+    for kind in data:
         try:
-            Plan.from_dict(plan)
+            Plan.from_dict(plans[kind])
         except PlanError as error:
             raise SystemExit(f"gpu_check: --extra-kinds: {kind!r}: {error}") from None
     return data

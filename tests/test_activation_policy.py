@@ -288,8 +288,10 @@ def test_a_compiled_model_prices_layers_with_a_policy_as_eager_ones(llama):
     from mist_compiler import driver
     from mist_compiler.cost.stage_api import StageCandidates
 
+    models = {compiled: driver.analyse(llama, "cpu", seq_len=SEQ, compiled=compiled) for compiled in (True, False)}
+
     def layers(compiled: bool, with_policy: bool, ckpt: int = 0):  # four layers, no pre or post block
-        model = driver.analyse(llama, "cpu", seq_len=SEQ, compiled=compiled)
+        model = models[compiled]
         index = model.add_policy(ActivationPolicy(("silu",))) if with_policy else -1
         candidates = StageCandidates(num_layers=[4], has_pre=[False], has_post=[False], nodes=[1], gpus_per_node=[1],
                                      micro_batch=[2], dp=[1], tp=[1], zero=[0], ckpt_layers=[ckpt], offload_weights=[0.0],

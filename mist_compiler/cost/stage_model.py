@@ -66,6 +66,8 @@ from .state_traffic import (AUTOGRAD_ACCUMULATE_PASSES, accumulation_bytes_moved
 LOSS_TIE = 1e-12
 MAX_MICRO_BATCH = 1 << 20  # the largest micro-batch (sequences) and group size the cost model prices
 MAX_GROUP = 1 << 14
+
+
 def _warm_up_candidate() -> StageCandidates:
     return StageCandidates(num_layers=1, has_pre=True, has_post=True, nodes=1, gpus_per_node=2, micro_batch=1, dp=1,
                            tp=2, zero=3, ckpt_layers=1, offload_weights=0.5, offload_grads=0.5, offload_opt=0.5,
