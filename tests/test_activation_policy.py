@@ -308,6 +308,35 @@ def test_a_compiled_model_prices_layers_with_a_policy_as_eager_ones(llama):
     assert layers(True, False, ckpt=2)[0] < layers(True, True, ckpt=2)[0] < layers(False, True, ckpt=2)[0]
 
 
+def test_no_policy_is_solved_where_the_eager_layer_loses_to_checkpointing(llama):
+    """In a compiled model a layer with a policy runs its eager program. Where that program, keeping
+    everything, is as slow as the compiled layer checkpointed (Llama's unfused fp32 norm and SwiGLU copies
+    at an L4's memory rate), every policy is slower than checkpointing: the tuner solves none."""
+    from mist_compiler import driver
+    from mist_compiler.cost.stage_api import StageCandidates
+    from mist_compiler.tuner.activation_milp import ActivationFrontiers, frontier
+    from mist_compiler.tuner.space import SearchSpace
+
+    assert driver.analyse(llama, "l4", seq_len=SEQ, compiled=False).policies_can_pay(1, False)  # eager: always
+    model = driver.analyse(llama, "l4", seq_len=SEQ, compiled=True)
+    assert not model.policies_can_pay(1, False)
+
+    def compute(policy: int, ckpt: int) -> float:
+        candidates = StageCandidates(num_layers=[4], has_pre=[False], has_post=[False], nodes=[1], gpus_per_node=[1],
+                                     micro_batch=[2], dp=[1], tp=[1], zero=[0], ckpt_layers=[ckpt], offload_weights=[0.0],
+                                     offload_grads=[0.0], offload_opt=[0.0], offload_acts=[0.0], inflight=[1],
+                                     act_policy=[policy])
+        return float(model.evaluate(candidates).breakdown["compute"][0])
+
+    rows, rates = model.layer_rows(1, False, micro_batch=2)
+    policies = [s.policy for offload in (False, True) for s in frontier(rows, rates, points=5, offload=offload)]
+    assert policies
+    checkpointed = compute(-1, ckpt=4)
+    assert all(compute(model.add_policy(policy), ckpt=0) >= checkpointed for policy in policies)
+    frontiers = ActivationFrontiers(model, None, SearchSpace())
+    assert frontiers(1, False) == [] and frontiers.summary()["dominated"] == 1
+
+
 def test_milp_frontier_is_the_same_in_every_process(priced):
     """The same layer gives the same policies whatever the process's hash seed: among equal-cost optima
     CBC's answer follows the model's order, which once came from sets (seed 3 chose other tensors

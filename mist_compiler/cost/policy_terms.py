@@ -71,6 +71,26 @@ class PolicyTerms:
                           float(terms["forward_compute"][0]), float(terms["backward_compute"][0]))
         return rows_at(table, self.hardware, self.dtype, micro_batch, self.seq_len, tp), rates
 
+    def policies_can_pay(self, tp: int, sp: bool) -> bool:
+        """Whether a layer with a per-tensor policy can be faster than the same layer checkpointed whole.
+
+        A compiled model runs a layer with a policy eagerly (``lowering.compile``). Where the eager
+        layer keeping everything already takes as long as the compiled layer run forward twice
+        (checkpointed: it keeps only its input, which activation offload moves too), every policy
+        is slower than checkpointing and keeps at least as much, so none is worth solving or pricing
+        (a Llama layer: eager RMSNorm and SwiGLU run and keep fp32 copies the fused kernels do not).
+        Compared at micro-batch 1 and 8; always true for an eager model."""
+        eager = EAGER_SEQUENCE_LAYER if sp else EAGER_LAYER
+        if eager not in self._functions:
+            return True
+        b, t = np.array([1.0, 8.0]), np.full(2, float(tp))
+        tp_shape = (np.ones(2, int), np.full(2, tp))
+        compiled = self._block_terms(SEQUENCE_LAYER if sp else "layer", b, t, tp_shape)
+        run_eagerly = self._block_terms(eager, b, t, tp_shape)
+        keep_all = sum(run_eagerly[name] for name in COMPUTE_TERMS)
+        checkpointed = sum(compiled[name] for name in COMPUTE_TERMS) + compiled["forward_compute"]
+        return bool((keep_all < checkpointed).any())
+
     def _policy_terms(self, policy: np.ndarray, b: np.ndarray, t: np.ndarray, sp: np.ndarray) -> dict[str, np.ndarray]:
         """kept / offloaded bytes and recompute seconds of each candidate's policy (zeros without one)."""
         out = {name: np.zeros(len(policy)) for name in ("kept", "offloaded", "recompute")}

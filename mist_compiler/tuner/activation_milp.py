@@ -281,6 +281,7 @@ class ActivationFrontiers:
         self.solutions: dict[tuple[int, bool], list[ActivationSolution]] = {}
         self.indices: dict[tuple[int, bool], list[int]] = {}
         self.seconds = 0.0
+        self.dominated = 0  # (tp, sp) keys whose eager layer is slower than the compiled one checkpointed
 
     def __call__(self, tp: int, sp: bool) -> list[int]:
         key = (int(tp), bool(sp))
@@ -288,7 +289,10 @@ class ActivationFrontiers:
             import time
 
             started = time.perf_counter()
-            priced = self.cost_model.layer_rows(*key) if self.available else None
+            can_pay = getattr(self.cost_model, "policies_can_pay", None)
+            worth = self.available and (can_pay is None or can_pay(*key))
+            self.dominated += self.available and not worth
+            priced = self.cost_model.layer_rows(*key) if worth else None
             solutions = [s for offload, held in self.modes
                          for s in frontier(*priced, points=self.points, offload=offload, offload_held=held)] \
                 if priced is not None else []  # recomputation alone, and with offload (copies compete with collectives)
@@ -302,6 +306,7 @@ class ActivationFrontiers:
         solved = [s for group in self.solutions.values() for s in group]
         return {"solver": probe_solver() if solved else None, "frontiers": len(self.solutions),
                 "policies": sum(len(v) for v in self.indices.values()), "seconds": round(self.seconds, 3),
+                "dominated": self.dominated,
                 "worst_gap": max((s.gap for s in solved), default=0.0),
                 "statuses": sorted({s.status for s in solved})}
 
