@@ -97,6 +97,23 @@ def test_the_stage_model_prices_compiled_units_faster_and_leaner():
     assert models[True].model_flops_per_sequence() == models[False].model_flops_per_sequence()
 
 
+def test_sequence_parallel_layers_are_priced_fused_too():
+    """With sequence parallelism a compiled layer still runs its elementwise chains as fused kernels
+    (its TP collectives are eager calls between compiled segments): the sequence-parallel pricing of a
+    compiled program fuses them and drops their intermediates, as the pricing without it does."""
+    program = capture_program("llama-tiny", seq_len=64, dtype="float32")
+    compiled, eager = (analyse_program(program, compiled=c)[0]["layer"] for c in (True, False))
+    fused, unfused = compiled.sequence, eager.sequence
+    count = lambda block: sum(1 for n in block.costs.forward.nodes if n.op_class != "view")  # noqa: E731
+    assert count(fused) < count(unfused) / 2  # one kernel per region, as without sequence parallelism
+    assert count(fused) == count(compiled)
+    assert any(n.op_class == "fused" for n in fused.costs.backward.nodes)
+    # what it saves is the compiled partition's, sequence-split: no more than without sequence parallelism
+    saved = lambda block: float(sympy.sympify(block.memory.saved["flash"]).subs({B: 2, S: 64, T: 2}))  # noqa: E731
+    assert saved(fused) <= saved(compiled)
+    assert saved(fused) < saved(unfused)
+
+
 def _model_args(program, compiled: bool):
     blocks, layers = analyse_program(program, compiled=compiled)
     return blocks, load_profile("cpu"), 64, "float32", "flash", program.model_name, layers

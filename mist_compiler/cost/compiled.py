@@ -105,7 +105,7 @@ class FusedGraph:
 
 def _stored_bytes(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
     size = value_bytes(node, symbols)
-    return size / T if states.get(node.name) == "S" else size
+    return size / T if states.get(node.name) in ("S", "Q") else size  # split by TP, or along the sequence by SP
 
 
 def _elements(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
@@ -183,11 +183,18 @@ def compiled_cost_annotation(program: MistProgram) -> PassResult:
     graphs = program_graphs(program, compiled_partition)
     costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols, sharding=graphs.sharding)
     block_of = {name: label for label, names in graphs.blocks.items() for name in names}
-    forward = fuse_costs(graphs.forward.graph, costs.forward, block_of, graphs.symbols)
-    backward = fuse_costs(graphs.backward.graph, costs.backward, block_of, graphs.symbols)
+
+    def fused(annotated: ProgramCosts) -> tuple[ProgramCosts, frozenset[str]]:
+        """``annotated`` (these graphs' costs, e.g. re-annotated with sequence parallelism) with every
+        elementwise region priced as one kernel, and the values those kernels never store."""
+        forward = fuse_costs(graphs.forward.graph, annotated.forward, block_of, graphs.symbols)
+        backward = fuse_costs(graphs.backward.graph, annotated.backward, block_of, graphs.symbols)
+        return (ProgramCosts(forward.costs, backward.costs, annotated.sharding, annotated.param_states),
+                forward.transient | backward.transient)
+
+    fused_costs, transient = fused(costs)
     priced = copy.copy(program)
-    priced.analysis = PricedGraphs(graphs, ProgramCosts(forward.costs, backward.costs, costs.sharding, costs.param_states),
-                                   transient=forward.transient | backward.transient, block_nodes=True)
+    priced.analysis = PricedGraphs(graphs, fused_costs, transient=transient, block_nodes=True, refine=fused)
     return PassResult(priced, False)
 
 

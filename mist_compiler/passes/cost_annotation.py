@@ -524,6 +524,9 @@ class PricedGraphs:
     weight_split: dict[int, Any] = field(default_factory=dict)  # block class id -> weight_gradients.WeightSplit
     sequence: Any = None  # the same priced with sequence parallelism (``sp_pricing.SequencePriced``), if it applies
     tensors: Any = None  # the layer's saved-tensor tables (``saved_tensors``: {"tp": ..., "sp": ...})
+    # costs re-annotated later (sequence parallelism) priced as what runs: ProgramCosts -> (ProgramCosts,
+    # transient); ``cost.compiled`` sets it to its fusion of elementwise regions, None prices them op by op
+    refine: Any = None
 
 
 def program_graphs(program, partition=None) -> ProgramGraphs:

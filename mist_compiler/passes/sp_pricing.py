@@ -152,8 +152,12 @@ def sequence_parallel_pricing(program: MistProgram) -> PassResult:
     if seeds is not None and priced.costs.sharding.supported:
         costs = annotate_graphs(graphs.forward, graphs.backward, graphs.params, graphs.symbols,
                                 sharding=graphs.sharding, sequence=seeds)
+        transient = frozenset()
+        if priced.refine is not None:  # a compiled program: its elementwise chains run as fused kernels
+            costs, transient = priced.refine(costs)
         blocks = {str(class_id): names for class_id, names in graphs.blocks.items()}
-        memory = analyse_memory(graphs.forward, graphs.backward, costs, graphs.params, blocks, graphs.symbols)
+        memory = analyse_memory(graphs.forward, graphs.backward, costs, graphs.params, blocks, graphs.symbols,
+                                transient=transient, block_nodes=priced.block_nodes)
         result = SequencePriced(costs, {int(label): m for label, m in memory.items()})
     analysed = copy.copy(program)
     analysed.analysis = replace(priced, sequence=result)
