@@ -98,9 +98,10 @@ def test_the_stage_model_prices_compiled_units_faster_and_leaner():
 
 
 def test_sequence_parallel_layers_are_priced_fused_too():
-    """With sequence parallelism a compiled layer still runs its elementwise chains as fused kernels
-    (its TP collectives are eager calls between compiled segments): the sequence-parallel pricing of a
-    compiled program fuses them and drops their intermediates, as the pricing without it does."""
+    """With sequence parallelism a compiled layer still runs its elementwise chains as fused kernels, and
+    its TP collectives as eager calls between compiled segments: the sequence-parallel pricing of a
+    compiled program fuses the chains and drops their intermediates, as the pricing without it does, and
+    takes the eager program's collectives."""
     program = capture_program("llama-tiny", seq_len=64, dtype="float32")
     compiled, eager = (analyse_program(program, compiled=c)[0]["layer"] for c in (True, False))
     fused, unfused = compiled.sequence, eager.sequence
@@ -112,6 +113,11 @@ def test_sequence_parallel_layers_are_priced_fused_too():
     saved = lambda block: float(sympy.sympify(block.memory.saved["flash"]).subs({B: 2, S: 64, T: 2}))  # noqa: E731
     assert saved(fused) <= saved(compiled)
     assert saved(fused) < saved(unfused)
+    # the gathers and reduce-scatters run eagerly between compiled segments: the eager program's, not
+    # the whole-layer partition's (which saved a partial sum across a reduce-scatter: one more all-reduce)
+    for phase in ("forward", "backward"):
+        collectives = lambda block: sorted((c.kind, str(c.bytes)) for c in getattr(block.costs, phase).collectives)  # noqa: E731
+        assert collectives(fused) == collectives(unfused)
 
 
 def _model_args(program, compiled: bool):

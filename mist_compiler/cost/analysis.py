@@ -12,7 +12,8 @@ import math
 import sympy
 import torch.fx as fx
 
-from ..passes.cost_annotation import ATTENTION_FORWARD, T, cost_annotation, op_name, tensor_shape
+from ..passes.cost_annotation import (ATTENTION_FORWARD, GraphCosts, ProgramCosts, T, cost_annotation, op_name,
+                                      tensor_shape)
 from ..passes.manager import PassManager
 from ..passes.memory_analysis import memory_analysis
 from ..passes.saved_tensors import saved_tensor_table
@@ -82,6 +83,22 @@ COMPILED_ANALYSIS_PASSES = (
 )
 
 
+def _with_collectives(costs: ProgramCosts, runtime: ProgramCosts) -> ProgramCosts:
+    """``costs`` with the tensor-parallel collectives of ``runtime``, per phase.
+
+    A compiled unit is cut at its collectives, which run eagerly between compiled segments
+    (``lowering.compile``): the sequence-parallel gathers and reduce-scatters of a compiled layer are
+    those of its eager program. Priced on the compiled partition of the whole layer they were not:
+    that partition may save a row-parallel partial sum across a reduce-scatter (an all-reduce the
+    runtime never runs) and re-gathers a recomputed norm's fp32 value, where the runtime gathers the
+    norm's output again (1.5x the forward's and 1.6x the backward's bytes of a Llama layer)."""
+    def phase(graph: GraphCosts, collectives: GraphCosts) -> GraphCosts:
+        return GraphCosts(graph.nodes, list(collectives.collectives), graph.states)
+
+    return ProgramCosts(phase(costs.forward, runtime.forward), phase(costs.backward, runtime.backward),
+                        costs.sharding, costs.param_states)
+
+
 def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAnalysis], int]:
     """Per block kind (pre, layer, post) analysis of a captured program (the analysis passes, run
     once by the pass manager), and its layer count. A model whose layers differ (dense then
@@ -134,5 +151,9 @@ def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAna
                                                   weight_costs=result[kind].weight_costs,
                                                   weight_stash=result[kind].weight_stash)
     if compiled:  # the eager layer, for the units a per-tensor policy keeps eager (cheap: the passes are cached)
-        result["layer"].eager = analyse_program(program, compiled=False)[0]["layer"]
+        eager = analyse_program(program, compiled=False)[0]
+        result["layer"].eager = eager["layer"]
+        for kind, block in result.items():
+            if block.sequence is not None and eager.get(kind) is not None and eager[kind].sequence is not None:
+                block.sequence.costs = _with_collectives(block.sequence.costs, eager[kind].sequence.costs)
     return result, sum(1 for block in program.blocks if block.kind == "layer")
