@@ -136,11 +136,13 @@ def test_backend_peak_matches_the_memory_model(plan):
     _plan([{"layers": 4, "dp": 2, "zero": 3, "ckpt": 2}]),
     _plan([{"layers": 2}, {"layers": 2}], grad_accum=4),  # the first stage's layers see the head's gradients
     _plan([{"layers": 4, "tp": 2, "sp": True}]),  # the re-gathered sequence: not kept by a compiled unit either
+    # fused RMSNorm and SwiGLU on sequence chunks: what the compiled partition keeps, split along the sequence
+    _plan([{"layers": 4, "tp": 2, "sp": True}], model="llama-small"),
     # a per-tensor policy (replay the layer from its input, offloaded): its units run eagerly, priced so
     _plan([{"layers": 4, "activations": {"recompute": ["layer_norm", "linear", "linear_1", "linear_2", "y", "linear_3",
                                                       "x_2", "layer_norm_1", "linear_4", "gelu"],
                                          "offload": {"x_1_in": 1.0}}}]),
-], ids=["zero3-ckpt", "pipeline", "tp2-sp", "per-tensor"])
+], ids=["zero3-ckpt", "pipeline", "tp2-sp", "llama-tp2-sp", "per-tensor"])
 def test_compiled_peak_matches_the_memory_model(plan, monkeypatch):
     """Units compiled by inductor (compiled inside the measuring tracker: it must not change them), priced
     as compiled units: each one's backward is one autograd node returning its gradients together."""
