@@ -75,11 +75,13 @@ class PolicyTerms:
         """Whether a layer with a per-tensor policy can be faster than the same layer checkpointed whole.
 
         A compiled model runs a layer with a policy eagerly (``lowering.compile``). Where the eager
-        layer keeping everything already takes as long as the compiled layer run forward twice
-        (checkpointed: it keeps only its input, which activation offload moves too), every policy
-        is slower than checkpointing and keeps at least as much, so none is worth solving or pricing
-        (a Llama layer: eager RMSNorm and SwiGLU run and keep fp32 copies the fused kernels do not).
-        Compared at micro-batch 1 and 8; always true for an eager model."""
+        layer keeping everything already takes as long as the compiled layer run forward twice, every
+        policy is slower than checkpointing the layer. A checkpointed layer keeps only its input, and
+        activation offload can move that too, so checkpointing matches a policy's memory as well (up to
+        the recomputation's transient in the backward). Such policies are not solved or priced (a Llama
+        layer: eager RMSNorm and SwiGLU run and keep fp32 copies the fused kernels do not; pruning them
+        changed no plan of ``benchmarks/plan_quality.py``). Compared at micro-batch 1 and 8; always
+        true for an eager model."""
         eager = EAGER_SEQUENCE_LAYER if sp else EAGER_LAYER
         if eager not in self._functions:
             return True

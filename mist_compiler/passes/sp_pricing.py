@@ -18,7 +18,10 @@ Then, inside the layers:
   partial sum over the ranks' chunks: all-reduced where it is read (small, once per weight).
 
 The result (:class:`SequencePriced`: costs and per-block memory) is attached to the program as
-``program.analysis.sequence`` for the stage cost model, which uses it for stages with ``sp``.
+``program.analysis.sequence`` for the stage cost model, which uses it for stages with ``sp``. On a
+compiled program's partition (``PricedGraphs.refine`` set by ``cost.compiled``) the costs are fused as
+that annotation fuses them and its transient values are never stored; the collectives a compiled
+layer runs are its eager program's, which ``cost.analysis`` puts in place of these.
 """
 from __future__ import annotations
 
