@@ -1,6 +1,7 @@
 """The configurations ``prediction_accuracy.py`` trains and predicts: plans on 1, 2 and 4 local gloo
-ranks (``PlanConfig``), the two custom models they use besides the zoo's, and the lists (one rank,
-several ranks, mixed precision, tensor parallelism, the quick subset)."""
+ranks (``PlanConfig``), the two custom models they use besides the zoo's and two Hugging Face models
+(transformers' GPT-2 and Llama, built from configs), and the lists (one rank, several ranks, mixed
+precision, tensor parallelism, schedules, Hugging Face models, the quick subset)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -24,7 +25,28 @@ def llama_deep() -> TransformerLM:
     return TransformerLM(CUSTOM_MODELS["llama-deep"])
 
 
-FACTORIES = {"gpt-wide": "benchmarks.accuracy_configs:gpt_wide", "llama-deep": "benchmarks.accuracy_configs:llama_deep"}
+def hf_gpt2():
+    """A 4-layer Hugging Face GPT-2 (transformers' own module: Conv1D projections, tanh GELU, head tied to
+    the embedding, residual and embedding dropout 0.1 as it ships), built from a config. No attention
+    dropout: the rows run SDPA's flash kernel, which has none on a CPU."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=512, n_embd=256, n_layer=HF_LAYERS["hf-gpt2"],
+                                      n_head=4, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def hf_llama():
+    """A 4-layer Hugging Face Llama (grouped-query attention: 2 KV heads of 4), built from a config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=688,
+                                        num_hidden_layers=HF_LAYERS["hf-llama"], num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=512))
+
+
+HF_LAYERS = {"hf-gpt2": 4, "hf-llama": 4}  # models nobody here wrote: transformers' own GPT-2 and Llama
+FACTORIES = {"gpt-wide": "benchmarks.accuracy_configs:gpt_wide", "llama-deep": "benchmarks.accuracy_configs:llama_deep",
+             "hf-gpt2": "benchmarks.accuracy_configs:hf_gpt2", "hf-llama": "benchmarks.accuracy_configs:hf_llama"}
 
 
 def model_config(name: str, seq_len: int) -> TransformerConfig:
@@ -120,7 +142,7 @@ def _stages(*stages: StageSpec) -> tuple[StageSpec, ...]:
 
 def one_rank(model: str, batch: int, seq_len: int, ckpt: int = 0, attention: str = "flash") -> PlanConfig:
     """One rank, one stage with the whole model (no communication)."""
-    layers = model_config(model, seq_len).layers
+    layers = HF_LAYERS[model] if model in HF_LAYERS else model_config(model, seq_len).layers
     return PlanConfig(model, seq_len, batch, 1, _stages(StageSpec(layers, ckpt=ckpt)), attention)
 
 
@@ -201,6 +223,15 @@ SCHEDULE_CONFIGS: list[PlanConfig] = [
     PlanConfig("llama-small", 256, 8, 4, _stages(StageSpec(2), StageSpec(2))),
     PlanConfig("llama-small", 256, 8, 4, _stages(*(StageSpec(1) for _ in range(4))), schedule="zbv", virtual=2),
 ]
-CONFIGS: list[PlanConfig] = ONE_RANK_CONFIGS + PLAN_CONFIGS + PRECISION_CONFIGS + TP_CONFIGS + SCHEDULE_CONFIGS
+# Hugging Face models (transformers' modules, GPT-2 with its dropout, Llama with grouped-query attention)
+HF_CONFIGS: list[PlanConfig] = [
+    one_rank("hf-gpt2", 2, 256),
+    one_rank("hf-llama", 2, 256),
+    one_rank("hf-llama", 4, 256, ckpt=2),
+    PlanConfig("hf-gpt2", 256, 8, 1, _stages(StageSpec(4, dp=2, zero=3, ckpt=2))),
+    PlanConfig("hf-llama", 256, 8, 2, _stages(StageSpec(4, dp=2, zero=1))),
+    PlanConfig("hf-llama", 256, 8, 2, _stages(StageSpec(2, dp=2, zero=2), StageSpec(2, dp=2, zero=2))),
+]
+CONFIGS: list[PlanConfig] = ONE_RANK_CONFIGS + PLAN_CONFIGS + PRECISION_CONFIGS + TP_CONFIGS + SCHEDULE_CONFIGS + HF_CONFIGS
 QUICK: list[PlanConfig] = [ONE_RANK_CONFIGS[0], ONE_RANK_CONFIGS[14], PLAN_CONFIGS[3], PLAN_CONFIGS[7], PLAN_CONFIGS[11],
                            PRECISION_CONFIGS[1], PRECISION_CONFIGS[3]]

@@ -49,8 +49,11 @@ Schedules (``--schedules``, ``accuracy_configs.SCHEDULE_CONFIGS``): interleaved 
 on 4 ranks (two stages of two data-parallel ranks), each with its 1F1B twin, predicted by
 simulating their action lists.
 
-Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--ranks 1|2|4] [--compiled] [--schedules]``
-(``--compiled``: every plan runs and is priced as compiled units)
+Hugging Face models (``--hf``, ``accuracy_configs.HF_CONFIGS``): transformers' own GPT-2 (with its
+dropout) and Llama (grouped-query attention), built from configs, on 1, 2 and 4 ranks.
+
+Usage: ``PYTHONPATH=. python benchmarks/prediction_accuracy.py [--quick] [--ranks 1|2|4] [--compiled] [--schedules]
+[--hf]`` (``--compiled``: every plan runs and is priced as compiled units)
 
 Last full run: see the closing note of issue 3 (figures are quoted as measured there, with the
 command above).
@@ -82,6 +85,7 @@ try:  # run as a script (benchmarks/ on the path) or imported as benchmarks.pred
     from benchmarks.accuracy_configs import (  # noqa: F401
         CONFIGS,
         FACTORIES,
+        HF_CONFIGS,
         ONE_RANK_CONFIGS,
         PLAN_CONFIGS,
         PRECISION_CONFIGS,
@@ -97,6 +101,7 @@ except ImportError:
     from accuracy_configs import (  # noqa: F401
         CONFIGS,
         FACTORIES,
+        HF_CONFIGS,
         ONE_RANK_CONFIGS,
         PLAN_CONFIGS,
         PRECISION_CONFIGS,
@@ -446,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", action="store_true", help="only the tensor-parallel plans")
     parser.add_argument("--schedules", action="store_true",
                         help="only the pipeline-schedule plans (interleaved, zero-bubble, each beside its 1F1B twin)")
+    parser.add_argument("--hf", action="store_true", help="only the Hugging Face models' plans (GPT-2, Llama)")
     parser.add_argument("--hardware", default="cpu", help="hardware profile of this machine")
     parser.add_argument("--no-calibrate", action="store_true",
                         help="use the shipped profile as is (default: re-measure compute rates and collectives first)")
@@ -459,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.no_calibrate = 1, True
     torch.set_num_threads(1)
     configs = [dataclasses.replace(c, compiled=args.compiled)
-               for c in (QUICK if args.quick else SCHEDULE_CONFIGS if args.schedules else CONFIGS)
+               for c in (QUICK if args.quick else SCHEDULE_CONFIGS if args.schedules else HF_CONFIGS if args.hf
+                         else CONFIGS)
                if args.ranks in (None, c.world) and (c.tensor_parallel or not args.tp)]
     rounds = args.rounds or (2 if args.quick else 3)
     worlds = sorted({c.world for c in configs if c.world > 1 and c.timed and not args.memory_only})
