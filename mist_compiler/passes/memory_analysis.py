@@ -43,7 +43,6 @@ vectorised.
 from __future__ import annotations
 
 import operator
-
 from dataclasses import dataclass, field
 
 import sympy
