@@ -4,8 +4,10 @@ Works on the captured forward and backward graphs (nodes carry FakeTensor ``meta
 symbolic sizes) and the tensor-parallel states from the cost annotation (a value sharded by
 ``t`` occupies ``1/t`` of its bytes). The graphs may hold several blocks; ``blocks`` maps a
 block label to the names of its nodes and every result is per block. Memory is counted per
-*storage*: a view (``view``, ``transpose``, ``t``, ``detach``, tuple ``getitem`` ...) shares
+*storage*: a view (``view``, ``transpose``, ``t``, ``detach``, an item of ``split`` ...) shares
 its base's storage, which lives from the node that creates it to the last use of any view of it.
+An op with several outputs allocates each (``native_dropout``'s output and mask, a norm's output and
+statistics): each item is a storage of its own, so a saved mask does not keep the dropout's output.
 
 Results per block, sympy expressions in ``b``, ``s``, ``t``:
 - ``saved``: activations the forward keeps for the backward per micro-batch, charged to each
@@ -40,6 +42,7 @@ vectorised.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import sympy
@@ -69,8 +72,26 @@ from .manager import PassResult, transforms
 MATMUL_BACKWARD_OPS = {"mm", "bmm", "addmm", "baddbmm"}
 
 
+def owns_storage(node: fx.Node) -> bool:
+    """An item of an op that allocates each of its outputs (``native_dropout``'s output and mask, a norm's
+    output and statistics, flash attention's output and log-sum-exp): a storage of its own, not a view of
+    the tuple. Items of view ops (``split``, ``unbind``) are views; the fused loss's are its own (see
+    :func:`_node_bytes`)."""
+    if node.op != "call_function" or node.target is not operator.getitem or not node.all_input_nodes:
+        return False
+    producer = node.args[0]
+    return (isinstance(producer, fx.Node) and producer.op == "call_function"
+            and isinstance(producer.target, torch._ops.OpOverload) and not producer.target.is_view
+            and op_name(producer) not in WORKSPACE_OPS)
+
+
+def _allocates(node: fx.Node) -> bool:
+    """A node whose value is new storage: an op that is not a view, or an item it owns."""
+    return node.op == "call_function" and (not is_view(node) or owns_storage(node))
+
+
 def _base(node: fx.Node) -> fx.Node:
-    while is_view(node) and node.all_input_nodes:
+    while is_view(node) and node.all_input_nodes and not owns_storage(node):
         node = node.all_input_nodes[0]
     return node
 
@@ -229,6 +250,13 @@ def _node_bytes(node: fx.Node, states: dict[str, str], symbols, transient: froze
     replicated hidden's gradient and the weight shard's."""
     if node.name in transient:
         return sympy.Integer(0)
+    if owns_storage(node):  # its producer's output of that index (none where a fused kernel keeps it)
+        producer = node.args[0]
+        if producer.name in transient:
+            return sympy.Integer(0)
+        return _scaled(value_bytes(node, symbols), states.get(node.name, states.get(producer.name)))
+    if any(owns_storage(user) for user in node.users):  # its items own the storages
+        return sympy.Integer(0)
     if op_name(node) == FUSED_LOSS_BACKWARD:
         grad_hidden, grad_weight = node.meta["val"]
         weight = node.args[2]
@@ -260,7 +288,8 @@ def _saved_storages(forward: fx.GraphModule, backward: fx.GraphModule, params: s
         base = _base(source)
         if base.op == "placeholder" and base.name in params:
             continue
-        saved.size[base] = _scaled(value_bytes(base, symbols), states.get(base.name))
+        state = states.get(base.name, states.get(base.args[0].name) if owns_storage(base) else None)
+        saved.size[base] = _scaled(value_bytes(base, symbols), state)
         readers = {block_of[user.name] for user in node.users if user.name in block_of}
         saved.readers.setdefault(base, set()).update(readers or {block_of.get(base.name, "")})
         saved.holders.setdefault(base, []).append(node)
@@ -302,7 +331,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
     attentions: dict[str, list[_Attention]] = {label: [] for label in blocks}
     math_change = {label: sympy.Integer(0) for label in blocks}  # math - flash after the attentions so far
     for node in forward.graph.nodes:
-        if node.op != "call_function" or is_view(node):
+        if not _allocates(node):
             continue
         label = block_of.get(node.name)
         size = _node_bytes(node, fw_states, symbols, transient)
@@ -372,7 +401,7 @@ def analyse_memory(forward: fx.GraphModule, backward: fx.GraphModule, costs: Pro
                       and mapping.get(n.name, n.name) in fw_by_name}
     first_weight_use = _first_param_uses(backward.graph, bw_param_nodes, grad_outputs, block_of)
     for index, node in enumerate(backward.graph.nodes):
-        if node.op != "call_function" or is_view(node):
+        if not _allocates(node):
             continue
         label = block_of.get(node.name)
         if block_nodes:  # a finished node's gradients were added to ``.grad`` before the next node runs

@@ -34,6 +34,7 @@ from ..ir.model_graph import PARAMETER, LayerRegion, ModelGraph
 from ..ir.program import MistProgram
 from .cost_annotation import T, is_view, tensor_bytes, value_bytes
 from .manager import PassResult, transforms
+from .memory_analysis import owns_storage
 
 MATMUL_OPS = {"linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "einsum"}
 ATTENTION_OPS = {"scaled_dot_product_attention"}
@@ -169,7 +170,8 @@ def layer_tensors(model: ModelGraph, region: LayerRegion, forward: fx.GraphModul
         while is_view(base) and base.all_input_nodes and base.all_input_nodes[0].name in names:
             base = base.all_input_nodes[0]
         size = value_bytes(base, symbols)
-        return sympy.expand(size / T if states.get(base.name) in ("S", "Q") else size), base.name in saved_bases
+        saved_here = base.name in saved_bases or any(owns_storage(item) and item.name in saved_bases for item in base.users)
+        return sympy.expand(size / T if states.get(base.name) in ("S", "Q") else size), saved_here
 
     def example_bytes(node: fx.Node) -> sympy.Expr:
         value = node.meta.get("example_value")
