@@ -32,6 +32,7 @@ from ..cost.activation_policy import CopyRates, TensorRow
 from ..ir.plan import ActivationPolicy
 
 DEFAULT_TIME_LIMIT_S = 2.0
+MOVE_TIE_BREAK = 1e-3  # objective seconds per second of (hidden) copy: offload nothing that buys nothing
 _solver: str | None = None
 
 
@@ -155,7 +156,10 @@ def solve(rows: list[TensorRow], budget: float, rates: CopyRates, *, time_limit_
     exposed_out, exposed_in = model.add_var(lb=0.0), model.add_var(lb=0.0)
     model += exposed_out >= offloaded * (1.0 / rates.d2h_bytes_per_s) - rates.forward_s
     model += exposed_in >= offloaded * (1.0 / rates.h2d_bytes_per_s) - rates.backward_s
-    model.objective = mip.xsum(by_tag[t].seconds * var for t, var in r.items()) + exposed_out + exposed_in
+    # a copy that hides behind compute still takes the link and host memory: a thousandth of its transfer
+    # time breaks the ties between moving bytes for nothing and keeping them (never more than that)
+    moves = offloaded * (MOVE_TIE_BREAK / rates.d2h_bytes_per_s)
+    model.objective = mip.xsum(by_tag[t].seconds * var for t, var in r.items()) + exposed_out + exposed_in + moves
     start = layer_level(rows, budget, rates)
     if start is not None:
         model.start = _start_values(start, rows, rates, r, o, a, exposed_out, exposed_in)
