@@ -149,8 +149,13 @@ def check_plan(program: MistProgram, plan: Plan, *, model_name: str | None = Non
         raise PlanError(f"plan field model: the plan was made for {plan.model!r}, not for {model_name!r}")
     check_plan_against_program(plan, program)
     if prove:
-        for degree, sp in sorted({(stage.tp, stage.sp) for stage in plan.stages if stage.tp > 1}):
+        degrees = sorted({(stage.tp, stage.sp) for stage in plan.stages if stage.tp > 1})
+        for degree, sp in degrees:
             prove_tensor_parallel(program, degree, sp=sp)
+        if degrees:  # the proof's models (real weights, in reference cycles) go before the stage's weights are made
+            import gc
+
+            gc.collect()
 
 
 def lower(program: MistProgram, plan: Plan, world, model=None, source=None, compile_units: bool | None = None):
