@@ -90,6 +90,11 @@ def _allocates(node: fx.Node) -> bool:
     return node.op == "call_function" and (not is_view(node) or owns_storage(node))
 
 
+def _storage_state(node: fx.Node, states: dict[str, str]) -> str | None:
+    """The tensor-parallel state of a storage: its own, or an owned item's producer's."""
+    return states.get(node.name, states.get(node.args[0].name) if owns_storage(node) else None)
+
+
 def _base(node: fx.Node) -> fx.Node:
     while is_view(node) and node.all_input_nodes and not owns_storage(node):
         node = node.all_input_nodes[0]
@@ -254,7 +259,7 @@ def _node_bytes(node: fx.Node, states: dict[str, str], symbols, transient: froze
         producer = node.args[0]
         if producer.name in transient:
             return sympy.Integer(0)
-        return _scaled(value_bytes(node, symbols), states.get(node.name, states.get(producer.name)))
+        return _scaled(value_bytes(node, symbols), _storage_state(node, states))
     if any(owns_storage(user) for user in node.users):  # its items own the storages
         return sympy.Integer(0)
     if op_name(node) == FUSED_LOSS_BACKWARD:
@@ -288,8 +293,7 @@ def _saved_storages(forward: fx.GraphModule, backward: fx.GraphModule, params: s
         base = _base(source)
         if base.op == "placeholder" and base.name in params:
             continue
-        state = states.get(base.name, states.get(base.args[0].name) if owns_storage(base) else None)
-        saved.size[base] = _scaled(value_bytes(base, symbols), state)
+        saved.size[base] = _scaled(value_bytes(base, symbols), _storage_state(base, states))
         readers = {block_of[user.name] for user in node.users if user.name in block_of}
         saved.readers.setdefault(base, set()).update(readers or {block_of.get(base.name, "")})
         saved.holders.setdefault(base, []).append(node)

@@ -293,8 +293,7 @@ class ActivationFrontiers:
             import time
 
             started = time.perf_counter()
-            can_pay = getattr(self.cost_model, "policies_can_pay", None)
-            worth = self.available and (can_pay is None or can_pay(*key))
+            worth = self.available and self.cost_model.policies_can_pay(*key)
             self.dominated += self.available and not worth
             priced = self.cost_model.layer_rows(*key) if worth else None
             solutions = [s for offload, held in self.modes
