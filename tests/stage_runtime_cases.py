@@ -248,3 +248,12 @@ def timeout_worker(rank: int, world: int) -> str:
     except CollectiveError as error:
         return f"{time.monotonic() - start:.1f}s {error}"
     return "no error"
+
+
+def gpt_small_tied() -> nn.Module:
+    """gpt-small with its head tied to the token embedding (a model spec: ``stage_runtime_cases:gpt_small_tied``)."""
+    from dataclasses import replace
+
+    from mist_compiler.models import TransformerLM, zoo_config
+
+    return TransformerLM(replace(zoo_config("gpt-small"), tied_head=True))

@@ -124,8 +124,12 @@ def _plan(stages: list[dict], grad_accum: int = 1, global_batch: int = 8, dtype:
     # a W action holds a layer's gradients twice (the weight half's outputs beside their bucket): rank 1's
     # chunks are layers only (was 7% under before that was priced)
     _plan([{"layers": 1}] * 4, grad_accum=4, model="llama-small", schedule="zbv", virtual=2),
+    # a head tied to the embedding: the post block's unit gathers the embedding's, autograd holds the head's
+    # gradient part until the embedding's backward adds to it; a pipeline's last stage keeps a plain copy
+    _plan([{"layers": 4, "dp": 2, "zero": 3, "ckpt": 2}], model="stage_runtime_cases:gpt_small_tied"),
+    _plan([{"layers": 2}, {"layers": 2}], grad_accum=4, model="stage_runtime_cases:gpt_small_tied"),
 ], ids=["zero3-ckpt", "zero2-offload-accumulate", "pipeline", "tp2-ckpt", "tp2-sp", "pipeline-bf16-accumulate",
-        "pipeline-dp2-zero2-bf16", "interleaved", "zb-h1", "zbv"])
+        "pipeline-dp2-zero2-bf16", "interleaved", "zb-h1", "zbv", "tied-zero3-ckpt", "tied-pipeline"])
 def test_backend_peak_matches_the_memory_model(plan):
     _assert_peaks_match(plan)
 

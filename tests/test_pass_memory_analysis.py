@@ -160,3 +160,23 @@ def test_predicted_peak_matches_a_real_run(fused):
         step().backward()
         measured = probe.peak_bytes
     assert abs(float(estimate.peak_memory_bytes[0]) / measured - 1) < 0.03
+
+
+def test_a_tied_head_is_borrowed_and_its_gradient_apart_from_stages_without_the_head():
+    """gpt-small with its head tied to the token embedding: the post block reads the embedding's weight
+    (``borrowed``), and the backward of the whole model carries the head's gradient part from the post
+    block's backward to the embedding's, which adds its own. A stage without the post block never holds
+    it: there (``apart``) a layer's backward peaks drop the head's gradient (and the fused loss's hidden
+    gradient, whose tuple it kept alive)."""
+    cfg = zoo_config("gpt-small")
+    blocks, _, _ = analysed("stage_runtime_cases:gpt_small_tied")
+    assert same(blocks["post"].borrowed, cfg.vocab * cfg.hidden / T)
+    assert blocks["pre"].borrowed == 0 and blocks["layer"].borrowed == 0 and blocks["post"].apart is None
+    values = {B: 2, S: SEQ, T: 1}
+    for kind in ("pre", "layer"):
+        whole = max(e.subs(values) for e in blocks[kind].memory.backward_peaks["flash"])
+        apart = max(e.subs(values) for e in blocks[kind].apart.backward_peaks["flash"])
+        head, hidden_grad = 4 * cfg.vocab * cfg.hidden, 4 * 2 * SEQ * cfg.hidden
+        assert head <= whole - apart <= (2 * head if kind == "pre" else head) + hidden_grad, (kind, whole, apart)
+    untied, _, _ = analysed("gpt-small")
+    assert untied["post"].borrowed == 0 and untied["layer"].apart is None

@@ -8,6 +8,7 @@ traces one layer per layer class between the pre and post blocks) and returns, p
 from __future__ import annotations
 
 import math
+import operator
 
 import sympy
 import torch.fx as fx
@@ -15,7 +16,7 @@ import torch.fx as fx
 from ..passes.cost_annotation import (ATTENTION_FORWARD, GraphCosts, ProgramCosts, T, cost_annotation, op_name,
                                       tensor_shape)
 from ..passes.manager import PassManager
-from ..passes.memory_analysis import memory_analysis
+from ..passes.memory_analysis import BlockMemory, analyse_memory, memory_analysis
 from ..passes.saved_tensors import saved_tensor_table
 from ..passes.sp_pricing import sequence_parallel_pricing
 from ..passes.weight_gradients import weight_gradients
@@ -32,6 +33,20 @@ def _param_elements(forward: fx.GraphModule, names: set[str], params: set[str], 
             total += int(elements)
             per_device += elements / T if states.get(node.name) == "S" else elements
     return per_device, total
+
+
+def _borrowed_elements(forward: fx.GraphModule, names: set[str], params: set[str], states: dict[str, str]) -> sympy.Expr:
+    """Per-device elements of the parameters the block reads but another block owns: a head tied to the
+    token embedding (the weight's placeholder sits in the pre block; the post block's loss reads it)."""
+    borrowed: dict[str, sympy.Expr] = {}
+    for node in forward.graph.nodes:
+        if node.name not in names:
+            continue
+        for source in node.all_input_nodes:
+            if source.op == "placeholder" and source.name in params and source.name not in names:
+                elements = sympy.Mul(*tensor_shape(source.meta["val"], None))
+                borrowed[source.name] = elements / T if states.get(source.name) == "S" else elements
+    return sympy.Add(*borrowed.values())
 
 
 def _unit_elements(block_class, forward: fx.GraphModule, names: set[str], params: set[str],
@@ -99,6 +114,39 @@ def _with_collectives(costs: ProgramCosts, runtime: ProgramCosts) -> ProgramCost
                         costs.sharding, costs.param_states)
 
 
+def _borrowed_gradients(backward: fx.GraphModule) -> frozenset[str]:
+    """A shared weight's gradient parts that come before its last use's (a tied head's, made in the post
+    block's backward), and the adds that sum them into the gradient the backward returns: what a stage
+    without the earlier uses' blocks (a pipeline's first stage and those between) never holds."""
+    order = {node: index for index, node in enumerate(backward.graph.nodes)}
+    output = next(node for node in reversed(backward.graph.nodes) if node.op == "output")
+    names: set[str] = set()
+    for node in output.all_input_nodes:
+        if node.op == "call_function" and op_name(node) == "add" and len(node.all_input_nodes) == 2 \
+                and all(source.op != "placeholder" for source in node.all_input_nodes):
+            last = max(node.all_input_nodes, key=order.__getitem__)
+            names.add(node.name)
+            for source in node.all_input_nodes:
+                if source is not last:  # (an item of the fused loss's backward: the tuple holds its bytes)
+                    names |= {source.name} | ({source.args[0].name} if source.target is operator.getitem else set())
+    return frozenset(names)
+
+
+def _memory_apart(priced) -> dict[int, BlockMemory]:
+    """Each block class's memory as a stage without the post block holds it, where the model shares a weight
+    between the blocks (a head tied to the embedding): the analysed backward, of the whole model, carries
+    the head's gradient part from the post block's backward to the embedding's, which adds its own; a
+    pipeline's first stage (and those between) never has it (``runtime.tied_weights``). Empty: nothing shared."""
+    borrowed = _borrowed_gradients(priced.graphs.backward)
+    if not borrowed:
+        return {}
+    graphs = priced.graphs
+    blocks = {str(class_id): names for class_id, names in graphs.blocks.items()}
+    results = analyse_memory(graphs.forward, graphs.backward, priced.costs, graphs.params, blocks, graphs.symbols,
+                             transient=priced.transient | borrowed, block_nodes=priced.block_nodes)
+    return {int(label): memory for label, memory in results.items()}
+
+
 def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAnalysis], int]:
     """Per block kind (pre, layer, post) analysis of a captured program (the analysis passes, run
     once by the pass manager), and its layer count. A model whose layers differ (dense then
@@ -126,6 +174,7 @@ def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAna
     forward, params, symbols = graphs.forward, graphs.params, graphs.symbols
     blocks = {kind: graphs.blocks[block_class.class_id] for kind, block_class in classes.items()}
     memory = {kind: analysed.analysis.memory[block_class.class_id] for kind, block_class in classes.items()}
+    apart = _memory_apart(analysed.analysis)
     result = {}
     plan = program.model_graph.tp if program.model_graph is not None else None
     for kind, names in blocks.items():
@@ -139,6 +188,8 @@ def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAna
         block_kind = classes[kind].kind
         result[kind] = BlockAnalysis(block_kind, costs.restrict(names), memory[kind], per_device, total, granularity,
                                      tp_optional=block_kind != "layer", units=units,
+                                     borrowed=_borrowed_elements(forward, names, params, costs.param_states),
+                                     apart=apart.get(classes[kind].class_id) if block_kind != "post" else None,
                                      loss=loss_shape(forward, names, symbols, costs.forward.states),
                                      weight_costs=costs.backward.restrict(set(split.names)), weight_stash=split.stash)
         sequence, tables = analysed.analysis.sequence, analysed.analysis.tensors or {}

@@ -63,6 +63,8 @@ class BlockFunctions:
     loss: tuple[Callable, Callable, Callable] | None = None  # the fused loss's (N, H, V per device), cost.loss_kernel
     loss_dtype_bytes: int = 4
     stash: Callable | None = None  # bytes the backward's weight half keeps from the input half
+    borrowed: Callable | None = None  # elements of parameters another block owns (BlockAnalysis.borrowed)
+    backward_peaks_apart: list[Callable] | None = None  # in a stage without the post block (BlockAnalysis.apart)
 
 
 SEQUENCE_LAYER = "layer_sp"  # the layer's functions as sequence parallelism runs it
@@ -132,6 +134,9 @@ def block_functions(block: BlockAnalysis, attention: str) -> BlockFunctions:
                                                                           block.loss.vocab)),
         loss_dtype_bytes=block.loss.dtype_bytes if block.loss is not None else 4,
         stash=lambdify_bst(block.weight_stash),
+        borrowed=lambdify_bst(block.borrowed),
+        backward_peaks_apart=None if block.apart is None else [lambdify_bst(e)
+                                                               for e in block.apart.backward_peaks[attention]],
     )
 
 

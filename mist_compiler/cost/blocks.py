@@ -34,6 +34,11 @@ class BlockAnalysis:
     # per-device parameter elements of the backend's units in the block (modules owning parameters), forward
     # order; None: one unit
     units: list[sympy.Expr] | None = None
+    # per-device elements of parameters the block reads and another block owns (a head tied to the embedding:
+    # the runtime gathers the owner's unit for it, and autograd holds its gradient until the owner's backward)
+    borrowed: sympy.Expr = sympy.Integer(0)
+    # its memory where the stage lacks the post block, if the model shares a weight with it (cost.analysis)
+    apart: BlockMemory | None = None
     loss: LossShape | None = None  # the fused head + loss it runs, if any (priced plain too: cost.loss_kernel)
     # the backward's weight half (``passes/weight_gradients``): its ops and the bytes it keeps from I to W
     weight_costs: GraphCosts | None = None

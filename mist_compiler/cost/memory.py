@@ -29,7 +29,11 @@ backend (``runtime/zero.py``, one flat bucket per unit) holds at each point of a
   backward. Activation offload keeps ``1 - acts`` of the saved activations of every block other
   than the one running (and the one prefetched back for the backward) on the device;
 - **optimizer step**: everything reduced (torch's fused AdamW allocates nothing); with
-  low-precision gradients the chunked torch AdamW's one-chunk temporaries.
+  low-precision gradients the chunked torch AdamW's one-chunk temporaries;
+- **a head tied to the embedding** (``StageLayout.tied``): a stage with both gathers the embedding's
+  unit for the post block too; one without the post block takes its blocks' backward peaks without the
+  head's gradient part (``BlockActivationTerms.backward_peak_apart``); the last stage of a pipeline
+  keeps a plain copy of the weight and its ``.grad`` (``runtime.tied_weights``).
 
 The peak is the largest of these sums over the program points: forward of each block of the
 newest micro-batch, backward of each block of the oldest (gradients grow as the activations
@@ -38,7 +42,7 @@ shrink, so both ends of the layer range are points), and the optimizer step.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -75,6 +79,7 @@ class BlockActivationTerms:
     forward_peak_weights_free: np.ndarray | None = None  # points past its last weight use (a loss)
     backward_peak_weights_free: np.ndarray | None = None  # points before its first (the loss backward)
     output: np.ndarray | None = None  # the hidden state it hands on (a pipeline boundary)
+    backward_peak_apart: np.ndarray | None = None  # its backward in a stage without the post block (a tied head)
 
 
 @dataclass
@@ -92,6 +97,8 @@ class StageLayout:
     post_last: np.ndarray | None = None
     pre_last: np.ndarray | None = None
     pre_previous: np.ndarray | None = None
+    # elements of the weights the post block reads from the pre block (a head tied to the embedding); None: none
+    tied: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -237,6 +244,13 @@ def acts_per_microbatch(layout: StageLayout, config: StageConfig, pre: BlockActi
     return has_pre * pre.saved + ckpt * layer.input + (n - ckpt) * layer.saved + has_post * post.saved
 
 
+def _held_by_this_stage(terms: BlockActivationTerms, has_post: np.ndarray) -> BlockActivationTerms:
+    """``terms`` with the backward peak a stage with or without the post block holds."""
+    if terms.backward_peak_apart is None:
+        return terms
+    return replace(terms, backward_peak=np.where(has_post > 0, terms.backward_peak, terms.backward_peak_apart))
+
+
 def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationTerms, layer: BlockActivationTerms,
                  post: BlockActivationTerms, layer_offloaded: np.ndarray | None = None,
                  peak_only: bool = False, opt_ratios: tuple[float, ...] | None = None) -> StageMemory:
@@ -256,10 +270,21 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     pre_previous = has_pre * (0.0 if layout.pre_previous is None else np.asarray(layout.pre_previous, float))
     total = layout.total
     fp32 = config.dtype == "float32"
+    # a head tied to the embedding: the stage holding both ends gathers the embedding's unit for the post block
+    # (``runtime.stage_runtime``: the post unit needs its owner's bucket). The last stage of a pipeline keeps a
+    # plain copy of the weight (``runtime.tied_weights``), whose ``.grad`` lives from the first backward to the
+    # next step (the analysed layers' backward counts it), and an fp32 share of that gradient for the tied
+    # group's all-reduce once the schedule is done. A stage without the post block never holds the head's
+    # gradient part, which the analysed backward of the whole model carries to the embedding's (``apart``)
+    tied = np.zeros_like(p_layer) if layout.tied is None else np.asarray(layout.tied, float)
+    tied_unit = has_pre * has_post * np.where(tied > 0, pre_last, 0.0)
+    copy = has_post * (1.0 - has_pre) * tied * weight_b
+    layer, pre = (_held_by_this_stage(terms, has_post) for terms in (layer, pre))
 
     # ---- static states ---------------------------------------------------------------------
     persistent = (zero < 3) & (w == 0)
     weights = np.where(persistent, total * weight_b, (1.0 - w) * total * weight_b * np.where(zero >= 3, 1.0 / dp, 1.0))
+    weights = weights + copy
     shard = np.where(zero >= 1, 1.0 / dp, 1.0)
 
     def optimizer_states(o: np.ndarray) -> np.ndarray:
@@ -271,20 +296,20 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     # ---- transient weights at a block's points (ZeRO-3 gather / weights brought in) ----------
     transient = np.where(persistent, 0.0, weight_b)
     weights_at = {"pre": transient * (p_pre + np.where(n > 0, p_layer, 0.0)),
-                  "layer": transient * 2.0 * p_layer, "post": transient * p_post}
+                  "layer": transient * 2.0 * p_layer, "post": transient * (p_post + tied_unit)}
 
     # ---- gradients --------------------------------------------------------------------------
     grads = _Gradients(config, grad_b, config.reduce_scatter_copies)
     accum = np.asarray(config.grad_accum, float)
     between = grads.accumulator(total)  # accumulators of every block (a previous micro-batch's backward)
-    forward_grads = np.where(inflight < accum, between, 0.0)
+    forward_grads = np.where(inflight < accum, between + copy, 0.0)
     # a block finished in the iteration's first backward keeps its accumulator (or, without
     # accumulation, its reduced gradient); in a later one it adds what the last micro-batch leaves
     if grads.accumulating.all() or not grads.accumulating.any():  # (one G for every candidate: the usual case)
         first_done = grads.accumulator if grads.accumulating.all() else grads.finished
     else:
         first_done = lambda numel: np.where(grads.accumulating, grads.accumulator(numel), grads.finished(numel))  # noqa: E731
-    at_step = between + grads.finished(total)
+    at_step = between + grads.finished(total) + copy * (1.0 + ACCUMULATOR_BYTES / weight_b)
 
     # ---- activations ------------------------------------------------------------------------
     plain = n - ckpt
@@ -366,16 +391,17 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
         after_layer = grads.pending(p_layer, last)
         after_first = lambda count: np.where(count > 1, after_layer, after_post)  # noqa: E731
         before_pre_last = np.where(pre_previous > 0, grads.pending(pre_previous, last), after_first(n + 1))
+        earlier_copy = 0.0 if first else copy  # the tied copy's ``.grad`` from an earlier micro-batch
         gradients = [
-            base,
-            base + running(p_post),
+            base + earlier_copy,
+            base + running(p_post) + earlier_copy,
             base + done_post + running(p_layer) + after_post,
             base + layers_done(np.maximum(plain - 1, 0)) + running(p_layer) + after_first(plain),
             base + layers_done(plain) + running(p_layer) + after_first(plain + 1),
             base + layers_done(np.maximum(n - 1, 0)) + running(p_layer) + after_first(n),
             base + layers_done(n) + running(p_pre - pre_last) + after_first(n + 1),
             has_pre * (base + layers_done(n) + done(p_pre - pre_last) + running(pre_last) + before_pre_last),
-            base + running(p_post) + reducing(p_post),
+            base + running(p_post) + reducing(p_post) + copy,
             np.where(plain > 0, base + done_post + running(p_layer) + reducing(p_layer), 0.0),
             has_pre * (base + layers_done(n) + done(p_pre - pre_last) + running(pre_last) + reducing(pre_last)),
         ]

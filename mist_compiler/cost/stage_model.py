@@ -145,7 +145,8 @@ class StageCostModel(PolicyTerms):
                       for kind, count in counts.items())
         return 3.0 * forward
 
-    def _unhidden_zero_traffic(self, c, pre, layer, post, zero, weight_b, grad_b, dp_links, gather, scatter):
+    def _unhidden_zero_traffic(self, c, pre, layer, post, zero, weight_b, grad_b, dp_links, gather, scatter,
+                               tied_unit):
         """ZeRO collectives of a micro-batch that no compute hides, as the runtime orders them (it
         prefetches one unit ahead and finishes one reduction before it launches the next): (forward
         gathers, backward gathers, backward reduce-scatters), each at most the phase's whole traffic.
@@ -158,8 +159,9 @@ class StageCostModel(PolicyTerms):
           backward; the first unit's, finished before the next micro-batch (or the step) begins.
         """
         blocks = {"pre": pre, "layer": layer, "post": post}
-        gathered = {kind: collective_seconds(self.hardware, "all_gather", terms["params"] * weight_b, dp_links)
-                    for kind, terms in blocks.items()}
+        needed = {"pre": pre["params"], "layer": layer["params"], "post": post["params"] + tied_unit}  # (the tied head)
+        gathered = {kind: collective_seconds(self.hardware, "all_gather", elements * weight_b, dp_links)
+                    for kind, elements in needed.items()}
         scattered = {kind: collective_seconds(self.hardware, "reduce_scatter", terms["params"] * grad_b, dp_links)
                      for kind, terms in blocks.items()}
         has_pre = np.asarray(c.has_pre, dtype=float)
@@ -218,14 +220,16 @@ class StageCostModel(PolicyTerms):
         terms["saved"] = functions.saved(b, s, t)
         terms["input"] = functions.input(b, s, t)
         terms["output"] = functions.output(b, s, t)
-        terms["forward_peak"] = np.max(np.stack([f(b, s, t) for f in functions.forward_peaks]), axis=0)
-        terms["backward_peak"] = np.max(np.stack([f(b, s, t) for f in functions.backward_peaks]), axis=0)
+        def largest(candidates):  # a block's peak over its candidate points (none: zero)
+            return np.max(np.stack([f(b, s, t) for f in candidates]), axis=0) if candidates else np.zeros(b.shape)
+        terms["forward_peak"] = largest(functions.forward_peaks)
+        terms["backward_peak"] = largest(functions.backward_peaks)
+        terms["backward_peak_apart"] = largest(functions.backward_peaks_apart or functions.backward_peaks)
         for name in ("forward_peaks_weights_free", "backward_peaks_weights_free"):
-            candidates = getattr(functions, name)
-            terms[name] = (np.max(np.stack([f(b, s, t) for f in candidates]), axis=0) if candidates
-                           else np.zeros(b.shape))
+            terms[name] = largest(getattr(functions, name))
         terms["params"] = functions.params_per_device(b, s, t)
         terms["unit_0"], terms["unit_1"] = (unit(b, s, t) for unit in functions.units)
+        terms["borrowed"] = functions.borrowed(b, s, t) if functions.borrowed is not None else np.zeros(b.shape)
         for index, (size, movable) in enumerate(zip(functions.saved_sequence, functions.saved_offloadable)):
             terms[f"saved_{index}"] = size(b, s, t)
             terms[f"movable_{index}"] = np.full(b.shape, float(movable))
@@ -408,14 +412,15 @@ class StageCostModel(PolicyTerms):
         # units: the post block's backward ends with its first unit in forward order (the final norm), the pre
         # block's with its first (the token embedding), after its second (the positions)
         layout = StageLayout(pre["params"], layer["params"], post["params"], n, has_pre, has_post,
-                             post_last=post["unit_0"], pre_last=pre["unit_0"], pre_previous=pre["unit_1"])
+                             post_last=post["unit_0"], pre_last=pre["unit_0"], pre_previous=pre["unit_1"],
+                             tied=post["borrowed"])
         config = StageConfig(self.dtype, c.zero, np.asarray(c.dp, dtype=np.int64), c.grad_accum, c.inflight,
                              np.asarray(c.ckpt_layers, dtype=float), c.offload_weights, c.offload_grads,
                              c.offload_opt, c.offload_acts, self.hardware.reduce_scatter_copies,
                              low_precision_grads=low_grads)
         terms = {kind: BlockActivationTerms(v["saved"], v["input"], v["forward_peak"], v["backward_peak"],
                                             v["forward_peaks_weights_free"], v["backward_peaks_weights_free"],
-                                            v["output"])
+                                            v["output"], v.get("backward_peak_apart"))
                  for kind, v in per_kind.items()}
         saved_count = sum(1 for name in layer if name.startswith("saved_"))  # (the two layer variants differ)
         layer_offloaded = greedy_offload([layer[f"saved_{i}"] for i in range(saved_count)],
@@ -471,11 +476,12 @@ class StageCostModel(PolicyTerms):
         backward_compute = stage_sum("backward_compute") + recompute + grad_buffer_s
         tp_exposed = stage_sum("forward_tp") + stage_sum("backward_tp") + ckpt * layer["forward_tp"]
         dp_links = group_links(self.hardware, dp_nodes, dp_gpus)  # looked up once for the stage's collectives
-        gather = collective_seconds(self.hardware, "all_gather", weight_bytes, dp_links)
+        tied_unit = has_pre * has_post * np.where(post["borrowed"] > 0, pre["unit_0"], 0.0)  # gathered for the head too
+        gather = collective_seconds(self.hardware, "all_gather", (stage_params + tied_unit) * weight_b, dp_links)
         scatter = collective_seconds(self.hardware, "reduce_scatter", grad_bytes, dp_links)
         all_reduce = collective_seconds(self.hardware, "all_reduce", grad_bytes, dp_links)
         forward_edge, backward_edge_gather, backward_edge_scatter = self._unhidden_zero_traffic(
-            c, pre, layer, post, zero, weight_b, grad_b, dp_links, gather, scatter)
+            c, pre, layer, post, zero, weight_b, grad_b, dp_links, gather, scatter, tied_unit)
         forward_collective = np.where(zero >= 3, gather - forward_edge, 0.0)
         backward_collective = (np.where(zero >= 3, gather - backward_edge_gather, 0.0)
                                + np.where(zero >= 2, scatter - backward_edge_scatter, 0.0))

@@ -497,10 +497,14 @@ def _block_node_sets(program, backward: fx.GraphModule) -> dict[int, set[str]]:
     blocks = {cid: set(c.graphs["nodes"]) for cid, c in classes.items()}
     unsourced = {node.name for c in classes.values() for node in c.backward_nodes if not node.source}
     block_of = {name: cid for cid, names in blocks.items() for name in names}
-    for node in reversed(list(backward.graph.nodes)):
+    nodes = list(backward.graph.nodes)
+    order = {node: index for index, node in enumerate(nodes)}
+    for node in reversed(nodes):
         if node.name not in unsourced:
             continue
         targets = {block_of.get(user.name) for user in node.users} - {None}
+        if not targets and node.all_input_nodes:  # a shared weight's gradient, complete when its last use's is
+            targets = {block_of.get(max(node.all_input_nodes, key=order.__getitem__).name)} - {None}
         if len(targets) == 1:
             target = targets.pop()
             blocks[block_of[node.name]].discard(node.name)

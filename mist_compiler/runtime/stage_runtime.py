@@ -204,6 +204,8 @@ class StageRuntime:
                 bucket.wait_weights()
                 bucket.fwd_holds += 0 if recompute else 1
             self.ctx.record("recompute" if recompute else "forward", self.unit_names[index])
+            if not recompute and not self.buckets[index].params and torch.is_grad_enabled():
+                self._finish_with_input_gradients(index, args)
             if index + 1 < len(self.buckets) and not recompute:
                 for bucket in self._need_buckets[index + 1]:
                     bucket.fetch_weights()
@@ -214,6 +216,15 @@ class StageRuntime:
                 for bucket in self.buckets:
                     bucket.drain(block=True)
         return hook
+
+    def _finish_with_input_gradients(self, index: int, args) -> None:
+        """A unit that owns no parameters (a head tied to the embedding) gets no gradient that would end its
+        backward: it ends when its inputs' gradients are made, which releases the weights it borrowed."""
+        inputs = [t for t in _flatten_tensors(args) if t.requires_grad]
+        if inputs:
+            torch.autograd.graph.register_multi_grad_hook(
+                inputs, lambda grads: self._unit_backward_done(index) if self.buckets[index].in_backward else None,
+                mode="any")
 
     def _make_forward_post(self, index: int):
         def hook(module, args, output):
@@ -243,8 +254,10 @@ class StageRuntime:
         for bucket in self._need_buckets[index]:
             bucket.wait_weights()
             bucket.bwd_holds += 1
-            if not deferring:
-                bucket.begin_grads()
+        if not deferring:
+            # only the unit's own gradients: a weight it shares (a head tied to the embedding) gets its gradient
+            # once every use has added to it, in the owner's backward, which opens the owner's buffer then
+            self.buckets[index].begin_grads()
         if deferring:
             self._input_only[index] += 1
         self.ctx.record("backward", self.unit_names[index])
