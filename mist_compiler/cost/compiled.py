@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy
+import torch
 import torch.fx as fx
 
 from ..ir.program import MistProgram
@@ -65,10 +66,20 @@ def compiled_partition(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphM
     graph = fx.Graph()
     output = graph.graph_copy(joint.graph, {})
     graph.output(output)
+    _drop_detaches(graph)
     copy = fx.GraphModule(joint, graph)
     inputs = [n.meta.get("val") for n in copy.graph.nodes if n.op == "placeholder"]
     return min_cut_rematerialization_partition(copy, inputs, compiler="inductor",
                                                num_fwd_outputs=_joint_forward_outputs(joint))
+
+
+def _drop_detaches(graph: fx.Graph) -> None:
+    """Leave out the ``detach`` nodes of the captured joint graph (autograd's saved values). The partitioner
+    takes a value a ``detach`` reads in the backward for one it must save, where torch.compile's own run
+    recomputes it: HF GPT-2's tanh GELU saved its ``tanh`` here, not under ``saved_tensors_hooks``."""
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.detach.default]:
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
 
 
 def _is_fusible(node: fx.Node, cost: NodeCost | None) -> bool:
