@@ -79,6 +79,8 @@ def test_mixed_and_heterogeneous_plans_match_single_process_on_four_ranks():
         plan_dict("llama-tiny", 8, 2, [stage((0, 1), dp=2, tp=1), stage((1, 4), dp=1, tp=2)]),
         # tied embedding/head across stages
         plan_dict("tests.test_backend_engine:tied_gpt", 8, 2, [stage((0, 2), dp=2), stage((2, 4), dp=2)]),
+        # ... and in one ZeRO-3 stage: the head's unit, owning no parameter, borrows the embedding's
+        plan_dict("tests.test_backend_engine:tied_gpt", 8, 2, [stage((0, 4), dp=4, zero=3, ckpt_layers=2)]),
     ]
     results = run_plans(4, plans)
     report(results)

@@ -219,9 +219,10 @@ class StageRuntime:
 
     def _finish_with_input_gradients(self, index: int, args) -> None:
         """A unit that owns no parameters (a head tied to the embedding) gets no gradient that would end its
-        backward: it ends when its inputs' gradients are made, which releases the weights it borrowed."""
+        backward: with one input, it ends when that input's gradient is made, which releases the weights it
+        borrowed (with several: when the step's backward is flushed)."""
         inputs = [t for t in _flatten_tensors(args) if t.requires_grad]
-        if inputs:
+        if len(inputs) == 1:
             torch.autograd.graph.register_multi_grad_hook(
                 inputs, lambda grads: self._unit_backward_done(index) if self.buckets[index].in_backward else None,
                 mode="any")
