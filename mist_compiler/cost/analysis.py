@@ -114,10 +114,10 @@ def _with_collectives(costs: ProgramCosts, runtime: ProgramCosts) -> ProgramCost
                         costs.sharding, costs.param_states)
 
 
-def _borrowed_gradients(backward: fx.GraphModule) -> frozenset[str]:
-    """A shared weight's gradient parts that come before its last use's (a tied head's, made in the post
-    block's backward), and the adds that sum them into the gradient the backward returns: what a stage
-    without the earlier uses' blocks (a pipeline's first stage and those between) never holds."""
+def _borrowed_gradients(backward: fx.GraphModule, post: set[str]) -> frozenset[str]:
+    """A shared weight's gradient parts made in the post block's backward (``post``: its node names) before
+    its last use's (a tied head's), and the adds that sum them into the gradient the backward returns: what
+    a stage without the post block (a pipeline's first stage and those between) never holds."""
     order = {node: index for index, node in enumerate(backward.graph.nodes)}
     output = next(node for node in reversed(backward.graph.nodes) if node.op == "output")
     names: set[str] = set()
@@ -125,19 +125,19 @@ def _borrowed_gradients(backward: fx.GraphModule) -> frozenset[str]:
         if node.op == "call_function" and op_name(node) == "add" and len(node.all_input_nodes) == 2 \
                 and all(source.op != "placeholder" for source in node.all_input_nodes):
             last = max(node.all_input_nodes, key=order.__getitem__)
-            names.add(node.name)
-            for source in node.all_input_nodes:
-                if source is not last:  # (an item of the fused loss's backward: the tuple holds its bytes)
-                    names |= {source.name} | ({source.args[0].name} if source.target is operator.getitem else set())
+            earlier = [source for source in node.all_input_nodes if source is not last and source.name in post]
+            for source in earlier:  # (an item of the fused loss's backward: the tuple holds its bytes)
+                names |= {node.name, source.name} | ({source.args[0].name} if source.target is operator.getitem
+                                                     else set())
     return frozenset(names)
 
 
-def _memory_apart(priced) -> dict[int, BlockMemory]:
+def _memory_apart(priced, post_class: int) -> dict[int, BlockMemory]:
     """Each block class's memory as a stage without the post block holds it, where the model shares a weight
     between the blocks (a head tied to the embedding): the analysed backward, of the whole model, carries
     the head's gradient part from the post block's backward to the embedding's, which adds its own; a
     pipeline's first stage (and those between) never has it (``runtime.tied_weights``). Empty: nothing shared."""
-    borrowed = _borrowed_gradients(priced.graphs.backward)
+    borrowed = _borrowed_gradients(priced.graphs.backward, priced.graphs.blocks[post_class])
     if not borrowed:
         return {}
     graphs = priced.graphs
@@ -174,7 +174,7 @@ def analyse_program(program, compiled: bool = False) -> tuple[dict[str, BlockAna
     forward, params, symbols = graphs.forward, graphs.params, graphs.symbols
     blocks = {kind: graphs.blocks[block_class.class_id] for kind, block_class in classes.items()}
     memory = {kind: analysed.analysis.memory[block_class.class_id] for kind, block_class in classes.items()}
-    apart = _memory_apart(analysed.analysis)
+    apart = _memory_apart(analysed.analysis, classes["post"].class_id)
     result = {}
     plan = program.model_graph.tp if program.model_graph is not None else None
     for kind, names in blocks.items():
