@@ -244,6 +244,12 @@ def acts_per_microbatch(layout: StageLayout, config: StageConfig, pre: BlockActi
     return has_pre * pre.saved + ckpt * layer.input + (n - ckpt) * layer.saved + has_post * post.saved
 
 
+def tied_unit(has_pre: np.ndarray, has_post: np.ndarray, tied: np.ndarray, embedding_unit: np.ndarray) -> np.ndarray:
+    """Elements of the embedding's unit that a stage holding both ends of a tied head gathers for the post
+    block too (the runtime's post unit needs its owner's bucket); zero elsewhere."""
+    return has_pre * has_post * np.where(tied > 0, embedding_unit, 0.0)
+
+
 def _held_by_this_stage(terms: BlockActivationTerms, has_post: np.ndarray) -> BlockActivationTerms:
     """``terms`` with the backward peak a stage with or without the post block holds."""
     if terms.backward_peak_apart is None:
@@ -277,7 +283,7 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     # group's all-reduce once the schedule is done. A stage without the post block never holds the head's
     # gradient part, which the analysed backward of the whole model carries to the embedding's (``apart``)
     tied = np.zeros_like(p_layer) if layout.tied is None else np.asarray(layout.tied, float)
-    tied_unit = has_pre * has_post * np.where(tied > 0, pre_last, 0.0)
+    borrowed_unit = tied_unit(has_pre, has_post, tied, pre_last)
     copy = has_post * (1.0 - has_pre) * tied * weight_b
     layer, pre = (_held_by_this_stage(terms, has_post) for terms in (layer, pre))
 
@@ -296,7 +302,7 @@ def stage_memory(layout: StageLayout, config: StageConfig, pre: BlockActivationT
     # ---- transient weights at a block's points (ZeRO-3 gather / weights brought in) ----------
     transient = np.where(persistent, 0.0, weight_b)
     weights_at = {"pre": transient * (p_pre + np.where(n > 0, p_layer, 0.0)),
-                  "layer": transient * 2.0 * p_layer, "post": transient * (p_post + tied_unit)}
+                  "layer": transient * 2.0 * p_layer, "post": transient * (p_post + borrowed_unit)}
 
     # ---- gradients --------------------------------------------------------------------------
     grads = _Gradients(config, grad_b, config.reduce_scatter_copies)

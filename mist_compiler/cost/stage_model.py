@@ -53,7 +53,7 @@ from .comm import collective_seconds, collective_time, copy_time, group_links, g
 from .hardware import HardwareProfile, load_profile
 from .loss_kernel import plain_loss_deltas
 from .memory import (ACCUMULATOR_BYTES, SCHEDULE_MEMORY_PARTS, BlockActivationTerms, StageConfig, StageLayout,
-                     acts_per_microbatch, greedy_offload, stage_memory, state_bytes_per_param)
+                     acts_per_microbatch, greedy_offload, stage_memory, state_bytes_per_param, tied_unit)
 from .op_time import matmul_time, op_class_time
 from .overlap import overlap_where_busy
 from .policy_terms import EAGER_LAYER, EAGER_SEQUENCE_LAYER, PolicyTerms, policy_layers_eager
@@ -146,7 +146,7 @@ class StageCostModel(PolicyTerms):
         return 3.0 * forward
 
     def _unhidden_zero_traffic(self, c, pre, layer, post, zero, weight_b, grad_b, dp_links, gather, scatter,
-                               tied_unit):
+                               borrowed_unit):
         """ZeRO collectives of a micro-batch that no compute hides, as the runtime orders them (it
         prefetches one unit ahead and finishes one reduction before it launches the next): (forward
         gathers, backward gathers, backward reduce-scatters), each at most the phase's whole traffic.
@@ -159,7 +159,7 @@ class StageCostModel(PolicyTerms):
           backward; the first unit's, finished before the next micro-batch (or the step) begins.
         """
         blocks = {"pre": pre, "layer": layer, "post": post}
-        needed = {"pre": pre["params"], "layer": layer["params"], "post": post["params"] + tied_unit}  # (the tied head)
+        needed = {"pre": pre["params"], "layer": layer["params"], "post": post["params"] + borrowed_unit}  # (a tied head)
         gathered = {kind: collective_seconds(self.hardware, "all_gather", elements * weight_b, dp_links)
                     for kind, elements in needed.items()}
         scattered = {kind: collective_seconds(self.hardware, "reduce_scatter", terms["params"] * grad_b, dp_links)
@@ -229,7 +229,7 @@ class StageCostModel(PolicyTerms):
             terms[name] = largest(getattr(functions, name))
         terms["params"] = functions.params_per_device(b, s, t)
         terms["unit_0"], terms["unit_1"] = (unit(b, s, t) for unit in functions.units)
-        terms["borrowed"] = functions.borrowed(b, s, t) if functions.borrowed is not None else np.zeros(b.shape)
+        terms["borrowed"] = functions.borrowed(b, s, t)
         for index, (size, movable) in enumerate(zip(functions.saved_sequence, functions.saved_offloadable)):
             terms[f"saved_{index}"] = size(b, s, t)
             terms[f"movable_{index}"] = np.full(b.shape, float(movable))
@@ -476,12 +476,12 @@ class StageCostModel(PolicyTerms):
         backward_compute = stage_sum("backward_compute") + recompute + grad_buffer_s
         tp_exposed = stage_sum("forward_tp") + stage_sum("backward_tp") + ckpt * layer["forward_tp"]
         dp_links = group_links(self.hardware, dp_nodes, dp_gpus)  # looked up once for the stage's collectives
-        tied_unit = has_pre * has_post * np.where(post["borrowed"] > 0, pre["unit_0"], 0.0)  # gathered for the head too
-        gather = collective_seconds(self.hardware, "all_gather", (stage_params + tied_unit) * weight_b, dp_links)
+        borrowed_unit = tied_unit(has_pre, has_post, post["borrowed"], pre["unit_0"])  # gathered for the head too
+        gather = collective_seconds(self.hardware, "all_gather", (stage_params + borrowed_unit) * weight_b, dp_links)
         scatter = collective_seconds(self.hardware, "reduce_scatter", grad_bytes, dp_links)
         all_reduce = collective_seconds(self.hardware, "all_reduce", grad_bytes, dp_links)
         forward_edge, backward_edge_gather, backward_edge_scatter = self._unhidden_zero_traffic(
-            c, pre, layer, post, zero, weight_b, grad_b, dp_links, gather, scatter, tied_unit)
+            c, pre, layer, post, zero, weight_b, grad_b, dp_links, gather, scatter, borrowed_unit)
         forward_collective = np.where(zero >= 3, gather - forward_edge, 0.0)
         backward_collective = (np.where(zero >= 3, gather - backward_edge_gather, 0.0)
                                + np.where(zero >= 2, scatter - backward_edge_scatter, 0.0))

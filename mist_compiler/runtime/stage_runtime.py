@@ -223,9 +223,8 @@ class StageRuntime:
         borrowed (with several: when the step's backward is flushed)."""
         inputs = [t for t in _flatten_tensors(args) if t.requires_grad]
         if len(inputs) == 1:
-            torch.autograd.graph.register_multi_grad_hook(
-                inputs, lambda grads: self._unit_backward_done(index) if self.buckets[index].in_backward else None,
-                mode="any")
+            inputs[0].register_hook(lambda grad: self._unit_backward_done(index) if self.buckets[index].in_backward
+                                    else None)
 
     def _make_forward_post(self, index: int):
         def hook(module, args, output):
