@@ -79,6 +79,39 @@ def test_segments_cut_at_the_tensor_parallel_collectives():
     assert program.attrs == {"weight": "weight"}
 
 
+def test_a_compiled_unit_draws_its_dropout_mask_again_rather_than_save_it():
+    """The runtime's dropout mask is a hash of each element's place (``ops.dropout``): a compiled unit
+    draws it again in the backward (about 1 ns an element here) instead of saving a boolean mask
+    (inductor's store of it cost 7), with the eager program's values and gradients."""
+    from torch import nn
+
+    from mist_compiler.lowering.compile import CompiledUnit
+    from mist_compiler.ops.dropout import counter_dropout, sample_seeds
+
+    graph = fx.Graph()
+    x, seeds, weight = graph.placeholder("x"), graph.placeholder("seeds"), graph.get_attr("weight")
+    hidden = graph.call_function(torch.nn.functional.linear, (x, weight))
+    dropped = graph.call_function(counter_dropout, (hidden, 0.25, seeds, 2, 0))
+    graph.output(graph.call_function(torch.tanh, (dropped,)))
+    module = nn.Module()
+    module.weight = nn.Parameter(torch.randn(32, 32))
+    eager, compiled = fx.GraphModule(module, graph), CompiledUnit(module, split_segments(graph), CompileStats())
+    inputs = (torch.randn(4, 8, 32), sample_seeds(0, 0, torch.arange(4)))
+    results = []
+    for run in (eager, compiled):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+            out = run(*inputs)
+        out.square().sum().backward()
+        results.append((out.detach(), module.weight.grad.clone(), saved))
+        module.weight.grad = None
+    (out, grad, saved), (compiled_out, compiled_grad, compiled_saved) = results
+    assert torch.bool in saved and torch.bool not in compiled_saved
+    assert (out == 0).float().mean().item() == pytest.approx(0.25, abs=0.05)  # it does drop
+    torch.testing.assert_close(compiled_out, out)
+    torch.testing.assert_close(compiled_grad, grad)
+
+
 def test_compiled_stage_trains_like_the_eager_one(gpt_tiny_program):
     torch.manual_seed(0)
     model = build_model(MODEL, seq_len=SEQ)
@@ -248,10 +281,10 @@ def test_three_stages_zero_and_llama_check_compiled():
 def test_hugging_face_plans_check_compiled(kind, tmp_path):
     pytest.importorskip("transformers")
     from hf_configs import write_config
-    from test_hf_models import plans_for
+    from test_hf_models import four_rank_plans
 
     model = write_config(kind, str(tmp_path / kind))
-    assert_all_pass(run_plans(4, plans_for(model), timeout_s=3600))
+    assert_all_pass(run_plans(4, four_rank_plans(model), timeout_s=3600))
 
 
 def test_the_backend_and_the_api_take_the_switch(tmp_path):

@@ -191,3 +191,34 @@ def test_the_stage_model_prices_a_compiled_gpt_layers_gelu_beyond_its_memory_pas
                                     compiled=True).evaluate(candidate) for p in (base, priced))
     expected = 2 * 4 * 64 * zoo_config("gpt-tiny").ffn * (1.0 + 2.0) * 1e-9  # two layers, forward GELU + its backward, per element
     assert slower.stable_s[0] - plain.stable_s[0] == pytest.approx(expected, rel=1e-6)
+
+
+
+def test_compiled_units_draw_dropout_masks_again_and_pay_for_the_hash(tmp_path):
+    """HF GPT-2 trains with dropout 0.1. Compiled units draw each mask again in the backward
+    (``lowering.compile``), so the compiled partition saves no boolean mask where the eager program saves
+    one per dropout, and each dropout's forward and backward pay the profile's per-element hash."""
+    pytest.importorskip("transformers")
+    from hf_configs import write_config
+
+    from mist_compiler.cost.compiled import compiled_partition
+    from mist_compiler.passes.cost_annotation import program_graphs
+
+    program = capture_program(write_config("gpt2", str(tmp_path / "gpt2")), seq_len=16, dtype="float32")
+
+    def saved_masks(forward) -> int:
+        output = next(n for n in forward.graph.nodes if n.op == "output")
+        return sum(1 for value in output.args[0]
+                   if isinstance(value, torch.fx.Node) and getattr(value.meta.get("val"), "dtype", None) == torch.bool)
+
+    eager, compiled = program_graphs(program), program_graphs(program, compiled_partition)
+    dropouts = [n for n in eager.forward.graph.nodes if n.target is torch.ops.aten.native_dropout.default]
+    assert len(dropouts) >= 3  # the embedding's, and the layer's (the captured graphs hold one of each block class)
+    assert saved_masks(eager.forward) == len(dropouts) and saved_masks(compiled.forward) == 0
+    for graph, op in ((compiled.forward, "native_dropout"), (compiled.backward, "native_dropout_backward")):
+        costs = propagate_costs(graph.graph, {}, compiled.symbols, "forward")
+        extra = [c for c in fuse_costs(graph.graph, costs, {}, compiled.symbols).costs.nodes
+                 if c.op_class == "pointwise:" + op]
+        assert len(extra) == len(dropouts)
+        elements = {sympy.expand(c.bytes) for c in extra}  # the dropped value's elements: [b, s, hidden] or
+        assert B * S * 32 in elements and all(e.has(B) for e in elements)  # attention's [b, heads, s, s]

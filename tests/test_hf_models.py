@@ -47,7 +47,7 @@ def test_family_tunes_and_trains_dp_tp_pp_like_one_process(kind, tmp_path):
     _judge(kind, outcome, ("dp", "tp", "pp"))
 
 
-def _wide_plans(model: str) -> list[dict]:
+def four_rank_plans(model: str) -> list[dict]:
     return [
         plan_dict(model, 8, 2, [stage((0, 1), dp=2, zero=3, ckpt_layers=1, offload=OFFLOAD),
                                 stage((1, 3), tp=2, zero=1)]),
@@ -60,7 +60,7 @@ def _wide_plans(model: str) -> list[dict]:
 @pytest.mark.parametrize("kind", sorted(ARCHITECTURES))
 def test_family_trains_mixed_four_rank_plans_like_one_process(kind, tmp_path):
     model = write_config(kind, str(tmp_path / kind))
-    assert_all_pass(run_plans(4, _wide_plans(model), timeout_s=900))
+    assert_all_pass(run_plans(4, four_rank_plans(model), timeout_s=900))
 
 
 @pytest.mark.heavy

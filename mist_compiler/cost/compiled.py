@@ -7,7 +7,8 @@ inductor through aot_autograd. Two things then differ from the eager program the
   the one ``torch.compile`` uses for training), not by eager autograd: cheap elementwise values the
   backward needs are recomputed there from a smaller set of saved tensors (a fused RMSNorm keeps its
   input and the fp32 reciprocal root, not the fp32 copies; SwiGLU keeps its two projections, not
-  ``silu(gate)``). :func:`compiled_partition` runs that partitioner on the captured joint graph.
+  ``silu(gate)``; a dropout keeps no mask: the runtime draws it again from its hash).
+  :func:`compiled_partition` runs that partitioner on the captured joint graph.
 - **Elementwise ops are fused.** A chain of pointwise ops, reductions and normalisations between
   two GEMM/attention kernels runs as one kernel that reads its inputs once and writes only the
   values something else needs: one memory pass. :func:`fuse_costs` groups the annotated ops of each
@@ -15,16 +16,17 @@ inductor through aot_autograd. Two things then differ from the eager program the
   units), prices each as one op of class ``fused`` (its inputs read once, its stored outputs written
   once; the profile's ``efficiency['fused']``, else ``elementwise``, of the copy rate; one kernel
   launch) and names the values that never reach memory (``transient``, for the memory analysis).
-  Where a member's math outlasts that pass (erf and exp on a CPU: ``COMPILED_POINTWISE_OPS``), the
-  region also carries one cost of class ``pointwise:<op>`` per such op, with the op's elements in the
-  place of bytes and no FLOPs: the profile's ``compiled_pointwise_ns`` prices it (``cost.op_time``),
-  zero where the profile has none.
+  Where a member's math outlasts that pass (erf and exp on a CPU, the dropout's integer hash:
+  ``COMPILED_POINTWISE_OPS``), the region also carries one cost of class ``pointwise:<op>`` per such
+  op, with the op's elements in the place of bytes and no FLOPs: the profile's
+  ``compiled_pointwise_ns`` prices it (``cost.op_time``), zero where the profile has none.
 
 Matmuls, attention, the fused loss, grouped expert GEMMs and data-dependent ops (sort, top-k,
 histograms, ...) stay kernels of their own, as inductor calls them.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import sympy
@@ -33,7 +35,7 @@ import torch.fx as fx
 
 from ..ir.program import MistProgram
 from ..passes.cost_annotation import (GraphCosts, NodeCost, PricedGraphs, ProgramCosts, T, annotate_graphs, is_view,
-                                      op_name, program_graphs, value_bytes)
+                                      op_name, program_graphs, tensor_shape, tensor_values, value_bytes)
 from ..passes.manager import PassResult, transforms
 from .op_time import POINTWISE_PREFIX
 
@@ -41,7 +43,10 @@ FUSIBLE_CLASSES = ("elementwise", "norm", "softmax", "embedding")
 # pointwise ops whose vectorised math (erf, exp) a CPU's compiled kernel spends longer on than on
 # moving the op's bytes: 0.1-0.5 ns per element beyond the memory pass measured on the machine
 # that wrote this (inductor's erf runs at half the speed of eager's)
-COMPILED_POINTWISE_OPS = ("gelu", "gelu_backward", "silu", "silu_backward")
+COMPILED_POINTWISE_OPS = ("gelu", "gelu_backward", "silu", "silu_backward",
+                          # the runtime's dropout: an integer hash of each element's place (``ops.dropout``),
+                          # drawn in the forward and again in the backward (:func:`_redrawn_masks`)
+                          "native_dropout", "native_dropout_backward")
 # elementwise-classed ops inductor does not generate code for (library calls or data-dependent sizes)
 EXTERN_OPS = {"sort", "topk", "histc", "nonzero", "_unique2", "unique_dim", "masked_select", "bucketize",
               "embedding_dense_backward", "index_put", "scatter", "scatter_add"}
@@ -67,6 +72,7 @@ def compiled_partition(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphM
     output = graph.graph_copy(joint.graph, {})
     graph.output(output)
     _drop_detaches(graph)
+    _redrawn_masks(graph)
     copy = fx.GraphModule(joint, graph)
     inputs = [n.meta.get("val") for n in copy.graph.nodes if n.op == "placeholder"]
     return min_cut_rematerialization_partition(copy, inputs, compiler="inductor",
@@ -80,6 +86,35 @@ def _drop_detaches(graph: fx.Graph) -> None:
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.detach.default]:
         node.replace_all_uses_with(node.args[0])
         graph.erase_node(node)
+
+
+def _redrawn_masks(graph: fx.Graph) -> None:
+    """Give the partitioner each dropout's mask as the compiled units make it: drawn again in the backward
+    (``lowering.compile`` tags the runtime's hash ``MUST_RECOMPUTE``), not saved. The captured
+    ``native_dropout``'s mask item becomes a bool factory of its shape, tagged the same, under the same
+    name (so its block and the memory analysis find it); its cost is the backward's
+    ``native_dropout_backward``, priced beyond its memory pass like the forward's ``native_dropout``."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 1 \
+                or getattr(node.args[0], "target", None) is not torch.ops.aten.native_dropout.default:
+            continue
+        mask, source = node.meta.get("val"), node.args[0].args[0]
+        if mask is None:
+            continue
+        shape = []
+        for dim, size in enumerate(mask.shape):  # a symbolic size as a node of the graph, as captured ones are
+            if isinstance(size, torch.SymInt):
+                with graph.inserting_before(node):
+                    size_node = graph.call_function(torch.ops.aten.sym_size.int, (source, dim))
+                size_node.meta["val"] = size
+                size = size_node
+            shape.append(size)
+        node.target = torch.ops.aten.full.default
+        node.args = (shape, True)
+        node.kwargs = {"dtype": torch.bool, "device": mask.device, "pin_memory": False}
+        node.meta.update({"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": 0})
 
 
 def _is_fusible(node: fx.Node, cost: NodeCost | None) -> bool:
@@ -120,9 +155,12 @@ def _stored_bytes(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
 
 
 def _elements(node: fx.Node, states: dict[str, str], symbols) -> sympy.Expr:
-    """Elements of ``node``'s value on one rank."""
-    value = node.meta.get("val")
-    return _stored_bytes(node, states, symbols) / (value.element_size() if value is not None else 4)
+    """Elements of ``node``'s value (its first, where it has several: ``native_dropout``'s output) on one rank."""
+    values = tensor_values(node.meta.get("val"))
+    if not values:
+        return sympy.Integer(0)
+    elements = sympy.Mul(*tensor_shape(values[0], symbols))
+    return elements / T if states.get(node.name) in ("S", "Q") else elements
 
 
 def fuse_costs(graph: fx.Graph, costs: GraphCosts, block_of: dict[str, str], symbols) -> FusedGraph:

@@ -22,6 +22,8 @@ so the runtime's module hooks still fire around it, but its ``forward`` becomes 
   (around the unit call: the compiled forward runs again in the backward) hold for it. A per-tensor
   policy does not: it decides per node of the eager program, and a compiled region's saved tensors
   name no node, so a unit with a plan's policy keeps its eager program (priced so by the cost model).
+  A dropout's mask is not saved: the compiled backward draws it again from the seeds (a hash: cheaper
+  on a CPU than storing and reading the boolean mask, and a byte an element less memory).
 - **Caches on disk.** inductor's FX graph cache (``TORCHINDUCTOR_CACHE_DIR``) lets a second run of the
   same plan load its kernels instead of compiling them; :class:`CompileStats` says how long
   compilation took and how much came from the cache. AOTAutograd's own cache is off for units: it keys
@@ -44,9 +46,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..ops.dropout import apply_keep, counter_dropout, dropout_keep
 from .materialize import StageProgram
 from .split_backward import SplitBackward
 
+PARTITIONER_TAGS = ("recompute", "ac_graph_id")  # node metadata that says what the min-cut partition must recompute
 EAGER_MODULE_PREFIX = "tp."  # call_module targets that run eagerly between compiled segments
 
 
@@ -178,10 +182,28 @@ def _segment_module(segment: _Segment, values: list[Any]) -> fx.GraphModule:
     for name, value in zip(segment.inputs, values):
         env[name] = graph.placeholder(name) if isinstance(value, torch.Tensor) else value
     for node in segment.nodes:
-        env[node.name] = graph.node_copy(node, lambda arg: env[arg.name])
+        env[node.name] = _redrawn_dropout(graph, node, env) or graph.node_copy(node, lambda arg: env[arg.name])
     graph.output(tuple(env[name] for name in segment.outputs))
     graph.eliminate_dead_code()
     return fx.GraphModule(nn.Module(), graph)
+
+
+def _redrawn_dropout(graph: fx.Graph, node: fx.Node, env: dict[str, Any]) -> fx.Node | None:
+    """A ``counter_dropout`` node as its two halves, the mask tagged for the partitioner to draw again in
+    the backward (``MUST_RECOMPUTE``, as selective checkpointing tags a node); None for any other node.
+    The hash costs about 1 ns an element each time on a CPU; saving the boolean mask cost 7 (inductor's
+    C++ stores a 64-bit lane mask to bool element by element), and a byte an element of memory."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if node.op != "call_function" or node.target is not counter_dropout or node.kwargs or len(node.args) < 2:
+        return None
+    p = node.args[1]
+    if not isinstance(p, float) or not 0.0 < p < 1.0:
+        return None
+    args = fx.node.map_arg(node.args, lambda arg: env[arg.name])
+    keep = graph.call_function(dropout_keep, args)
+    keep.meta.update({"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": 0})
+    return graph.call_function(apply_keep, (args[0], keep, p))
 
 
 def _kernels_compiled() -> int:
@@ -210,8 +232,10 @@ def compile_segment(module: fx.GraphModule, inputs: list[torch.Tensor]) -> Calla
     with _saved_tensor_hooks_off(), _disable_current_modes():
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         fakes = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
-        for node in module.graph.nodes:
+        for node in module.graph.nodes:  # all but the partitioner's tags (AOTAutograd copies them to the aten nodes)
+            tags = {key: node.meta[key] for key in PARTITIONER_TAGS if key in node.meta}
             node.meta.clear()
+            node.meta.update(tags)
         FakeTensorProp(module, fake_mode).propagate_dont_convert_inputs(*fakes)
         for node in module.graph.nodes:
             if "val" in node.meta:

@@ -113,8 +113,20 @@ def counter_dropout(x: torch.Tensor, p: float, seeds: torch.Tensor, layer: torch
         return x
     if p >= 1.0:
         return x * 0.0
-    mask = keep_mask(x.shape, p, seeds, layer, site, split)
-    return torch.where(mask, x * (1.0 / (1.0 - p)), 0.0)  # backward keeps the boolean mask, as F.dropout's
+    return apply_keep(x, dropout_keep(x, p, seeds, layer, site, split), p)
+
+
+def dropout_keep(x: torch.Tensor, p: float, seeds: torch.Tensor, layer: torch.Tensor | int, site: int,
+                 split=None) -> torch.Tensor:
+    """The mask :func:`counter_dropout` applies to ``x`` (``0 < p < 1``): the first of its two halves. A
+    compiled unit draws it again in the backward rather than save it (``lowering.compile``)."""
+    return keep_mask(x.shape, p, seeds, layer, site, split)
+
+
+def apply_keep(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """``x`` where ``keep``, scaled by ``1 / (1 - p)``, else 0: the second half of :func:`counter_dropout`
+    (its backward reads the boolean mask, as ``F.dropout``'s does)."""
+    return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)
 
 
 def counter_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
@@ -139,4 +151,5 @@ def counter_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return torch.matmul(probs, value)
 
 
-__all__ = ["counter_attention", "counter_dropout", "global_index", "keep_mask", "sample_seeds"]
+__all__ = ["apply_keep", "counter_attention", "counter_dropout", "dropout_keep", "global_index", "keep_mask",
+           "sample_seeds"]

@@ -6,9 +6,10 @@
   stored outputs once), so the profile's ``efficiency['fused']`` is what the cost model needs. The
   same chain run eagerly is timed beside it for the log.
 * ``pointwise_extra_ns``: per op of ``cost.compiled.COMPILED_POINTWISE_OPS`` (GELU, SiLU and their
-  backwards), the time an inductor-compiled kernel of it takes beyond a compiled memory pass over
-  the same bytes, per element: the profile's ``compiled_pointwise_ns`` (a CPU's vectorised erf and
-  exp outlast the pass; inductor's erf ran at half the speed of eager's on the machine that wrote this).
+  backwards, the runtime's hashed dropout), the time an inductor-compiled kernel of it takes beyond a
+  compiled memory pass over the same bytes, per element: the profile's ``compiled_pointwise_ns`` (a
+  CPU's vectorised erf and exp outlast the pass, and so does the dropout's 64-bit integer hash;
+  inductor's erf ran at half the speed of eager's on the machine that wrote this).
 * ``sustained_fraction``: the large-GEMM rate after ``seconds`` of back-to-back GEMMs against the rate
   of the first ones (a GPU at its power limit settles below the clock short benchmarks run at); the
   profile's ``sustained_compute``.
@@ -63,12 +64,20 @@ def _pointwise_programs():
     def compiled(fn):
         return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False)
 
+    from ..ops.dropout import counter_dropout, sample_seeds
+
     unary_pass, binary_pass = compiled(lambda x, g: x * 2.0), compiled(lambda x, g: x + g)
-    ops = {"gelu": (lambda x, g: aten.gelu(x), unary_pass),
-           "gelu_backward": (lambda x, g: aten.gelu_backward(g, x), binary_pass),
-           "silu": (lambda x, g: aten.silu(x), unary_pass),
-           "silu_backward": (lambda x, g: aten.silu_backward(g, x), binary_pass)}
-    return [(op, compiled(ops[op][0]), ops[op][1]) for op in COMPILED_POINTWISE_OPS]
+    seeds = sample_seeds(0, 0, torch.arange(1))  # one sample: the tensor's rows are its positions
+    # the runtime's dropout hashes each element's place; its backward draws the same mask again over the
+    # gradient (lowering.compile): one program prices both
+    dropout = compiled(lambda x, g: counter_dropout(x, 0.1, seeds, 3, 1))
+    ops = {"gelu": (compiled(lambda x, g: aten.gelu(x)), unary_pass),
+           "gelu_backward": (compiled(lambda x, g: aten.gelu_backward(g, x)), binary_pass),
+           "silu": (compiled(lambda x, g: aten.silu(x)), unary_pass),
+           "silu_backward": (compiled(lambda x, g: aten.silu_backward(g, x)), binary_pass),
+           "native_dropout": (dropout, unary_pass),
+           "native_dropout_backward": (dropout, unary_pass)}
+    return [(op, *ops[op]) for op in COMPILED_POINTWISE_OPS]
 
 
 def pointwise_extra_ns(device: str, dtype_name: str, tokens: int, width: int, timer: Callable[[Callable], float],
@@ -78,12 +87,13 @@ def pointwise_extra_ns(device: str, dtype_name: str, tokens: int, width: int, ti
 
     dtype = getattr(torch, dtype_name)
     x, g = (torch.randn(tokens, width, device=device, dtype=dtype) for _ in range(2))
-    extra, passes = {}, {}  # passes: each memory pass's time, timed once
+    extra, times = {}, {}  # times: each program's, timed once (memory passes and ops that share a program)
     for op, compiled, memory_pass in _pointwise_programs():
-        compiled(x, g), memory_pass(x, g)  # compile outside the timing
-        if memory_pass not in passes:
-            passes[memory_pass] = timer(lambda: memory_pass(x, g))
-        beyond = timer(lambda: compiled(x, g)) - passes[memory_pass]
+        for program in (compiled, memory_pass):
+            if program not in times:
+                program(x, g)  # compile outside the timing
+                times[program] = timer(lambda: program(x, g))
+        beyond = times[compiled] - times[memory_pass]
         extra[op] = round(max(0.0, beyond) / x.numel() * 1e9, 4)
     log(f"compiled pointwise math beyond a memory pass ({tokens}x{width}, {dtype_name}), ns per element: "
         + ", ".join(f"{op} {ns:.3f}" for op, ns in extra.items()))
