@@ -46,7 +46,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..ops.dropout import apply_keep, counter_dropout, dropout_keep
+from ..ops.dropout import apply_keep, attention_probabilities, counter_attention, counter_dropout, dropout_keep
 from .materialize import StageProgram
 from .split_backward import SplitBackward
 
@@ -195,15 +195,28 @@ def _redrawn_dropout(graph: fx.Graph, node: fx.Node, env: dict[str, Any]) -> fx.
     C++ stores a 64-bit lane mask to bool element by element), and a byte an element of memory."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if node.op != "call_function" or node.target is not counter_dropout or node.kwargs or len(node.args) < 2:
-        return None
-    p = node.args[1]
-    if not isinstance(p, float) or not 0.0 < p < 1.0:
+    if node.op != "call_function" or node.target not in (counter_dropout, counter_attention):
         return None
     args = fx.node.map_arg(node.args, lambda arg: env[arg.name])
-    keep = graph.call_function(dropout_keep, args)
+    kwargs = dict(fx.node.map_arg(node.kwargs, lambda arg: env[arg.name]))
+    if node.target is counter_attention:  # probabilities, their dropout, then @ values
+        p = kwargs.pop("dropout_p", 0.0)
+        if "split" in kwargs or len(args) != 3:
+            return None
+        dropout_args = [kwargs.pop(name) for name in ("seeds", "layer", "site")]
+        both = graph.call_function(attention_probabilities, args, kwargs)
+        values = graph.call_function(operator.getitem, (both, 1))
+        x, rest, finish = graph.call_function(operator.getitem, (both, 0)), dropout_args, values
+    else:
+        if kwargs or len(args) < 2:
+            return None
+        x, p, rest, finish = args[0], args[1], list(args[2:]), None
+    if not isinstance(p, float) or not 0.0 < p < 1.0:
+        return None
+    keep = graph.call_function(dropout_keep, (x, p, *rest))
     keep.meta.update({"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": 0})
-    return graph.call_function(apply_keep, (args[0], keep, p))
+    dropped = graph.call_function(apply_keep, (x, keep, p))
+    return dropped if finish is None else graph.call_function(torch.matmul, (dropped, finish))
 
 
 def _kernels_compiled() -> int:
@@ -304,7 +317,7 @@ class CompiledUnit:
 
     def _run_eager(self, node: fx.Node, env: dict[str, Any]) -> None:
         args = fx.node.map_arg(node.args, lambda arg: env[arg.name])
-        kwargs = fx.node.map_arg(node.kwargs, lambda arg: env[arg.name])
+        kwargs = dict(fx.node.map_arg(node.kwargs, lambda arg: env[arg.name]))
         function = self.module.get_submodule(str(node.target)) if node.op == "call_module" else node.target
         env[node.name] = function(*args, **kwargs)
 
@@ -332,6 +345,42 @@ class CompiledUnit:
         return run
 
 
+class GlueDropout(nn.Module):
+    """A dropout the stage runs between its units (the embedding's, after the token and position
+    embeddings are added), compiled like a unit's: eagerly its hash is some thirty int64 passes over
+    the value (20-40 ns an element on a CPU, against about 1 compiled) and its mask is saved."""
+
+    def __init__(self, node: fx.Node, programs: dict[str, UnitProgram], stats: CompileStats) -> None:
+        super().__init__()
+        graph = fx.Graph()
+        inputs = {arg.name: graph.placeholder(arg.name) for arg in node.all_input_nodes}
+        graph.output(graph.call_function(counter_dropout, fx.node.map_arg(node.args, lambda arg: inputs[arg.name])))
+        key = program_key(graph)
+        self.inputs = list(inputs)
+        self.run = CompiledUnit(self, programs.setdefault(key, split_segments(graph)), stats)
+
+    def forward(self, *args: Any) -> Any:
+        return self.run(*args)
+
+
+def _compile_glue_dropouts(module: fx.GraphModule, programs: dict[str, UnitProgram], stats: CompileStats) -> None:
+    """Each ``counter_dropout`` of ``module``'s own graph (between its units) becomes a call of a
+    :class:`GlueDropout` child (``mist_dropout_<node>``)."""
+    changed = False
+    for node in list(module.graph.nodes):
+        if node.op != "call_function" or node.target is not counter_dropout or node.kwargs:
+            continue
+        name = f"mist_dropout_{node.name}"
+        glue = GlueDropout(node, programs, stats)
+        module.add_module(name, glue)
+        by_name = {arg.name: arg for arg in node.all_input_nodes}
+        node.op, node.target = "call_module", name
+        node.args = tuple(by_name[input_name] for input_name in glue.inputs)
+        changed = True
+    if changed:
+        module.recompile()
+
+
 def program_key(graph: fx.Graph) -> str:
     """Units whose graphs print the same code run the same program."""
     return graph.python_code("self").src
@@ -354,6 +403,8 @@ def compile_stage(program: StageProgram, *, enabled: bool | None = None) -> Comp
         stats.units, stats.eager_units = 0, len(program.units)
         return stats
     programs: dict[str, UnitProgram] = {}
+    for chunk in program.chunk_programs:
+        _compile_glue_dropouts(chunk.module, programs, stats)
     for _name, module in units:
         graph = module.graph
         key = program_key(graph)

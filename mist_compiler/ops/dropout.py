@@ -135,6 +135,16 @@ def counter_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       split=None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with dropout on the probabilities by :func:`counter_dropout`
     (``split``: the tensor-parallel part of the heads, for the probabilities ``[batch, heads, q, k]``)."""
+    probs, value = attention_probabilities(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    probs = counter_dropout(probs, dropout_p, seeds, layer, site, split)
+    return torch.matmul(probs, value)
+
+
+def attention_probabilities(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+                            is_causal: bool = False, scale: float | None = None,
+                            enable_gqa: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first half of :func:`counter_attention`: the softmax probabilities and the values (their heads
+    repeated for grouped-query attention) that the dropped-out probabilities multiply."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
@@ -146,10 +156,8 @@ def counter_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         scores = scores.masked_fill(~causal, float("-inf"))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = counter_dropout(probs, dropout_p, seeds, layer, site, split)
-    return torch.matmul(probs, value)
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), value
 
 
-__all__ = ["apply_keep", "counter_attention", "counter_dropout", "dropout_keep", "global_index", "keep_mask",
+__all__ = ["apply_keep", "attention_probabilities", "counter_attention", "counter_dropout", "dropout_keep", "global_index", "keep_mask",
            "sample_seeds"]
