@@ -124,6 +124,34 @@ def test_a_compiled_unit_draws_its_dropout_mask_again_rather_than_save_it():
     torch.testing.assert_close(compiled_grad, grad, rtol=1e-3, atol=1e-5)  # a different mask is off by O(1)
 
 
+def test_a_split_values_dropout_compiles_in_and_draws_this_ranks_part_of_the_mask():
+    """``tp.dropout`` has no collective: a compiled segment keeps it (its mask drawn again in the backward)
+    and it equals the eager ``SplitDropout`` of the same rank."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from mist_compiler.lowering.compile import CompiledUnit
+    from mist_compiler.ops.dropout import sample_seeds
+    from mist_compiler.ops.tensor_parallel import TensorParallelOps
+
+    graph = fx.Graph()
+    x, seeds = graph.placeholder("x"), graph.placeholder("seeds")
+    dropped = graph.call_module("tp.dropout", (x, 0.3, seeds, 1, 2), {"dim": 2, "block": 64, "parts": ()})
+    graph.output(graph.call_function(torch.tanh, (dropped,)))
+    program = split_segments(graph)
+    assert [s.eager for s in program.segments] == [False]
+    module = nn.Module()
+    module.tp = TensorParallelOps(SimpleNamespace(rank=1, world=2))  # no collective is called
+    inputs = (torch.randn(4, 8, 32, requires_grad=True), sample_seeds(0, 0, torch.arange(4)))
+    eager, compiled = fx.GraphModule(module, graph)(*inputs), CompiledUnit(module, program, CompileStats())(*inputs)
+    torch.testing.assert_close(compiled, eager)
+    eager_grad, = torch.autograd.grad(eager.sum(), inputs[0])
+    compiled_grad, = torch.autograd.grad(compiled.sum(), inputs[0])
+    torch.testing.assert_close(compiled_grad, eager_grad)
+    assert 0.2 < (eager == 0).float().mean().item() < 0.4
+
+
 def test_compiled_stage_trains_like_the_eager_one(gpt_tiny_program):
     torch.manual_seed(0)
     model = build_model(MODEL, seq_len=SEQ)

@@ -44,9 +44,10 @@ FUSIBLE_CLASSES = ("elementwise", "norm", "softmax", "embedding")
 # moving the op's bytes: 0.1-0.5 ns per element beyond the memory pass measured on the machine
 # that wrote this (inductor's erf runs at half the speed of eager's)
 COMPILED_POINTWISE_OPS = ("gelu", "gelu_backward", "silu", "silu_backward",
-                          # the runtime's dropout: an integer hash of each element's place (``ops.dropout``),
-                          # drawn in the forward and again in the backward (:func:`_redrawn_masks`)
-                          "native_dropout", "native_dropout_backward")
+                          # the runtime's dropout mask: an integer hash of each element's place (``ops.dropout``),
+                          # drawn in the forward and again in the backward (:func:`_runtime_dropouts`)
+                          "native_dropout")
+POINTWISE_META = "mist_pointwise"  # node metadata naming the op a stand-in node prices as (``_runtime_dropouts``)
 # elementwise-classed ops inductor does not generate code for (library calls or data-dependent sizes)
 EXTERN_OPS = {"sort", "topk", "histc", "nonzero", "_unique2", "unique_dim", "masked_select", "bucketize",
               "embedding_dense_backward", "index_put", "scatter", "scatter_add"}
@@ -72,7 +73,7 @@ def compiled_partition(joint: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphM
     output = graph.graph_copy(joint.graph, {})
     graph.output(output)
     _drop_detaches(graph)
-    _redrawn_masks(graph)
+    _runtime_dropouts(graph)
     copy = fx.GraphModule(joint, graph)
     inputs = [n.meta.get("val") for n in copy.graph.nodes if n.op == "placeholder"]
     return min_cut_rematerialization_partition(copy, inputs, compiler="inductor",
@@ -88,33 +89,43 @@ def _drop_detaches(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-def _redrawn_masks(graph: fx.Graph) -> None:
-    """Give the partitioner each dropout's mask as the compiled units make it: drawn again in the backward
-    (``lowering.compile`` tags the runtime's hash ``MUST_RECOMPUTE``), not saved. The captured
-    ``native_dropout``'s mask item becomes a bool factory of its shape, tagged the same, under the same
-    name (so its block and the memory analysis find it); its cost is the backward's
-    ``native_dropout_backward``, priced beyond its memory pass like the forward's ``native_dropout``."""
+def _runtime_dropouts(graph: fx.Graph) -> None:
+    """Each captured ``native_dropout`` as the compiled units run it (``lowering.compile``,
+    ``ops.dropout``): ``where(mask, x * scale, 0)``, a deterministic function the partitioner may recompute,
+    whose mask is drawn again in the backward, not saved (tagged ``MUST_RECOMPUTE`` as the runtime's
+    hash is). The mask item becomes a bool factory of the value's shape carrying the hash's price
+    (``meta[POINTWISE_META]``: wherever the partition computes it, forward or backward), the op a
+    multiplication by the scale, the output item the ``where``: every node keeps its name, so its block
+    and the memory analysis find it."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 1 \
-                or getattr(node.args[0], "target", None) is not torch.ops.aten.native_dropout.default:
+    for dropout in [n for n in graph.nodes if n.target is torch.ops.aten.native_dropout.default]:
+        items = {user.args[1]: user for user in dropout.users if user.target is operator.getitem}
+        x, p = dropout.args[0], float(dropout.args[1])
+        if set(items) != {0, 1} or len(dropout.users) != 2 or not 0.0 < p < 1.0 or "val" not in items[0].meta:
             continue
-        mask, source = node.meta.get("val"), node.args[0].args[0]
-        if mask is None:
-            continue
+        out, mask = items[0], items[1]
         shape = []
-        for dim, size in enumerate(mask.shape):  # a symbolic size as a node of the graph, as captured ones are
+        for dim, size in enumerate(out.meta["val"].shape):  # a symbolic size as a node, as captured ones are
             if isinstance(size, torch.SymInt):
-                with graph.inserting_before(node):
-                    size_node = graph.call_function(torch.ops.aten.sym_size.int, (source, dim))
+                with graph.inserting_before(dropout):
+                    size_node = graph.call_function(torch.ops.aten.sym_size.int, (x, dim))
                 size_node.meta["val"] = size
                 size = size_node
             shape.append(size)
-        node.target = torch.ops.aten.full.default
-        node.args = (shape, True)
-        node.kwargs = {"dtype": torch.bool, "device": mask.device, "pin_memory": False}
-        node.meta.update({"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": 0})
+        dropout.prepend(mask)
+        mask.target, mask.args = torch.ops.aten.full.default, (shape, True)
+        mask.kwargs = {"dtype": torch.bool, "device": out.meta["val"].device, "pin_memory": False}
+        mask.meta.update({"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": 0,
+                          POINTWISE_META: "native_dropout"})
+        dropout.target, dropout.args = torch.ops.aten.mul.Tensor, (x, 1.0 / (1.0 - p))
+        dropout.meta["val"] = out.meta["val"]
+        out.target, out.args = torch.ops.aten.where.ScalarOther, (mask, dropout, 0.0)
+
+
+def _pointwise_op(node: fx.Node) -> str:
+    """The op whose math beyond its memory pass ``node`` pays for (``COMPILED_POINTWISE_OPS``)."""
+    return node.meta.get(POINTWISE_META) or op_name(node)
 
 
 def _is_fusible(node: fx.Node, cost: NodeCost | None) -> bool:
@@ -204,9 +215,9 @@ def fuse_costs(graph: fx.Graph, costs: GraphCosts, block_of: dict[str, str], sym
             else:
                 transient.add(node.name)
         first = group[0]
-        extra[first] = [NodeCost(first.name, op_name(node), POINTWISE_PREFIX + op_name(node), sympy.Integer(0),
-                                 _elements(node, costs.states, symbols), by_name[node.name].tp)
-                        for node in group if op_name(node) in COMPILED_POINTWISE_OPS]
+        extra[first] = [NodeCost(first.name, _pointwise_op(node), POINTWISE_PREFIX + _pointwise_op(node),
+                                 sympy.Integer(0), _elements(node, costs.states, symbols), by_name[node.name].tp)
+                        for node in group if _pointwise_op(node) in COMPILED_POINTWISE_OPS]
         fused[first] = NodeCost(first.name, "fused", "fused", sympy.expand(sum((by_name[n.name].flops for n in group),
                                                                                sympy.Integer(0))),
                                 sympy.expand(sympy.Add(*reads.values()) + writes), by_name[first.name].tp)

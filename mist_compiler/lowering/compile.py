@@ -51,7 +51,8 @@ from .materialize import StageProgram
 from .split_backward import SplitBackward
 
 PARTITIONER_TAGS = ("recompute", "ac_graph_id")  # node metadata that says what the min-cut partition must recompute
-EAGER_MODULE_PREFIX = "tp."  # call_module targets that run eagerly between compiled segments
+EAGER_MODULE_PREFIX = "tp."  # call_module targets that run eagerly between compiled segments, but for:
+TRACED_TP_CHILDREN = ("tp.dropout", "tp.attention")  # a split value's dropout: no collective, compiled in
 
 
 ENVIRONMENT_SWITCH = "MIST_COMPILE"  # "0": eager units unless a caller asks otherwise (the test suite's default)
@@ -129,7 +130,8 @@ _ARTEFACTS: dict[Hashable, Callable] = {}
 def _is_eager(node: fx.Node, eager: set[str]) -> bool:
     """A collective module call, or an item taken from its result (tuples do not cross into compiled code)."""
     if node.op == "call_module" and str(node.target).startswith(EAGER_MODULE_PREFIX):
-        return True
+        return not (node.target in TRACED_TP_CHILDREN and isinstance(node.kwargs.get("block"), int)
+                    and node.kwargs["block"] > 0)
     return node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
         and node.args[0].name in eager
 
@@ -174,7 +176,7 @@ def _metadata(value: Any) -> Hashable:
     raise TypeError(f"compiled unit: cannot compile an argument of type {type(value).__name__}")
 
 
-def _segment_module(segment: _Segment, values: list[Any]) -> fx.GraphModule:
+def _segment_module(segment: _Segment, values: list[Any], unit: nn.Module) -> fx.GraphModule:
     """A function of the segment's tensor inputs returning its outputs (a tuple); non-tensor inputs
     are baked in as constants."""
     graph = fx.Graph()
@@ -182,41 +184,53 @@ def _segment_module(segment: _Segment, values: list[Any]) -> fx.GraphModule:
     for name, value in zip(segment.inputs, values):
         env[name] = graph.placeholder(name) if isinstance(value, torch.Tensor) else value
     for node in segment.nodes:
-        env[node.name] = _redrawn_dropout(graph, node, env) or graph.node_copy(node, lambda arg: env[arg.name])
+        env[node.name] = _redrawn_dropout(graph, node, env, unit) or graph.node_copy(node, lambda arg: env[arg.name])
     graph.output(tuple(env[name] for name in segment.outputs))
     graph.eliminate_dead_code()
     return fx.GraphModule(nn.Module(), graph)
 
 
-def _redrawn_dropout(graph: fx.Graph, node: fx.Node, env: dict[str, Any]) -> fx.Node | None:
-    """A ``counter_dropout`` node as its two halves, the mask tagged for the partitioner to draw again in
-    the backward (``MUST_RECOMPUTE``, as selective checkpointing tags a node); None for any other node.
+def _redrawn_dropout(graph: fx.Graph, node: fx.Node, env: dict[str, Any], unit: nn.Module) -> fx.Node | None:
+    """A dropout node (``counter_dropout``, ``counter_attention``, or this rank's part of a split one,
+    ``tp.dropout`` / ``tp.attention``) written out with its mask tagged for the partitioner to draw again
+    in the backward (``MUST_RECOMPUTE``, as selective checkpointing tags a node); None for any other node.
     The hash costs about 1 ns an element each time on a CPU; saving the boolean mask cost 7 (inductor's
     C++ stores a 64-bit lane mask to bool element by element), and a byte an element of memory."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if node.op != "call_function" or node.target not in (counter_dropout, counter_attention):
-        return None
     args = fx.node.map_arg(node.args, lambda arg: env[arg.name])
     kwargs = dict(fx.node.map_arg(node.kwargs, lambda arg: env[arg.name]))
-    if node.target is counter_attention:  # probabilities, their dropout, then @ values
-        p = kwargs.pop("dropout_p", 0.0)
-        if "split" in kwargs or len(args) != 3:
-            return None
-        dropout_args = [kwargs.pop(name) for name in ("seeds", "layer", "site")]
-        both = graph.call_function(attention_probabilities, args, kwargs)
-        values = graph.call_function(operator.getitem, (both, 1))
-        x, rest, finish = graph.call_function(operator.getitem, (both, 0)), dropout_args, values
+    if node.op == "call_module" and node.target in TRACED_TP_CHILDREN:
+        group = unit.get_submodule(str(node.target)).group
+        split = (kwargs.pop("dim"), kwargs.pop("block"), tuple(kwargs.pop("parts", ())), group.rank, group.world)
+        function = counter_dropout if node.target == "tp.dropout" else counter_attention
+    elif node.op == "call_function" and node.target in (counter_dropout, counter_attention):
+        function, split = node.target, kwargs.pop("split", None)
     else:
-        if kwargs or len(args) < 2:
-            return None
-        x, p, rest, finish = args[0], args[1], list(args[2:]), None
-    if not isinstance(p, float) or not 0.0 < p < 1.0:
         return None
-    keep = graph.call_function(dropout_keep, (x, p, *rest))
+    if function is counter_attention:
+        p, drawn = kwargs.pop("dropout_p", 0.0), [kwargs.pop(name) for name in ("seeds", "layer", "site")]
+    else:
+        p, drawn = args[1], list(args[2:5])
+    if not isinstance(p, float) or not 0.0 < p < 1.0:  # nothing drawn: the plain call (with its split)
+        return graph.call_function(function, args, {**_plain_kwargs(function, kwargs, p, drawn), "split": split})
+    if function is counter_attention:  # probabilities, their dropout, then @ values
+        both = graph.call_function(attention_probabilities, args, kwargs)
+        x, values = (graph.call_function(operator.getitem, (both, index)) for index in (0, 1))
+    else:
+        x, values = args[0], None
+    keep = graph.call_function(dropout_keep, (x, p, *drawn, split))
     keep.meta.update({"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": 0})
     dropped = graph.call_function(apply_keep, (x, keep, p))
-    return dropped if finish is None else graph.call_function(torch.matmul, (dropped, finish))
+    return dropped if values is None else graph.call_function(torch.matmul, (dropped, values))
+
+
+def _plain_kwargs(function: Callable, kwargs: dict[str, Any], p: Any, drawn: list[Any]) -> dict[str, Any]:
+    """The keyword arguments of a plain ``counter_attention`` call (its dropout's put back); none more
+    for ``counter_dropout``, whose are positional."""
+    if function is not counter_attention:
+        return dict(kwargs)
+    return {**kwargs, "dropout_p": p, **dict(zip(("seeds", "layer", "site"), drawn))}
 
 
 def _kernels_compiled() -> int:
@@ -323,7 +337,7 @@ class CompiledUnit:
 
     def _compile(self, segment: _Segment, values: list[Any]) -> Callable:
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        module = _segment_module(segment, values)
+        module = _segment_module(segment, values, self.module)
         before = _kernels_compiled()
         start = time.perf_counter()
         try:

@@ -68,15 +68,12 @@ def _pointwise_programs():
 
     unary_pass, binary_pass = compiled(lambda x, g: x * 2.0), compiled(lambda x, g: x + g)
     seeds = sample_seeds(0, 0, torch.arange(1))  # one sample: the tensor's rows are its positions
-    # the runtime's dropout hashes each element's place; its backward draws the same mask again over the
-    # gradient (lowering.compile): one program prices both
-    dropout = compiled(lambda x, g: counter_dropout(x, 0.1, seeds, 3, 1))
+    # the runtime's dropout mask: a hash of each element's place (drawn again in the backward)
     ops = {"gelu": (compiled(lambda x, g: aten.gelu(x)), unary_pass),
            "gelu_backward": (compiled(lambda x, g: aten.gelu_backward(g, x)), binary_pass),
            "silu": (compiled(lambda x, g: aten.silu(x)), unary_pass),
            "silu_backward": (compiled(lambda x, g: aten.silu_backward(g, x)), binary_pass),
-           "native_dropout": (dropout, unary_pass),
-           "native_dropout_backward": (dropout, unary_pass)}
+           "native_dropout": (compiled(lambda x, g: counter_dropout(x, 0.1, seeds, 3, 1)), unary_pass)}
     return [(op, *ops[op]) for op in COMPILED_POINTWISE_OPS]
 
 
@@ -87,7 +84,7 @@ def pointwise_extra_ns(device: str, dtype_name: str, tokens: int, width: int, ti
 
     dtype = getattr(torch, dtype_name)
     x, g = (torch.randn(tokens, width, device=device, dtype=dtype) for _ in range(2))
-    extra, times = {}, {}  # times: each program's, timed once (memory passes and ops that share a program)
+    extra, times = {}, {}  # times: each program's, timed once (the memory passes are shared)
     for op, compiled, memory_pass in _pointwise_programs():
         for program in (compiled, memory_pass):
             if program not in times:
