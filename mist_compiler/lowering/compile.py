@@ -202,12 +202,15 @@ def _redrawn_dropout(graph: fx.Graph, node: fx.Node, env: dict[str, Any], unit: 
     kwargs = dict(fx.node.map_arg(node.kwargs, lambda arg: env[arg.name]))
     if node.op == "call_module" and node.target in TRACED_TP_CHILDREN:
         group = unit.get_submodule(str(node.target)).group
-        split = (kwargs.pop("dim"), kwargs.pop("block"), tuple(kwargs.pop("parts", ())), group.rank, group.world)
         function = counter_dropout if node.target == "tp.dropout" else counter_attention
+        dim = kwargs.pop("dim", 0 if function is counter_dropout else 1)  # SplitDropout's, SplitAttention's default
+        split = (dim, kwargs.pop("block"), tuple(kwargs.pop("parts", ())), group.rank, group.world)
     elif node.op == "call_function" and node.target in (counter_dropout, counter_attention):
         function, split = node.target, kwargs.pop("split", None)
     else:
         return None
+    if len(args) != (3 if function is counter_attention else 5):  # not as the capture writes them: as they are
+        return None if node.op == "call_function" else graph.call_function(function, args, {**kwargs, "split": split})
     if function is counter_attention:
         p, drawn = kwargs.pop("dropout_p", 0.0), [kwargs.pop(name) for name in ("seeds", "layer", "site")]
     else:
@@ -331,7 +334,7 @@ class CompiledUnit:
 
     def _run_eager(self, node: fx.Node, env: dict[str, Any]) -> None:
         args = fx.node.map_arg(node.args, lambda arg: env[arg.name])
-        kwargs = dict(fx.node.map_arg(node.kwargs, lambda arg: env[arg.name]))
+        kwargs = fx.node.map_arg(node.kwargs, lambda arg: env[arg.name])
         function = self.module.get_submodule(str(node.target)) if node.op == "call_module" else node.target
         env[node.name] = function(*args, **kwargs)
 
