@@ -105,6 +105,7 @@ def test_a_compiled_unit_draws_its_dropout_mask_again_rather_than_save_it():
     results = []
     for run in (eager, compiled):
         saved = []
+
         def pack(tensor):
             if tensor.dtype == torch.bool:
                 saved.append(tuple(tensor.shape))

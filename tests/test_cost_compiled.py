@@ -193,7 +193,6 @@ def test_the_stage_model_prices_a_compiled_gpt_layers_gelu_beyond_its_memory_pas
     assert slower.stable_s[0] - plain.stable_s[0] == pytest.approx(expected, rel=1e-6)
 
 
-
 def test_compiled_units_draw_dropout_masks_again_and_pay_for_the_hash(tmp_path):
     """HF GPT-2 trains with dropout 0.1. Compiled units draw each mask again in the backward
     (``lowering.compile``), so the compiled partition saves no boolean mask where the eager program saves
