@@ -53,6 +53,7 @@ from .split_backward import SplitBackward
 PARTITIONER_TAGS = ("recompute", "ac_graph_id")  # node metadata that says what the min-cut partition must recompute
 EAGER_MODULE_PREFIX = "tp."  # call_module targets that run eagerly between compiled segments, but for:
 TRACED_TP_CHILDREN = ("tp.dropout", "tp.attention")  # a split value's dropout: no collective, compiled in
+ATTENTION_DROPOUT_KWARGS = ("dropout_p", "seeds", "layer", "site")  # counter_attention's dropout arguments
 
 
 ENVIRONMENT_SWITCH = "MIST_COMPILE"  # "0": eager units unless a caller asks otherwise (the test suite's default)
@@ -209,16 +210,16 @@ def _redrawn_dropout(graph: fx.Graph, node: fx.Node, env: dict[str, Any], unit: 
         function, split = node.target, kwargs.pop("split", None)
     else:
         return None
-    if len(args) != (3 if function is counter_attention else 5):  # not as the capture writes them: as they are
-        return None if node.op == "call_function" else graph.call_function(function, args, {**kwargs, "split": split})
     if function is counter_attention:
-        p, drawn = kwargs.pop("dropout_p", 0.0), [kwargs.pop(name) for name in ("seeds", "layer", "site")]
+        p, drawn = kwargs.get("dropout_p", 0.0), [kwargs.get(name) for name in ATTENTION_DROPOUT_KWARGS[1:]]
     else:
-        p, drawn = args[1], list(args[2:5])
-    if not isinstance(p, float) or not 0.0 < p < 1.0:  # nothing drawn: the plain call (with its split)
-        return graph.call_function(function, args, {**_plain_kwargs(function, kwargs, p, drawn), "split": split})
+        p, drawn = (args[1], list(args[2:5])) if len(args) == 5 else (None, [])
+    drawable = isinstance(p, float) and 0.0 < p < 1.0 and len(args) == (3 if function is counter_attention else 5)
+    if not drawable:  # nothing drawn, or not as the capture writes it: the call as it is (with its split)
+        return None if node.op == "call_function" else graph.call_function(function, args, {**kwargs, "split": split})
     if function is counter_attention:  # probabilities, their dropout, then @ values
-        both = graph.call_function(attention_probabilities, args, kwargs)
+        probabilities = {name: value for name, value in kwargs.items() if name not in ATTENTION_DROPOUT_KWARGS}
+        both = graph.call_function(attention_probabilities, args, probabilities)
         x, values = (graph.call_function(operator.getitem, (both, index)) for index in (0, 1))
     else:
         x, values = args[0], None
@@ -226,14 +227,6 @@ def _redrawn_dropout(graph: fx.Graph, node: fx.Node, env: dict[str, Any], unit: 
     keep.meta.update({"recompute": CheckpointPolicy.MUST_RECOMPUTE, "ac_graph_id": 0})
     dropped = graph.call_function(apply_keep, (x, keep, p))
     return dropped if values is None else graph.call_function(torch.matmul, (dropped, values))
-
-
-def _plain_kwargs(function: Callable, kwargs: dict[str, Any], p: Any, drawn: list[Any]) -> dict[str, Any]:
-    """The keyword arguments of a plain ``counter_attention`` call (its dropout's put back); none more
-    for ``counter_dropout``, whose are positional."""
-    if function is not counter_attention:
-        return dict(kwargs)
-    return {**kwargs, "dropout_p": p, **dict(zip(("seeds", "layer", "site"), drawn))}
 
 
 def _kernels_compiled() -> int:
